@@ -1,0 +1,165 @@
+"""The agent: what runs inside every worker.
+
+It prepares the worker's environment, connects an ipyparallel engine to the
+session's controller, and then serves: the session runs the worker's program
+and everything else (%px, TF servers, sshd) through that engine.
+
+The engine's own heartbeat check runs on its event loop, which user code
+blocks for as long as it runs. A worker whose session is gone must not train
+on for hours, so a watchdog thread listens to the controller's heartbeat pings
+(the same ones the engine answers) and ends the worker's whole process group
+when they stop.
+
+Started as ``python -m cmlcluster.agent``, configured by environment:
+CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_URL_FILE (the
+controller's engine connection file), CDSW_MASTER_IP (the controller's address).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from ipyparallel.engine.app import IPEngine
+
+# The controller pings every HEARTBEAT_MS (set by the session); this many
+# missed in a row and the session is taken to be gone.
+MISSED_PINGS_ALLOWED = 5
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "no_proxy", "all_proxy", "grpc_proxy")
+
+log = logging.getLogger("cmlcluster.agent")
+
+
+def clean_environment(environ: dict[str, str] | Any = os.environ) -> None:
+    """Drop variables that break workers.
+
+    Empty proxy variables make gRPC (TensorFlow) fail to connect. PYTEST_CURRENT_TEST,
+    inherited from a test session, turns off ipykernel's capture of fd-level
+    output, which would make workers under test behave unlike workers in use.
+    """
+    for name in list(environ):
+        if name.lower() in PROXY_VARIABLES and not environ[name].strip():
+            del environ[name]
+    environ.pop("PYTEST_CURRENT_TEST", None)
+
+
+def route_address(peer: str) -> str:
+    """This host's address on its route to `peer` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 9))
+        return str(probe.getsockname()[0])
+
+
+def describe() -> dict[str, Any]:
+    """What the session learns about a worker once its engine has registered."""
+    return {
+        "worker_id": os.environ.get("CDSW_ENGINE_ID"),
+        "ip_address": os.environ.get("CDSW_IP_ADDRESS"),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def run_program(script: str, code: str) -> int:
+    """Run the worker's program in this engine and return its exit code.
+
+    Behaves like ``python script`` / ``python -c code`` / ``sh -c cmd``: a
+    traceback goes to stderr and gives exit code 1; SystemExit gives its code.
+    """
+    try:
+        if script:
+            sys.argv = [script]
+            runpy.run_path(script, run_name="__main__")
+        elif code.startswith("!"):
+            # The user asked for a shell command; the shell is the point.
+            return subprocess.call(["/bin/sh", "-c", code[1:]])  # noqa: S603
+        elif code:
+            exec(compile(code, "<worker code>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+def _watch_controller(ping_url: str, period_ms: int, curve: dict[str, bytes]) -> None:
+    import zmq
+
+    context = zmq.Context()
+    pings = context.socket(zmq.SUB)
+    for option, value in curve.items():
+        pings.setsockopt(option, value)
+    pings.setsockopt(zmq.SUBSCRIBE, b"")
+    pings.connect(ping_url)
+    allowed = MISSED_PINGS_ALLOWED * period_ms / 1000
+    last = time.monotonic()
+    while True:
+        if pings.poll(period_ms):
+            pings.recv()
+            last = time.monotonic()
+        elif time.monotonic() - last > allowed:
+            break
+    os.write(2, f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s; the session is gone, exiting\n".encode())
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)  # the user's child processes go too
+    os._exit(70)
+
+
+class AgentEngine(IPEngine):
+    """An ipyparallel engine whose controller watch does not depend on its event loop."""
+
+    def start_heartbeat(self, hb_ping: str, hb_pong: str, hb_period: int, identity: bytes) -> None:
+        super().start_heartbeat(hb_ping, hb_pong, hb_period, identity)
+        import zmq
+
+        curve = {}
+        if self.curve_serverkey:
+            curve = {
+                zmq.CURVE_SERVERKEY: self.curve_serverkey,
+                zmq.CURVE_PUBLICKEY: self.curve_publickey,
+                zmq.CURVE_SECRETKEY: self.curve_secretkey,
+            }
+        threading.Thread(
+            target=_watch_controller, args=(hb_ping, hb_period, curve), name="controller-watch", daemon=True
+        ).start()
+
+
+def main() -> None:
+    clean_environment()
+    engine_id = os.environ["CMLCLUSTER_ENGINE_ID"]
+    url_file = os.environ["CMLCLUSTER_URL_FILE"]
+    master = os.environ["CDSW_MASTER_IP"]
+    os.environ["CDSW_IP_ADDRESS"] = route_address(master)
+    AgentEngine.launch_instance(
+        [
+            f"--IPEngine.id={engine_id}",
+            f"--IPEngine.url_file={url_file}",
+            "--IPEngine.wait_for_url_file=30",
+            # The agent is the worker's supervisor; ipyparallel's nanny process would
+            # only add a second process per worker outside its process group.
+            "--IPEngine.enable_nanny=False",
+            # Replaced by _watch_controller, which works while user code runs.
+            "--IPEngine.max_heartbeat_misses=0",
+            "--log-level=WARN",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""CML's worker API as module functions, on one default session per process.
+
+``import cmlcluster as cdsw`` then works like CML's ``import cdsw``. The default
+session starts on first use on the backend named by CMLCLUSTER_BACKEND (default
+"local"); ``use_backend`` chooses another before the first launch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .backends import Backend
+from .errors import ConfigError
+from .session import Session
+
+_default: Session | None = None
+_default_lock = threading.Lock()
+_backend: str | Backend | None = None
+_backend_options: dict[str, Any] = {}
+
+
+def use_backend(backend: str | Backend, **options: Any) -> None:
+    """Choose the default session's backend (and its options); only before it has workers."""
+    global _backend, _backend_options
+    if _default is not None and not _default.closed and _default.list_workers():
+        raise ConfigError(
+            f"use_backend({backend!r}) after workers were launched on {_default.backend.name!r}; "
+            "call stop_session() first"
+        )
+    stop_session()
+    _backend, _backend_options = backend, options
+
+
+def get_session() -> Session:
+    """The default session, started on first use."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            backend = _backend if _backend is not None else os.environ.get("CMLCLUSTER_BACKEND", "local")
+            _default = Session(backend, **_backend_options)
+        return _default
+
+
+def stop_session() -> None:
+    """Stop the default session's workers and controller."""
+    global _default
+    with _default_lock:
+        session, _default = _default, None
+    if session is not None:
+        session.close()
+
+
+def launch_workers(
+    n: int, cpu: float, memory: float, nvidia_gpu: int = 0, kernel: str = "python3",
+    script: str = "", code: str = "", env: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Launch n workers, each with `cpu` cores, `memory` GB and `nvidia_gpu` GPUs.
+
+    Each runs `script` (a path) or `code` (Python source; "!cmd" runs a shell
+    command), or with neither serves the control plane until stopped.
+    """
+    return get_session().launch_workers(n, cpu, memory, nvidia_gpu, kernel, script, code, env)
+
+
+def await_workers(
+    ids: Iterable[str | Mapping[str, Any]], wait_for_completion: bool = True, timeout_seconds: float = 60,
+) -> dict[str, list[dict[str, Any]]]:
+    """Wait for workers to finish (or, with wait_for_completion=False, to run); 0 waits without a limit."""
+    return get_session().await_workers(ids, wait_for_completion, timeout_seconds)
+
+
+def list_workers() -> list[dict[str, Any]]:
+    """Every worker of the default session, finished ones included."""
+    return get_session().list_workers() if _default is not None else []
+
+
+def stop_workers(*ids: str | Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Stop these workers, or all of the default session's workers when none are named."""
+    return get_session().stop_workers(*ids) if _default is not None else []
+
+
+def client() -> Any:
+    """The ipyparallel Client of the default session's workers (for %px and views)."""
+    return get_session().client

@@ -1,0 +1,81 @@
+"""The backend contract: where a worker process starts, and nothing more.
+
+Modelled on JupyterHub's Spawner. A backend starts, polls, waits for, stops and
+reads the output of worker processes somewhere, with the resources asked for.
+It knows nothing of ipyparallel, statuses or CML; the session does all that.
+
+Lifecycle, all methods called from the session's event loop:
+
+- ``attach(context)`` once, before anything else.
+- ``check(specs)`` before a launch: raise ConfigError if the backend can never
+  satisfy these specs (say, more GPUs than exist). Nothing has started yet.
+- ``start(spec)`` returns a handle once the process has been created. It may
+  raise BackendError; then nothing of that worker is left behind.
+- ``poll(handle)`` returns None while the process is alive (and for a handle
+  whose start has not returned yet there is no handle to poll), else its exit
+  code; a process killed by signal N reports -N.
+- ``wait(handle)`` returns the exit code once the process has ended.
+- ``stop(handle, grace)`` ends the process: TERM, then KILL after ``grace``
+  seconds. Idempotent: stopping a stopped worker is a no-op, never an error.
+- ``output(handle)`` is the raw output of the process so far (the last part
+  of it), for failure messages when the control plane saw nothing.
+- ``close()`` once, after every worker has been stopped.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..workers import WorkerSpec
+
+if TYPE_CHECKING:
+    from ..control import ControlPlane
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What a backend learns about the session that owns it."""
+
+    session_id: str
+    session_dir: str
+
+
+class Backend(abc.ABC):
+    name: ClassVar[str]
+
+    context: SessionContext
+
+    def attach(self, context: SessionContext) -> None:
+        self.context = context
+
+    def controller_ip(self) -> str:
+        """The address the session's controller listens on so that workers reach it."""
+        return "127.0.0.1"
+
+    def control_plane(self) -> ControlPlane | None:
+        """A control plane of the backend's own; None means the real ipyparallel one."""
+        return None
+
+    def check(self, specs: Sequence[WorkerSpec]) -> None:  # noqa: B027 - optional hook
+        """Raise ConfigError if these specs can never be satisfied here."""
+
+    @abc.abstractmethod
+    async def start(self, spec: WorkerSpec) -> Any: ...
+
+    @abc.abstractmethod
+    async def poll(self, handle: Any) -> int | None: ...
+
+    @abc.abstractmethod
+    async def wait(self, handle: Any) -> int: ...
+
+    @abc.abstractmethod
+    async def stop(self, handle: Any, grace: float = 5.0) -> None: ...
+
+    @abc.abstractmethod
+    def output(self, handle: Any) -> str: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the backend itself holds (networks, cgroups...)."""

@@ -1,0 +1,123 @@
+"""Workers as local processes: the default, no Docker needed.
+
+Each worker is a process in its own session (so the notebook's Ctrl-C does
+not reach it and stopping it takes its whole process tree), with output in a
+log file, its own GPUs in CUDA_VISIBLE_DEVICES, and CPU/memory limits through
+cgroups where the OS allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .._proc import signal_group
+from ..errors import BackendError, ConfigError
+from ..resources import CgroupLimits, GpuPool, visible_gpus
+from ..workers import WorkerSpec
+from .base import Backend
+
+OUTPUT_TAIL_BYTES = 64 * 1024
+
+
+@dataclass(eq=False)
+class LocalHandle:
+    process: asyncio.subprocess.Process
+    log_path: str
+    gpus: list[str]
+    limits: CgroupLimits | None
+    released: bool = field(default=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, gpus: Sequence[str] | None = None, apply_limits: bool = True):
+        """gpus: the GPU ids to hand out (default: the session's CUDA_VISIBLE_DEVICES, else nvidia-smi)."""
+        self._gpus = GpuPool(list(gpus) if gpus is not None else visible_gpus())
+        self._apply_limits = apply_limits
+
+    @property
+    def gpus(self) -> GpuPool:
+        return self._gpus
+
+    def check(self, specs: Sequence[WorkerSpec]) -> None:
+        wanted = sum(s.resources.nvidia_gpu for s in specs)
+        if wanted > len(self._gpus.free):
+            per = specs[0].resources.nvidia_gpu if specs else 0
+            have = ", ".join(self._gpus.all) or "none"
+            raise ConfigError(
+                f"nvidia_gpu={per} for {len(specs)} workers needs {wanted} GPUs, but this machine has "
+                f"{len(self._gpus.all)} (ids: {have}) of which {len(self._gpus.free)} are free; "
+                "ask for fewer GPUs or workers, or stop workers that hold GPUs"
+            )
+
+    async def start(self, spec: WorkerSpec) -> LocalHandle:
+        gpus = self._gpus.take(spec.resources.nvidia_gpu)
+        env = dict(os.environ)
+        env.update(spec.env)
+        # Zero GPUs means none visible, not all of them.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        log_dir = os.path.join(self.context.session_dir, "workers")
+        os.makedirs(log_dir, exist_ok=True)
+        log_path = os.path.join(log_dir, f"{spec.worker_id}.log")
+        limits = CgroupLimits(
+            f"cmlcluster-{self.context.session_id}/{spec.worker_id}", spec.resources.cpu, spec.resources.memory
+        ) if self._apply_limits else None
+        try:
+            with open(log_path, "wb") as log:
+                process = await asyncio.create_subprocess_exec(
+                    *spec.argv, env=env, cwd=spec.cwd, stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                )
+        except OSError as e:
+            self._gpus.give_back(gpus)
+            if limits:
+                limits.remove()
+            raise BackendError(f"could not start worker {spec.worker_id} ({spec.argv[0]}): {e}") from e
+        if limits:
+            limits.add(process.pid)
+        return LocalHandle(process=process, log_path=log_path, gpus=gpus, limits=limits)
+
+    async def poll(self, handle: LocalHandle) -> int | None:
+        return handle.process.returncode
+
+    async def wait(self, handle: LocalHandle) -> int:
+        code = await handle.process.wait()
+        self._release(handle)
+        return code
+
+    def _release(self, handle: LocalHandle) -> None:
+        if handle.released:
+            return
+        handle.released = True
+        # The agent is gone; anything its program left in the group goes too.
+        signal_group(handle.pid, signal.SIGKILL)
+        self._gpus.give_back(handle.gpus)
+        if handle.limits:
+            handle.limits.remove()
+
+    async def stop(self, handle: LocalHandle, grace: float = 5.0) -> None:
+        if handle.process.returncode is None and signal_group(handle.pid, signal.SIGTERM):
+            try:
+                await asyncio.wait_for(handle.process.wait(), grace)
+            except asyncio.TimeoutError:
+                signal_group(handle.pid, signal.SIGKILL)
+        await handle.process.wait()
+        self._release(handle)
+
+    def output(self, handle: LocalHandle) -> str:
+        try:
+            with open(handle.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - OUTPUT_TAIL_BYTES))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""

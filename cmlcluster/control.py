@@ -1,0 +1,223 @@
+"""The control plane: how the session talks to its workers once they run.
+
+The real one is ipyparallel: the session owns a controller process, every
+worker's agent connects an engine to it, and the session holds a Client.
+Registration notifications tell the session a worker is up; apply requests
+ask its address and run its program; iopub streams carry its output live.
+
+The fake backend brings a control plane of its own (see backends/fake.py), so
+the session is written against the small interface below.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ControllerError
+from .workers import Program
+
+HEARTBEAT_MS = 1000  # controller ping period; agents give up after agent.MISSED_PINGS_ALLOWED of them
+CONTROLLER_START_TIMEOUT = 60.0
+DESCRIBE_TIMEOUT = 30.0
+OUTPUT_DRAIN_TIMEOUT = 5.0
+
+EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
+OutputCallback = Callable[[str, str], None]  # (stream name, text)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    ip_address: str | None
+    hostname: str | None
+    pid: int | None
+
+
+class ControlPlane(abc.ABC):
+    """What the session needs from a control plane. Callbacks run on the session's loop."""
+
+    on_engine: EngineCallback | None = None
+
+    @abc.abstractmethod
+    async def start(self, listen_ip: str, session_dir: str) -> None: ...
+
+    @abc.abstractmethod
+    def agent_env(self) -> dict[str, str]:
+        """Environment every worker's agent needs to connect."""
+
+    @abc.abstractmethod
+    async def describe(self, engine_id: int) -> WorkerInfo: ...
+
+    @abc.abstractmethod
+    async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
+        """Run the program on the engine; return its exit code once all its output has arrived."""
+
+    @abc.abstractmethod
+    async def shutdown(self, engine_id: int) -> None:
+        """Ask the engine to exit cleanly (its process then ends with code 0)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @property
+    def client(self) -> Any:
+        return None
+
+
+def _agent_call(name: str, *args: Any) -> Any:
+    """Runs on an engine: call a function of the worker's agent module.
+
+    Shipped by ipyparallel as code; the agent's functions are imported there,
+    so they always match the worker's installed cmlcluster.
+    """
+    from cmlcluster import agent
+
+    return getattr(agent, name)(*args)
+
+
+class IPyParallelControl(ControlPlane):
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._client: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_file = ""
+        self._listen_ip = ""
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    async def start(self, listen_ip: str, session_dir: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._listen_ip = listen_ip
+        profile_dir = os.path.join(session_dir, "ipython")
+        security = os.path.join(profile_dir, "security")
+        self._engine_file = os.path.join(security, "ipcontroller-engine.json")
+        client_file = os.path.join(security, "ipcontroller-client.json")
+        log_path = os.path.join(session_dir, "controller.log")
+        argv = [
+            sys.executable, "-m", "cmlcluster._controller",
+            f"--profile-dir={profile_dir}",
+            f"--ip={listen_ip}",
+            f"--location={listen_ip}",
+            "--IPController.use_threads=True",
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            "--nodb",  # results live in the session, not in the controller's memory
+            "--log-level=WARN",
+        ]
+        with open(log_path, "ab") as log:
+            # stdin is the lifeline (see _controller.py); never closed until close().
+            self._process = subprocess.Popen(  # noqa: S603
+                argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            await self._wait_ready(client_file, log_path)
+            self._client = await asyncio.to_thread(self._connect, client_file)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _wait_ready(self, client_file: str, log_path: str) -> None:
+        assert self._process is not None and self._loop is not None
+        deadline = self._loop.time() + CONTROLLER_START_TIMEOUT
+        # ipcontroller writes its connection files once it listens; there is no event to wait on.
+        while not (os.path.exists(client_file) and os.path.exists(self._engine_file)):
+            if self._process.poll() is not None:
+                raise ControllerError(
+                    f"the ipyparallel controller exited with code {self._process.returncode} "
+                    f"before it was ready:\n{_tail(log_path)}"
+                )
+            if self._loop.time() > deadline:
+                raise ControllerError(
+                    f"the ipyparallel controller was not ready after {CONTROLLER_START_TIMEOUT:g} s:\n{_tail(log_path)}"
+                )
+            await asyncio.sleep(0.02)
+
+    def _connect(self, client_file: str) -> Any:
+        import ipyparallel
+
+        client = ipyparallel.Client(client_file, timeout=30)
+        # ipyparallel's own wait_for_engines uses this hook; it is the only way to
+        # hear of registrations as they happen rather than by polling client.ids.
+        client._registration_callbacks.append(self._on_registration)
+        return client
+
+    def _on_registration(self, event: dict[str, Any]) -> None:
+        # Runs on the client's IO thread.
+        if self.on_engine is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.on_engine, event["event"], int(event["id"]))
+
+    def agent_env(self) -> dict[str, str]:
+        return {"CMLCLUSTER_URL_FILE": self._engine_file}
+
+    def _apply(self, engine_id: int, args: tuple[Any, ...], on_iopub: Callable[[dict[str, Any]], None] | None = None) -> Any:
+        """Send one apply request to one engine; on_iopub sees its output from the first byte."""
+        from ipyparallel import AsyncResult
+
+        client = self._client
+        idents, _ = client._build_targets(engine_id)
+
+        def hook(message_future: Any) -> None:
+            # Called before the request is sent, so no output can be missed.
+            if on_iopub is not None:
+                message_future.iopub_callbacks.append(on_iopub)
+
+        future = client.send_apply_request(
+            client._mux_socket, _agent_call, list(args), ident=idents[0], message_future_hook=hook
+        )
+        return future, AsyncResult(client, future, fname=str(args[0]), targets=engine_id, owner=True)
+
+    async def describe(self, engine_id: int) -> WorkerInfo:
+        _, result = self._apply(engine_id, ("describe",))
+        info = await asyncio.wait_for(asyncio.wrap_future(result), DESCRIBE_TIMEOUT)
+        return WorkerInfo(ip_address=info.get("ip_address"), hostname=info.get("hostname"), pid=info.get("pid"))
+
+    async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
+        loop = asyncio.get_running_loop()
+
+        def on_iopub(msg: dict[str, Any]) -> None:
+            if msg["header"]["msg_type"] == "stream":
+                content = msg["content"]
+                loop.call_soon_threadsafe(on_output, content["name"], content["text"])
+
+        future, result = self._apply(engine_id, ("run_program", program.script, program.code), on_iopub)
+        exit_code = await asyncio.wrap_future(result)
+        # The reply can overtake the last output; ipyparallel resolves `output` on the idle message.
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future.output), OUTPUT_DRAIN_TIMEOUT)
+        except asyncio.TimeoutError:
+            pass
+        return int(exit_code)
+
+    async def shutdown(self, engine_id: int) -> None:
+        if self._client is not None and engine_id in self._client.ids:
+            await asyncio.to_thread(functools.partial(self._client.shutdown, targets=[engine_id], block=False))
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await asyncio.to_thread(client.close, linger=0)
+        process, self._process = self._process, None
+        if process is not None:
+            assert process.stdin is not None
+            process.stdin.close()  # pull the lifeline: the controller's group is SIGKILLed
+            try:
+                await asyncio.to_thread(process.wait, 10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)
+                await asyncio.to_thread(process.wait)
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,443 @@
+"""The session: owns a backend, a control plane, the worker records and their teardown.
+
+Everything that changes a worker record happens on the session's loop thread,
+driven by events: a backend reports a process exit, the control plane reports
+an engine registration, a program's reply arrives. await_workers reacts to
+those events; nothing here sleeps in polling loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._aio import LoopThread
+from .backends import Backend, SessionContext, make_backend
+from .control import ControlPlane, IPyParallelControl
+from .errors import BackendError, CmlClusterError, ConfigError
+from .workers import (
+    FAILED,
+    RUNNING,
+    STOPPED,
+    SUCCEEDED,
+    TAIL_LINES,
+    TIMEDOUT,
+    Program,
+    Resources,
+    Worker,
+    WorkerSpec,
+    validate_launch,
+)
+
+log = logging.getLogger("cmlcluster")
+
+STOP_GRACE = 5.0  # seconds between TERM and KILL
+LOST_CONTACT_GRACE = 5.0  # after an engine unregisters, how long the backend gets to report the exit
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change the UI may draw: a worker's new status, or a line of its output."""
+
+    kind: str  # "status" | "output"
+    worker: dict[str, Any]
+    stream: str = ""
+    text: str = ""
+
+
+Subscriber = Callable[[Event], None]
+
+_live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_sessions() -> None:
+    for session in list(_live_sessions):
+        with contextlib.suppress(Exception):
+            session.close()
+
+
+class Session:
+    """A set of workers on one backend, with the ipyparallel controller they connect to.
+
+    Use it as a context manager, or call close(); sessions still open when the
+    interpreter exits are closed then. If the process is killed instead, the
+    controller's lifeline ends the controller and every agent exits once the
+    controller's heartbeat stops.
+    """
+
+    def __init__(self, backend: str | Backend = "local", *, echo: bool = True, **backend_options: Any):
+        self.id = secrets.token_hex(3)
+        self.backend = make_backend(backend, **backend_options)
+        self._loop = LoopThread(name=f"cmlcluster-{self.id}")
+        self._lock = threading.Lock()
+        self._dir: str | None = None
+        self._control: ControlPlane | None = None
+        self._workers: dict[str, Worker] = {}
+        self._by_engine: dict[int, Worker] = {}
+        self._next_engine_id = 0
+        self._waiters: list[asyncio.Future[None]] = []
+        self._subscribers: list[Subscriber] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._exit_watchers: dict[str, asyncio.Task[None]] = {}
+        self._partial: dict[tuple[str, str], str] = {}
+        self.closed = False
+        if echo:
+            from .ui.text import OutputPrinter
+
+            self.subscribe(OutputPrinter())
+        _live_sessions.add(self)
+
+    # ---------------------------------------------------------------- sync API
+
+    def launch_workers(
+        self, n: int, cpu: float, memory: float, nvidia_gpu: int = 0, kernel: str = "python3",
+        script: str = "", code: str = "", env: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Start n workers; one dict per worker, a dict without "id" for one that could not start."""
+        self._check_open()
+        cwd = os.getcwd()
+        program = validate_launch(n, cpu, memory, nvidia_gpu, kernel, script, code, env, cwd)
+        resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
+        return self._loop.run(self._launch(n, resources, kernel, program, dict(env or {}), cwd))
+
+    def await_workers(
+        self, ids: Iterable[str | Mapping[str, Any]], wait_for_completion: bool = True, timeout_seconds: float = 60,
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Wait until the workers run (or finish); returns {"workers": [...], "failures": [...]}."""
+        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or timeout_seconds < 0:
+            raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give seconds >= 0 (0 waits without a limit)")
+        return self._loop.run(self._await(list(ids), wait_for_completion, float(timeout_seconds)))
+
+    def list_workers(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [w.to_dict() for w in self._workers.values()]
+
+    def stop_workers(self, *ids: str | Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Stop these workers (all of the session's when none are named), in parallel."""
+        if self.closed:
+            return []
+        return self._loop.run(self._stop([self._resolve(i) for i in ids] if ids else list(self._workers.values())))
+
+    def output(self, worker: str | Mapping[str, Any]) -> str:
+        """The worker's output so far (the last lines of it)."""
+        w = self._resolve(worker)
+        with self._lock:
+            return "\n".join(w.output)
+
+    @property
+    def client(self) -> Any:
+        """The ipyparallel Client connected to this session's workers (None before the first launch)."""
+        return self._control.client if self._control is not None else None
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call `callback(event)` on every change, from the session's thread; returns an unsubscribe function."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def close(self) -> None:
+        """Stop every worker, the controller and the session's loop; remove the session's files."""
+        if self.closed:
+            return
+        self.closed = True
+        _live_sessions.discard(self)
+        try:
+            self._loop.run(self._close(), timeout=60)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id} backend={self.backend.name} workers={len(self._workers)}{' closed' if self.closed else ''}>"
+
+    # ---------------------------------------------------------------- core
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise CmlClusterError(f"session {self.id} is closed; start a new one")
+
+    def _resolve(self, ref: str | Mapping[str, Any]) -> Worker:
+        worker_id = ref.get("id") if isinstance(ref, Mapping) else ref
+        if worker_id not in self._workers:
+            raise ConfigError(f"{ref!r} is not a worker of session {self.id}; known ids: {', '.join(self._workers) or 'none'}")
+        return self._workers[worker_id]  # type: ignore[index]
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("cmlcluster session %s: internal task failed", self.id, exc_info=task.exception())
+
+    async def _ensure_started(self) -> ControlPlane:
+        if self._control is not None:
+            return self._control
+        self._dir = tempfile.mkdtemp(prefix=f"cmlcluster-{self.id}-")
+        os.chmod(self._dir, 0o700)  # holds the controller's keys
+        self.backend.attach(SessionContext(session_id=self.id, session_dir=self._dir))
+        control = self.backend.control_plane() or IPyParallelControl()
+        control.on_engine = self._on_engine
+        await control.start(self.backend.controller_ip(), self._dir)
+        self._control = control
+        return control
+
+    def _make_spec(self, resources: Resources, env: dict[str, str], cwd: str, control: ControlPlane) -> WorkerSpec:
+        engine_id = self._next_engine_id
+        self._next_engine_id += 1
+        worker_id = f"{self.id}-{engine_id}"
+        master_ip = self.backend.controller_ip()
+        worker_env = dict(env)
+        worker_env.update(control.agent_env())
+        worker_env.update({
+            "CDSW_MASTER_IP": master_ip,
+            "CML_MASTER_IP": master_ip,
+            "CDSW_MASTER_ID": self.id,
+            "CDSW_ENGINE_ID": worker_id,
+            "CMLCLUSTER_ENGINE_ID": str(engine_id),
+            "PYTHONUNBUFFERED": "1",
+            # Workers import the same cmlcluster as the session, installed or not.
+            "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p),
+        })
+        return WorkerSpec(
+            worker_id=worker_id, engine_id=engine_id, argv=(sys.executable, "-m", "cmlcluster.agent"),
+            env=worker_env, resources=resources, cwd=cwd,
+        )
+
+    async def _launch(
+        self, n: int, resources: Resources, kernel: str, program: Program, env: dict[str, str], cwd: str,
+    ) -> list[dict[str, Any]]:
+        control = await self._ensure_started()
+        specs = [self._make_spec(resources, env, cwd, control) for _ in range(n)]
+        self.backend.check(specs)
+        workers = [
+            Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs
+        ]
+        with self._lock:
+            for w in workers:
+                self._workers[w.id] = w
+                self._by_engine[w.engine_id] = w
+        try:
+            return list(await asyncio.gather(*(self._start(w) for w in workers)))
+        except BaseException:
+            # Interrupted mid-launch: what this call started must not linger.
+            await asyncio.shield(self._stop([w for w in workers if w.handle is not None]))
+            raise
+
+    async def _start(self, worker: Worker) -> dict[str, Any]:
+        try:
+            worker.handle = await self.backend.start(worker.spec)
+        except (BackendError, OSError) as e:
+            with self._lock:
+                del self._workers[worker.id]
+                del self._by_engine[worker.engine_id]
+            # CML's shape for a worker that could not be launched: no "id", a "message".
+            return {"status": FAILED, "message": f"could not launch worker {worker.id}: {e}"}
+        self._exit_watchers[worker.id] = self._spawn(self._watch_exit(worker))
+        self._emit("status", worker)
+        return worker.to_dict()
+
+    async def _watch_exit(self, worker: Worker) -> None:
+        code = await self.backend.wait(worker.handle)
+        self._flush_partial(worker)
+        if worker.stop_requested:
+            changed = worker.finish(STOPPED, exit_code=code)
+        else:
+            changed = worker.finish(
+                FAILED, exit_code=code,
+                message=f"worker {worker.id} exited with code {code} "
+                f"{'before its program finished' if worker.running_at else 'before it was running'}"
+                f"{self._tail_for_message(worker)}",
+            )
+        if changed:
+            self._emit("status", worker)
+
+    def _tail_for_message(self, worker: Worker) -> str:
+        tail = worker.output_tail()
+        if not tail and worker.handle is not None:
+            tail = "\n".join(self.backend.output(worker.handle).splitlines()[-TAIL_LINES:])
+        return f"; last output:\n{tail}" if tail else "; it printed nothing"
+
+    def _on_engine(self, kind: str, engine_id: int) -> None:
+        worker = self._by_engine.get(engine_id)
+        if worker is None or worker.finished:
+            return
+        if kind == "register":
+            self._spawn(self._on_registered(worker))
+        elif kind == "unregister":
+            self._spawn(self._on_lost_contact(worker))
+
+    async def _on_registered(self, worker: Worker) -> None:
+        control = self._control
+        assert control is not None
+        try:
+            info = await control.describe(worker.engine_id)
+        except Exception as e:  # the engine died or hangs; the exit watcher has the last word
+            log.warning("worker %s registered but did not answer: %s", worker.id, e)
+            return
+        if worker.finished:
+            return
+        worker.hostname, worker.pid = info.hostname, info.pid
+        if not info.ip_address:
+            return  # registered, address unknown: not running by CML's definition
+        with self._lock:
+            worker.ip_address = info.ip_address
+            worker.status = RUNNING
+            worker.running_at = time.time()
+        self._emit("status", worker)
+        if worker.program.empty:
+            return  # serves the control plane until stopped
+        try:
+            code = await control.run_program(worker.engine_id, worker.program, lambda s, t: self._on_output(worker, s, t))
+        except Exception as e:
+            if not worker.finished:
+                # Let the backend report the exit first; its exit code says more.
+                await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
+            if worker.finish(FAILED, message=f"worker {worker.id} failed: {e}"):
+                self._emit("status", worker)
+                await self.backend.stop(worker.handle, STOP_GRACE)
+            return
+        self._flush_partial(worker)
+        if code == 0:
+            changed = worker.finish(SUCCEEDED, exit_code=0)
+        else:
+            changed = worker.finish(
+                FAILED, exit_code=code,
+                message=f"worker {worker.id} exited with code {code}{self._tail_for_message(worker)}",
+            )
+        if changed:
+            self._emit("status", worker)
+        # Like a CML worker, it ends when its program does.
+        await self.backend.stop(worker.handle, STOP_GRACE)
+
+    async def _on_lost_contact(self, worker: Worker) -> None:
+        await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
+        if worker.finish(FAILED, message=f"worker {worker.id} lost contact with the controller (no heartbeat)"):
+            self._emit("status", worker)
+            await self.backend.stop(worker.handle, STOP_GRACE)
+
+    def _on_output(self, worker: Worker, stream: str, text: str) -> None:
+        key = (worker.id, stream)
+        lines = (self._partial.pop(key, "") + text).split("\n")
+        if lines[-1]:
+            self._partial[key] = lines[-1]
+        for line in lines[:-1]:
+            self._output_line(worker, stream, line)
+
+    def _flush_partial(self, worker: Worker) -> None:
+        for stream in ("stdout", "stderr"):
+            rest = self._partial.pop((worker.id, stream), "")
+            if rest:
+                self._output_line(worker, stream, rest)
+
+    def _output_line(self, worker: Worker, stream: str, line: str) -> None:
+        line = line.rstrip("\r")
+        with self._lock:
+            worker.output.append(line)
+        self._emit("output", worker, stream, line)
+
+    def _emit(self, kind: str, worker: Worker, stream: str = "", text: str = "") -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        if not self._subscribers:
+            return
+        event = Event(kind=kind, worker=worker.to_dict(), stream=stream, text=text)
+        for callback in list(self._subscribers):
+            try:
+                callback(event)
+            except Exception:
+                log.exception("cmlcluster: a subscriber failed on %s", event)
+
+    async def _next_change(self, timeout: float | None) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(waiter, timeout)
+
+    async def _await(
+        self, refs: list[str | Mapping[str, Any]], wait_for_completion: bool, timeout: float,
+    ) -> dict[str, list[dict[str, Any]]]:
+        failures: list[dict[str, Any]] = []
+        workers: list[Worker] = []
+        for ref in refs:
+            if isinstance(ref, Mapping) and "id" not in ref:
+                failures.append(dict(ref))  # a launch that failed stays a failure
+            else:
+                workers.append(self._resolve(ref))
+
+        def decided(w: Worker) -> bool:
+            return w.finished or (not wait_for_completion and w.status == RUNNING)
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout else None
+        while not all(decided(w) for w in workers):
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                break
+            await self._next_change(remaining)
+
+        ok: list[dict[str, Any]] = []
+        with self._lock:
+            for w in workers:
+                record = w.to_dict()
+                wanted = SUCCEEDED if wait_for_completion else RUNNING
+                if w.status == wanted:
+                    ok.append(record)
+                    continue
+                if not decided(w):
+                    record["status"] = TIMEDOUT
+                    record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s"
+                elif not wait_for_completion and not record.get("message"):
+                    record["message"] = f"worker {w.id} {w.status} while waiting for it to run"
+                failures.append(record)
+        return {"workers": ok, "failures": failures}
+
+    async def _stop(self, workers: list[Worker]) -> list[dict[str, Any]]:
+        live = [w for w in workers if not w.finished and w.handle is not None]
+        for w in live:
+            w.stop_requested = True
+        await asyncio.gather(*(self.backend.stop(w.handle, STOP_GRACE) for w in live))
+        # The exit watchers turn the exits into "stopped"; wait for them so callers see it.
+        watchers = [self._exit_watchers[w.id] for w in live if w.id in self._exit_watchers]
+        if watchers:
+            await asyncio.wait(watchers, timeout=STOP_GRACE)
+        with self._lock:
+            return [w.to_dict() for w in workers]
+
+    async def _close(self) -> None:
+        try:
+            await self._stop(list(self._workers.values()))
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=5)
+            if self._control is not None:
+                await self._control.close()
+            await self.backend.close()
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)

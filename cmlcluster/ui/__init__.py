@@ -1,0 +1,1 @@
+"""Drawing session events: plain text here; widgets subscribe the same way."""

@@ -1,0 +1,180 @@
+"""Workers as data: what was asked (WorkerSpec), what is known (Worker), CML's dict shape.
+
+A WorkerSpec is frozen and complete: a backend needs nothing else to start the
+worker's process. A Worker is the session's record of one worker; only the
+session's loop thread mutates it.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+# CML's statuses. "timedout" is never stored: await_workers reports it for
+# workers that were not where the caller wanted them by the deadline.
+SCHEDULING = "scheduling"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+STOPPED = "stopped"
+TIMEDOUT = "timedout"
+TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED})
+
+UNKNOWN_ADDRESS = "unknown"
+OUTPUT_LINES_KEPT = 200  # per worker, for failure messages and output()
+TAIL_LINES = 20  # lines of output quoted in a failure message
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one worker asks for. memory is in GB, as in CML."""
+
+    cpu: float
+    memory: float
+    nvidia_gpu: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a backend needs to start one worker process."""
+
+    worker_id: str
+    engine_id: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    resources: Resources
+    cwd: str
+
+
+@dataclass(frozen=True)
+class Program:
+    """What a worker runs once it is up: a script, code, a shell command, or nothing."""
+
+    script: str = ""
+    code: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not self.script and not self.code
+
+
+def _iso(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return dt.datetime.fromtimestamp(timestamp, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass(eq=False)
+class Worker:
+    """The session's record of one worker."""
+
+    spec: WorkerSpec
+    program: Program
+    kernel: str
+    backend: str
+    status: str = SCHEDULING
+    ip_address: str = UNKNOWN_ADDRESS
+    hostname: str | None = None
+    pid: int | None = None
+    created_at: float = field(default_factory=time.time)
+    running_at: float | None = None
+    finished_at: float | None = None
+    exit_code: int | None = None
+    message: str | None = None
+    stop_requested: bool = False
+    handle: Any = None
+    output: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES_KEPT)
+    )
+
+    @property
+    def id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def engine_id(self) -> int:
+        return self.spec.engine_id
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+    def finish(self, status: str, *, exit_code: int | None = None, message: str | None = None) -> bool:
+        """Move to a terminal status once; later calls only fill in a missing exit code."""
+        if self.finished:
+            if self.exit_code is None and exit_code is not None:
+                self.exit_code = exit_code
+            return False
+        self.status = status
+        self.finished_at = time.time()
+        self.exit_code = exit_code
+        self.message = message
+        return True
+
+    def output_tail(self, lines: int = TAIL_LINES) -> str:
+        return "\n".join(list(self.output)[-lines:])
+
+    def to_dict(self) -> dict[str, Any]:
+        """CML's worker dict, plus a few fields CML does not have (documented in the README)."""
+        end = self.finished_at if self.finished_at is not None else None
+        start = self.running_at if self.running_at is not None else self.created_at
+        record: dict[str, Any] = {
+            "id": self.id,
+            "status": self.status,
+            "created_at": _iso(self.created_at),
+            "running_at": _iso(self.running_at),
+            "finished_at": _iso(self.finished_at),
+            "duration": round(end - start, 3) if end is not None else None,
+            "ip_address": self.ip_address,
+            "cpu": self.spec.resources.cpu,
+            "memory": self.spec.resources.memory,
+            "nvidia_gpu": self.spec.resources.nvidia_gpu,
+            "kernel": self.kernel,
+            "backend": self.backend,
+            "engine_id": self.engine_id,
+            "hostname": self.hostname,
+            "exit_code": self.exit_code,
+        }
+        if self.message:
+            record["message"] = self.message
+        return record
+
+
+def validate_launch(
+    n: int, cpu: float, memory: float, nvidia_gpu: int, kernel: str, script: str, code: str,
+    env: Mapping[str, str] | None, cwd: str,
+) -> Program:
+    """Refuse bad input before anything starts; return what the workers will run."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"n={n!r}: the number of workers must be an integer of at least 1")
+    for name, value in (("cpu", cpu), ("memory", memory)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            unit = " (GB)" if name == "memory" else ""
+            raise ConfigError(f"{name}={value!r}: {name}{unit} must be a number greater than 0, e.g. {name}=1")
+    if isinstance(nvidia_gpu, bool) or not isinstance(nvidia_gpu, int) or nvidia_gpu < 0:
+        raise ConfigError(f"nvidia_gpu={nvidia_gpu!r}: must be a whole number of GPUs, 0 or more")
+    if kernel not in ("python3", "python"):
+        raise ConfigError(f"kernel={kernel!r}: only Python workers are supported; use kernel='python3'")
+    if script and code:
+        raise ConfigError(
+            "both script= and code= were given: CML ignores code when a script is set, "
+            "which hides mistakes; pass only one of them"
+        )
+    if script:
+        path = script if os.path.isabs(script) else os.path.join(cwd, script)
+        if not os.path.isfile(path):
+            raise ConfigError(f"script={script!r}: no such file (looked for {path}); give a path to a Python file")
+        script = os.path.abspath(path)
+    if env is not None:
+        bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
+        if bad:
+            raise ConfigError(f"env={bad!r}: environment names and values must be strings; convert with str()")
+    return Program(script=script, code=code)
