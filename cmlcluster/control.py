@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import functools
 import os
 import subprocess
 import sys
@@ -58,10 +57,6 @@ class ControlPlane(abc.ABC):
     @abc.abstractmethod
     async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
         """Run the program on the engine; return its exit code once all its output has arrived."""
-
-    @abc.abstractmethod
-    async def shutdown(self, engine_id: int) -> None:
-        """Ask the engine to exit cleanly (its process then ends with code 0)."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -195,10 +190,6 @@ class IPyParallelControl(ControlPlane):
         except asyncio.TimeoutError:
             pass
         return int(exit_code)
-
-    async def shutdown(self, engine_id: int) -> None:
-        if self._client is not None and engine_id in self._client.ids:
-            await asyncio.to_thread(functools.partial(self._client.shutdown, targets=[engine_id], block=False))
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -6,7 +6,10 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+from .errors import ConfigError
+from .workers import WorkerSpec
 
 log = logging.getLogger("cmlcluster")
 
@@ -45,6 +48,18 @@ class GpuPool:
     @property
     def free(self) -> list[str]:
         return list(self._free)
+
+    def check(self, specs: Sequence[WorkerSpec]) -> None:
+        """Refuse a launch that asks for more GPUs than are free, before anything starts."""
+        wanted = sum(s.resources.nvidia_gpu for s in specs)
+        if wanted > len(self._free):
+            per = specs[0].resources.nvidia_gpu
+            have = ", ".join(self.all) or "none"
+            raise ConfigError(
+                f"nvidia_gpu={per} for {len(specs)} workers needs {wanted} GPUs, but this machine has "
+                f"{len(self.all)} (ids: {have}) of which {len(self._free)} are free; "
+                "ask for fewer GPUs or workers, or stop workers that hold GPUs"
+            )
 
     def take(self, k: int) -> list[str]:
         if k > len(self._free):

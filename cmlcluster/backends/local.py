@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._proc import signal_group
-from ..errors import BackendError, ConfigError
+from ..errors import BackendError
 from ..resources import CgroupLimits, GpuPool, visible_gpus
 from ..workers import WorkerSpec
 from .base import Backend
@@ -49,15 +49,7 @@ class LocalBackend(Backend):
         return self._gpus
 
     def check(self, specs: Sequence[WorkerSpec]) -> None:
-        wanted = sum(s.resources.nvidia_gpu for s in specs)
-        if wanted > len(self._gpus.free):
-            per = specs[0].resources.nvidia_gpu if specs else 0
-            have = ", ".join(self._gpus.all) or "none"
-            raise ConfigError(
-                f"nvidia_gpu={per} for {len(specs)} workers needs {wanted} GPUs, but this machine has "
-                f"{len(self._gpus.all)} (ids: {have}) of which {len(self._gpus.free)} are free; "
-                "ask for fewer GPUs or workers, or stop workers that hold GPUs"
-            )
+        self._gpus.check(specs)
 
     async def start(self, spec: WorkerSpec) -> LocalHandle:
         gpus = self._gpus.take(spec.resources.nvidia_gpu)

@@ -1,0 +1,153 @@
+"""A scriptable fake backend, for unit tests of the session's orchestration.
+
+No process starts. Each worker follows a FakeWorker script: how long it takes
+to register, whether it ever does, what address it reports, what its program
+prints and returns, when its process dies. The fake brings its own control
+plane, because fake workers have no engine to talk to.
+
+    backend = FakeBackend([FakeWorker(start_delay=0.2), FakeWorker(registers=False)])
+    with Session(backend) as s: ...
+
+Worker i of the session follows plan[i]; workers beyond the plan follow FakeWorker().
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..control import ControlPlane, OutputCallback, WorkerInfo
+from ..errors import BackendError, CmlClusterError
+from ..resources import GpuPool
+from ..workers import Program, WorkerSpec
+from .base import Backend
+
+SIGTERM_EXIT = -15
+
+
+@dataclass(frozen=True)
+class FakeWorker:
+    start_delay: float = 0.0  # seconds from start until its engine registers
+    registers: bool = True  # False: it never becomes ready
+    launch_error: str | None = None  # start() fails with this message
+    address: str | None = "auto"  # "auto": 10.0.0.<engine id + 1>; None: never known
+    output: tuple[str, ...] = ()  # lines its program prints
+    run_time: float = 0.0  # how long its program runs
+    exit_code: int = 0  # what its program returns
+    dies_after: float | None = None  # its process dies this long after start...
+    death_code: int = -9  # ...with this exit code
+
+
+@dataclass(eq=False)
+class FakeHandle:
+    spec: WorkerSpec
+    script: FakeWorker
+    exited: asyncio.Future[int]
+    gpus: list[str] = field(default_factory=list)
+    printed: list[str] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    on_end: Callable[[FakeHandle], None] | None = None
+
+    def end(self, code: int) -> None:
+        if not self.exited.done():
+            self.exited.set_result(code)
+            if self.on_end is not None:
+                self.on_end(self)
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+
+class FakeBackend(Backend):
+    name = "fake"
+
+    def __init__(self, plan: Sequence[FakeWorker] | Callable[[int], FakeWorker] = (), gpus: Sequence[str] = ()):
+        self._plan = plan
+        self._gpus = GpuPool(list(gpus))
+        self.handles: dict[int, FakeHandle] = {}
+        self.control = FakeControl(self)
+
+    def _script(self, engine_id: int) -> FakeWorker:
+        if callable(self._plan):
+            return self._plan(engine_id)
+        return self._plan[engine_id] if engine_id < len(self._plan) else FakeWorker()
+
+    def control_plane(self) -> ControlPlane:
+        return self.control
+
+    def check(self, specs: Sequence[WorkerSpec]) -> None:
+        self._gpus.check(specs)
+
+    async def start(self, spec: WorkerSpec) -> FakeHandle:
+        script = self._script(spec.engine_id)
+        if script.launch_error is not None:
+            raise BackendError(script.launch_error)
+        handle = FakeHandle(
+            spec=spec, script=script, exited=asyncio.get_running_loop().create_future(),
+            gpus=self._gpus.take(spec.resources.nvidia_gpu), on_end=lambda h: self._gpus.give_back(h.gpus),
+        )
+        self.handles[spec.engine_id] = handle
+        if script.registers:
+            handle.tasks.append(asyncio.create_task(self._register_later(handle)))
+        if script.dies_after is not None:
+            handle.tasks.append(asyncio.create_task(self._die_later(handle, script.dies_after, script.death_code)))
+        return handle
+
+    async def _register_later(self, handle: FakeHandle) -> None:
+        await asyncio.sleep(handle.script.start_delay)
+        if not handle.exited.done() and self.control.on_engine is not None:
+            self.control.on_engine("register", handle.spec.engine_id)
+
+    async def _die_later(self, handle: FakeHandle, delay: float, code: int) -> None:
+        await asyncio.sleep(delay)
+        handle.printed.append(f"fake worker {handle.spec.worker_id} died with code {code}")
+        handle.end(code)
+
+    async def poll(self, handle: FakeHandle) -> int | None:
+        return handle.exited.result() if handle.exited.done() else None
+
+    async def wait(self, handle: FakeHandle) -> int:
+        return await asyncio.shield(handle.exited)
+
+    async def stop(self, handle: FakeHandle, grace: float = 5.0) -> None:
+        handle.end(SIGTERM_EXIT)
+
+    def output(self, handle: FakeHandle) -> str:
+        return "\n".join(handle.printed)
+
+
+class FakeControl(ControlPlane):
+    def __init__(self, backend: FakeBackend):
+        self._backend = backend
+        self.started = False
+        self.closed = False
+
+    async def start(self, listen_ip: str, session_dir: str) -> None:
+        self.started = True
+
+    def agent_env(self) -> dict[str, str]:
+        return {}
+
+    async def describe(self, engine_id: int) -> WorkerInfo:
+        handle = self._backend.handles[engine_id]
+        address = handle.script.address
+        if address == "auto":
+            address = f"10.0.0.{engine_id + 1}"
+        return WorkerInfo(ip_address=address, hostname=f"fake-{engine_id}", pid=None)
+
+    async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
+        handle = self._backend.handles[engine_id]
+        for line in handle.script.output:
+            on_output("stdout", line + "\n")
+        running = asyncio.ensure_future(asyncio.sleep(handle.script.run_time))
+        try:
+            await asyncio.wait([running, handle.exited], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            running.cancel()
+        if handle.exited.done():
+            raise CmlClusterError(f"engine {engine_id} died while running its program")
+        return handle.script.exit_code
+
+    async def close(self) -> None:
+        self.closed = True

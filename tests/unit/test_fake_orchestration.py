@@ -1,0 +1,170 @@
+"""Every status path of the worker API, on the fake backend (no processes)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cmlcluster import Session
+from cmlcluster.backends.fake import FakeBackend, FakeWorker
+
+
+def fake_session(*plan: FakeWorker, **options) -> Session:
+    return Session(FakeBackend(list(plan), **options), echo=False)
+
+
+def ids(records):
+    return [r["id"] for r in records]
+
+
+def test_workers_run_their_program_and_succeed():
+    with fake_session(FakeWorker(output=("hello",)), FakeWorker()) as s:
+        workers = s.launch_workers(2, cpu=1, memory=1, code="print('hello')")
+        assert [w["status"] for w in workers] == ["scheduling", "scheduling"]
+        assert all(w["ip_address"] == "unknown" for w in workers)
+        result = s.await_workers(workers, wait_for_completion=True, timeout_seconds=10)
+        assert result["failures"] == []
+        assert ids(result["workers"]) == ids(workers)
+        assert {w["status"] for w in result["workers"]} == {"succeeded"}
+        assert [w["ip_address"] for w in result["workers"]] == ["10.0.0.1", "10.0.0.2"]
+        assert all(w["finished_at"] and w["running_at"] and w["duration"] is not None for w in result["workers"])
+        assert s.output(workers[0]) == "hello"
+
+
+def test_wait_for_running_returns_addresses_of_running_workers():
+    with fake_session(FakeWorker(start_delay=0.1), FakeWorker(start_delay=0.2)) as s:
+        workers = s.launch_workers(2, cpu=0.5, memory=2)  # no program: they serve until stopped
+        result = s.await_workers([w["id"] for w in workers], wait_for_completion=False, timeout_seconds=10)
+        assert [w["status"] for w in result["workers"]] == ["running", "running"]
+        assert [w["ip_address"] for w in result["workers"]] == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_slow_worker_times_out_while_others_run():
+    with fake_session(FakeWorker(), FakeWorker(start_delay=30)) as s:
+        fast, slow = s.launch_workers(2, cpu=1, memory=1)
+        result = s.await_workers([fast, slow], wait_for_completion=False, timeout_seconds=0.5)
+        assert ids(result["workers"]) == [fast["id"]]
+        [failure] = result["failures"]
+        assert failure["id"] == slow["id"] and failure["status"] == "timedout"
+        assert "still scheduling" in failure["message"]
+        # timedout is what await saw, not a stored status: the worker is still there.
+        assert {w["id"]: w["status"] for w in s.list_workers()}[slow["id"]] == "scheduling"
+
+
+def test_never_starting_worker_times_out():
+    with fake_session(FakeWorker(registers=False)) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        result = s.await_workers([w], wait_for_completion=True, timeout_seconds=0.3)
+        assert result["workers"] == []
+        assert [f["status"] for f in result["failures"]] == ["timedout"]
+
+
+def test_failed_launch_is_a_dict_without_id_and_stays_a_failure():
+    with fake_session(FakeWorker(), FakeWorker(launch_error="no capacity left")) as s:
+        ok, bad = s.launch_workers(2, cpu=1, memory=1, code="pass")
+        assert "id" in ok and "id" not in bad
+        assert "no capacity left" in bad["message"]
+        result = s.await_workers([ok, bad], timeout_seconds=10)
+        assert ids(result["workers"]) == [ok["id"]]
+        assert result["failures"] == [bad]
+        assert ids(s.list_workers()) == [ok["id"]]
+
+
+def test_crash_while_running_fails_with_exit_code_and_output_tail():
+    with fake_session(FakeWorker(output=("step 1", "step 2"), run_time=30, dies_after=0.2, death_code=-9)) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="train()")
+        result = s.await_workers([w], timeout_seconds=10)
+        [failure] = result["failures"]
+        assert failure["status"] == "failed"
+        assert failure["exit_code"] == -9
+        assert "exited with code -9 before its program finished" in failure["message"]
+        assert "step 2" in failure["message"]
+
+
+def test_early_exit_before_running_is_a_failure_with_backend_output():
+    with fake_session(FakeWorker(start_delay=5, dies_after=0.05, death_code=3)) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1)
+        result = s.await_workers([w], wait_for_completion=False, timeout_seconds=10)
+        [failure] = result["failures"]
+        assert failure["status"] == "failed" and failure["exit_code"] == 3
+        assert "before it was running" in failure["message"]
+        assert "died with code 3" in failure["message"]  # from the backend's output
+
+
+def test_program_exit_code_makes_a_failure():
+    with fake_session(FakeWorker(exit_code=2, output=("Traceback", "ValueError: bad"))) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="raise ValueError('bad')")
+        [failure] = s.await_workers([w], timeout_seconds=10)["failures"]
+        assert failure["status"] == "failed" and failure["exit_code"] == 2
+        assert "ValueError: bad" in failure["message"]
+
+
+def test_unknown_address_never_counts_as_running():
+    with fake_session(FakeWorker(address=None)) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1)
+        result = s.await_workers([w], wait_for_completion=False, timeout_seconds=0.3)
+        assert [f["status"] for f in result["failures"]] == ["timedout"]
+        assert s.list_workers()[0]["ip_address"] == "unknown"
+
+
+def test_worker_that_finishes_while_waiting_for_running_is_a_failure():
+    with fake_session(FakeWorker(start_delay=0.05)) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        s.await_workers([w], wait_for_completion=True, timeout_seconds=10)
+        result = s.await_workers([w], wait_for_completion=False, timeout_seconds=10)
+        [failure] = result["failures"]
+        assert failure["status"] == "succeeded"
+        assert "while waiting for it to run" in failure["message"]
+
+
+def test_stop_workers_stops_named_then_all_and_is_idempotent():
+    with fake_session() as s:
+        a, b, c = s.launch_workers(3, cpu=1, memory=1)
+        s.await_workers([a, b, c], wait_for_completion=False, timeout_seconds=10)
+        stopped = s.stop_workers(a["id"])
+        assert [w["status"] for w in stopped] == ["stopped"]
+        assert s.stop_workers(a["id"])[0]["status"] == "stopped"  # again: no error, no change
+        s.stop_workers()
+        assert {w["status"] for w in s.list_workers()} == {"stopped"}
+        result = s.await_workers([a, b, c], timeout_seconds=1)
+        assert result["workers"] == [] and [f["status"] for f in result["failures"]] == ["stopped"] * 3
+
+
+def test_await_wakes_on_events_from_other_threads():
+    # The fake's control plane is driven from the test thread: await must react to the
+    # registration event, not discover it by polling.
+    backend = FakeBackend([FakeWorker(registers=False)])
+    with Session(backend, echo=False) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1)
+        timer = threading.Timer(0.2, lambda: s._loop.call_soon(backend.control.on_engine, "register", 0))
+        timer.start()
+        result = s.await_workers([w], wait_for_completion=False, timeout_seconds=0)
+        assert [r["status"] for r in result["workers"]] == ["running"]
+
+
+def test_events_reach_subscribers():
+    events = []
+    with fake_session(FakeWorker(output=("a", "b"))) as s:
+        s.subscribe(events.append)
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        s.await_workers([w], timeout_seconds=10)
+    assert [e.worker["status"] for e in events if e.kind == "status"] == ["scheduling", "running", "succeeded"]
+    assert [e.text for e in events if e.kind == "output"] == ["a", "b"]
+
+
+def test_closed_session_refuses_work_and_closes_its_control_plane():
+    backend = FakeBackend()
+    s = Session(backend, echo=False)
+    s.launch_workers(1, cpu=1, memory=1)
+    s.close()
+    s.close()  # idempotent
+    assert backend.control.closed
+    with pytest.raises(Exception, match="closed"):
+        s.launch_workers(1, cpu=1, memory=1)
+
+
+def test_unknown_worker_id_is_named():
+    with fake_session() as s:
+        with pytest.raises(ValueError, match="'nope' is not a worker"):
+            s.await_workers(["nope"])
