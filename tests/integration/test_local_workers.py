@@ -1,0 +1,209 @@
+"""The worker API on real local processes, with a real ipyparallel controller and engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import ipyparallel as ipp
+import psutil
+import pytest
+
+from cmlcluster import Session
+from cmlcluster.backends.local import LocalBackend
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def session():
+    with Session("local", echo=False) as s:
+        yield s
+
+
+def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
+    events = []
+    session.subscribe(events.append)
+    workers = session.launch_workers(3, cpu=0.5, memory=1)
+    running = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
+    assert running["failures"] == []
+    assert [w["status"] for w in running["workers"]] == ["running"] * 3
+    assert {w["ip_address"] for w in running["workers"]} == {"127.0.0.1"}
+
+    # Every worker is a live process of its own, and runs code sent over the control plane.
+    view = session.client[:]
+    pids = view.apply_sync(os.getpid)
+    assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
+    env = view.apply_sync(ipp.interactive(lambda: {k: v for k, v in __import__("os").environ.items() if k.startswith(("CDSW", "CML_"))}))
+    assert [e["CDSW_ENGINE_ID"] for e in env] == [w["id"] for w in workers]
+    assert {e["CDSW_MASTER_ID"] for e in env} == {session.id}
+    assert {e["CDSW_MASTER_IP"] for e in env} == {e["CML_MASTER_IP"] for e in env} == {"127.0.0.1"}
+    assert {e["CDSW_IP_ADDRESS"] for e in env} == {"127.0.0.1"}
+
+    stopped = session.stop_workers()
+    assert [w["status"] for w in stopped] == ["stopped"] * 3
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert [e.worker["status"] for e in events if e.kind == "status"].count("stopped") == 3
+
+
+def test_program_output_is_streamed_live_and_prefixed(capsys):
+    with Session("local") as s:  # echo on: lines are printed with the worker id
+        [w] = s.launch_workers(
+            1, cpu=1, memory=1,
+            code="import sys, subprocess\nprint('from python')\nprint('to stderr', file=sys.stderr)\n"
+                 "subprocess.run(['echo', 'from a child process'])",
+        )
+        result = s.await_workers([w], timeout_seconds=60)
+        assert result["failures"] == [], result
+        # stdout and stderr travel separately, so only each stream's own order is kept.
+        assert sorted(s.output(w).splitlines()) == ["from a child process", "from python", "to stderr"]
+    out, err = capsys.readouterr()
+    assert f"[{w['id']}] from python" in out
+    assert f"[{w['id']}] to stderr" in err
+    assert f"[{w['id']}] from a child process" in out
+
+
+def test_shell_command_code(session):
+    [w] = session.launch_workers(1, cpu=1, memory=1, code="!echo shell says $CDSW_ENGINE_ID; exit 4")
+    [failure] = session.await_workers([w], timeout_seconds=60)["failures"]
+    assert failure["exit_code"] == 4
+    assert f"shell says {w['id']}" in session.output(w)
+
+
+def test_script_runs_as_main(session, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.py").write_text("import sys\nif __name__ == '__main__':\n    print('main of', sys.argv[0])\n")
+    [w] = session.launch_workers(1, cpu=1, memory=1, script="job.py")
+    result = session.await_workers([w], timeout_seconds=60)
+    assert [r["status"] for r in result["workers"]] == ["succeeded"]
+    assert session.output(w) == f"main of {tmp_path / 'job.py'}"
+
+
+def test_raising_code_fails_with_exit_code_and_traceback_tail(session):
+    ok, bad = (
+        session.launch_workers(1, cpu=1, memory=1, code="print('fine')")[0],
+        session.launch_workers(1, cpu=1, memory=1, code="def train():\n    raise ValueError('loss is nan')\ntrain()")[0],
+    )
+    result = session.await_workers([ok, bad], timeout_seconds=60)
+    assert [w["id"] for w in result["workers"]] == [ok["id"]]
+    [failure] = result["failures"]
+    assert failure["id"] == bad["id"] and failure["status"] == "failed" and failure["exit_code"] == 1
+    assert "Traceback" in failure["message"]
+    assert "ValueError: loss is nan" in failure["message"]
+    assert "in train" in failure["message"]
+
+
+def test_sys_exit_code_is_the_exit_code(session):
+    [w] = session.launch_workers(1, cpu=1, memory=1, code="import sys; sys.exit(7)")
+    [failure] = session.await_workers([w], timeout_seconds=60)["failures"]
+    assert failure["exit_code"] == 7
+
+
+def test_crashing_worker_process_fails_with_its_exit_code(session):
+    [w] = session.launch_workers(1, cpu=1, memory=1, code="print('about to crash', flush=True); import os; os._exit(9)")
+    [failure] = session.await_workers([w], timeout_seconds=60)["failures"]
+    assert failure["status"] == "failed" and failure["exit_code"] == 9
+    assert "before its program finished" in failure["message"]
+
+
+def test_never_ready_worker_times_out(session, tmp_path):
+    # A real hang before the engine can register: a sitecustomize that never returns.
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(3600)\n")
+    [w] = session.launch_workers(1, cpu=1, memory=1, env={"PYTHONPATH": str(tmp_path)})
+    result = session.await_workers([w], wait_for_completion=False, timeout_seconds=3)
+    assert result["workers"] == []
+    assert [f["status"] for f in result["failures"]] == ["timedout"]
+    assert session.list_workers()[0]["status"] == "scheduling"
+
+
+def test_px_magic_runs_on_the_workers(session):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    workers = session.launch_workers(2, cpu=1, memory=1)
+    session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
+    session.client.activate()
+    shell.run_line_magic("px", "import os; worker_id = os.environ['CDSW_ENGINE_ID']")
+    assert sorted(session.client[:].pull("worker_id", block=True)) == sorted(w["id"] for w in workers)
+
+
+def test_gpus_are_assigned_per_worker_through_cuda_visible_devices():
+    with Session(LocalBackend(gpus=["0", "1", "2", "3"]), echo=False) as s:
+        two = s.launch_workers(2, cpu=1, memory=1, nvidia_gpu=2)
+        none = s.launch_workers(1, cpu=1, memory=1)
+        s.await_workers(two + none, wait_for_completion=False, timeout_seconds=60)
+        seen = s.client[:].apply_sync(ipp.interactive(lambda: __import__("os").environ["CUDA_VISIBLE_DEVICES"]))
+        assert seen == ["0,1", "2,3", ""]
+
+
+def test_memory_and_cpu_limits_are_applied_where_cgroups_allow(session):
+    if not os.access("/sys/fs/cgroup/memory", os.W_OK) and not os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        pytest.skip("no writable cgroup hierarchy on this machine")
+    [w] = session.launch_workers(1, cpu=0.5, memory=0.25)
+    session.await_workers([w], wait_for_completion=False, timeout_seconds=60)
+
+    @ipp.interactive
+    def own_limits():
+        import os as _os
+        limits = {}
+        for line in open("/proc/self/cgroup"):
+            _, controllers, path = line.strip().split(":", 2)
+            for name, folder, key in (("memory", "memory", "memory.limit_in_bytes"), ("", "", "memory.max")):
+                if controllers == name:
+                    f = _os.path.join("/sys/fs/cgroup", folder, path.lstrip("/"), key)
+                    if _os.path.exists(f):
+                        limits["memory"] = open(f).read().strip()
+        return limits
+
+    limits = session.client[0].apply_sync(own_limits)
+    assert limits["memory"] == str(int(0.25 * 1024**3))
+
+
+SESSION_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import cmlcluster as cdsw
+    workers = cdsw.launch_workers(2, cpu=0.5, memory=1)
+    cdsw.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
+    pids = cdsw.client()[:].apply_sync(__import__("os").getpid)
+    print(json.dumps(pids), flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(3600)
+""")
+
+
+def _session_process(mode: str) -> tuple[subprocess.Popen[str], list[int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SESSION_SCRIPT, mode], stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "the session process printed nothing"
+    return proc, json.loads(line)
+
+
+def _gone(pids: list[int], within: float) -> list[int]:
+    deadline = time.monotonic() + within
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return alive
+
+
+def test_killed_session_process_leaves_no_worker_behind():
+    proc, pids = _session_process("hang")
+    assert all(psutil.pid_exists(p) for p in pids)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _gone(pids, within=30) == []
+
+
+def test_interpreter_exit_stops_workers():
+    proc, pids = _session_process("exit")
+    assert proc.wait(timeout=60) == 0
+    assert _gone(pids, within=5) == []
