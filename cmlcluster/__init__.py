@@ -1,8 +1,8 @@
 """cmlcluster: Cloudera ML's worker API, and distributed training, from any notebook.
 
-    import cmlcluster as cdsw
-    workers = cdsw.launch_workers(n=2, cpu=1, memory=1, code="print('hello')")
-    cdsw.await_workers(workers)
+import cmlcluster as cdsw
+workers = cdsw.launch_workers(n=2, cpu=1, memory=1, code="print('hello')")
+cdsw.await_workers(workers)
 """
 
 from .api import (
@@ -21,7 +21,19 @@ from .session import Event, Session
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendError", "CmlClusterError", "CommandError", "ConfigError", "ControllerError", "Event", "Session",
-    "await_workers", "client", "get_session", "launch_workers", "list_workers", "stop_session", "stop_workers",
+    "BackendError",
+    "CmlClusterError",
+    "CommandError",
+    "ConfigError",
+    "ControllerError",
+    "Event",
+    "Session",
+    "await_workers",
+    "client",
+    "get_session",
+    "launch_workers",
+    "list_workers",
+    "stop_session",
+    "stop_workers",
     "use_backend",
 ]

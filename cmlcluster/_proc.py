@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 
 
 def signal_group(pgid: int, sig: int) -> bool:

@@ -81,7 +81,7 @@ def run_program(script: str, code: str) -> int:
             runpy.run_path(script, run_name="__main__")
         elif code.startswith("!"):
             # The user asked for a shell command; the shell is the point.
-            return subprocess.call(["/bin/sh", "-c", code[1:]])  # noqa: S603
+            return subprocess.call(["/bin/sh", "-c", code[1:]])
         elif code:
             exec(compile(code, "<worker code>", "exec"), {"__name__": "__main__"})  # noqa: S102
     except SystemExit as e:
@@ -98,7 +98,7 @@ def run_program(script: str, code: str) -> int:
     return 0
 
 
-def _watch_controller(ping_url: str, period_ms: int, curve: dict[str, bytes]) -> None:
+def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes]) -> None:
     import zmq
 
     context = zmq.Context()
@@ -115,7 +115,11 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[str, bytes]) ->
             last = time.monotonic()
         elif time.monotonic() - last > allowed:
             break
-    os.write(2, f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s; the session is gone, exiting\n".encode())
+    os.write(
+        2,
+        f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s; "
+        "the session is gone, exiting\n".encode(),
+    )
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)  # the user's child processes go too
     os._exit(70)
@@ -128,7 +132,7 @@ class AgentEngine(IPEngine):
         super().start_heartbeat(hb_ping, hb_pong, hb_period, identity)
         import zmq
 
-        curve = {}
+        curve: dict[int, bytes] = {}
         if self.curve_serverkey:
             curve = {
                 zmq.CURVE_SERVERKEY: self.curve_serverkey,

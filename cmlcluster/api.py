@@ -54,8 +54,14 @@ def stop_session() -> None:
 
 
 def launch_workers(
-    n: int, cpu: float, memory: float, nvidia_gpu: int = 0, kernel: str = "python3",
-    script: str = "", code: str = "", env: Mapping[str, str] | None = None,
+    n: int,
+    cpu: float,
+    memory: float,
+    nvidia_gpu: int = 0,
+    kernel: str = "python3",
+    script: str = "",
+    code: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Launch n workers, each with `cpu` cores, `memory` GB and `nvidia_gpu` GPUs.
 
@@ -66,7 +72,9 @@ def launch_workers(
 
 
 def await_workers(
-    ids: Iterable[str | Mapping[str, Any]], wait_for_completion: bool = True, timeout_seconds: float = 60,
+    ids: Iterable[str | Mapping[str, Any]],
+    wait_for_completion: bool = True,
+    timeout_seconds: float = 60,
 ) -> dict[str, list[dict[str, Any]]]:
     """Wait for workers to finish (or, with wait_for_completion=False, to run); 0 waits without a limit."""
     return get_session().await_workers(ids, wait_for_completion, timeout_seconds)

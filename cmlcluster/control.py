@@ -98,7 +98,9 @@ class IPyParallelControl(ControlPlane):
         client_file = os.path.join(security, "ipcontroller-client.json")
         log_path = os.path.join(session_dir, "controller.log")
         argv = [
-            sys.executable, "-m", "cmlcluster._controller",
+            sys.executable,
+            "-m",
+            "cmlcluster._controller",
             f"--profile-dir={profile_dir}",
             f"--ip={listen_ip}",
             f"--location={listen_ip}",
@@ -109,7 +111,7 @@ class IPyParallelControl(ControlPlane):
         ]
         with open(log_path, "ab") as log:
             # stdin is the lifeline (see _controller.py); never closed until close().
-            self._process = subprocess.Popen(  # noqa: S603
+            self._process = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
@@ -152,7 +154,9 @@ class IPyParallelControl(ControlPlane):
     def agent_env(self) -> dict[str, str]:
         return {"CMLCLUSTER_URL_FILE": self._engine_file}
 
-    def _apply(self, engine_id: int, args: tuple[Any, ...], on_iopub: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    def _apply(
+        self, engine_id: int, args: tuple[Any, ...], on_iopub: Callable[[dict[str, Any]], None] | None = None
+    ) -> Any:
         """Send one apply request to one engine; on_iopub sees its output from the first byte."""
         from ipyparallel import AsyncResult
 

@@ -29,7 +29,7 @@ def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
     if smi is None:
         return []
     try:
-        out = subprocess.run(  # noqa: S603
+        out = subprocess.run(
             [smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=True
         ).stdout
     except (subprocess.SubprocessError, OSError) as e:
@@ -104,8 +104,10 @@ class CgroupLimits:
         if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
             own = _own_cgroup("")
             if own is not None:
-                self._make(os.path.join(CGROUP_ROOT, own.lstrip("/"), name),
-                           {"memory.max": memory_bytes, "cpu.max": f"{quota} {CPU_PERIOD_US}"})
+                self._make(
+                    os.path.join(CGROUP_ROOT, own.lstrip("/"), name),
+                    {"memory.max": memory_bytes, "cpu.max": f"{quota} {CPU_PERIOD_US}"},
+                )
         else:
             for controller, settings in (
                 ("memory", {"memory.limit_in_bytes": memory_bytes}),

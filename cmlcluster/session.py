@@ -105,8 +105,15 @@ class Session:
     # ---------------------------------------------------------------- sync API
 
     def launch_workers(
-        self, n: int, cpu: float, memory: float, nvidia_gpu: int = 0, kernel: str = "python3",
-        script: str = "", code: str = "", env: Mapping[str, str] | None = None,
+        self,
+        n: int,
+        cpu: float,
+        memory: float,
+        nvidia_gpu: int = 0,
+        kernel: str = "python3",
+        script: str = "",
+        code: str = "",
+        env: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """Start n workers; one dict per worker, a dict without "id" for one that could not start."""
         self._check_open()
@@ -116,7 +123,10 @@ class Session:
         return self._loop.run(self._launch(n, resources, kernel, program, dict(env or {}), cwd))
 
     def await_workers(
-        self, ids: Iterable[str | Mapping[str, Any]], wait_for_completion: bool = True, timeout_seconds: float = 60,
+        self,
+        ids: Iterable[str | Mapping[str, Any]],
+        wait_for_completion: bool = True,
+        timeout_seconds: float = 60,
     ) -> dict[str, list[dict[str, Any]]]:
         """Wait until the workers run (or finish); returns {"workers": [...], "failures": [...]}."""
         if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or timeout_seconds < 0:
@@ -167,7 +177,8 @@ class Session:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Session {self.id} backend={self.backend.name} workers={len(self._workers)}{' closed' if self.closed else ''}>"
+        state = " closed" if self.closed else ""
+        return f"<Session {self.id} backend={self.backend.name} workers={len(self._workers)}{state}>"
 
     # ---------------------------------------------------------------- core
 
@@ -178,8 +189,10 @@ class Session:
     def _resolve(self, ref: str | Mapping[str, Any]) -> Worker:
         worker_id = ref.get("id") if isinstance(ref, Mapping) else ref
         if worker_id not in self._workers:
-            raise ConfigError(f"{ref!r} is not a worker of session {self.id}; known ids: {', '.join(self._workers) or 'none'}")
-        return self._workers[worker_id]  # type: ignore[index]
+            raise ConfigError(
+                f"{ref!r} is not a worker of session {self.id}; known ids: {', '.join(self._workers) or 'none'}"
+            )
+        return self._workers[worker_id]
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -211,30 +224,42 @@ class Session:
         master_ip = self.backend.controller_ip()
         worker_env = dict(env)
         worker_env.update(control.agent_env())
-        worker_env.update({
-            "CDSW_MASTER_IP": master_ip,
-            "CML_MASTER_IP": master_ip,
-            "CDSW_MASTER_ID": self.id,
-            "CDSW_ENGINE_ID": worker_id,
-            "CMLCLUSTER_ENGINE_ID": str(engine_id),
-            "PYTHONUNBUFFERED": "1",
-            # Workers import the same cmlcluster as the session, installed or not.
-            "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p),
-        })
+        worker_env.update(
+            {
+                "CDSW_MASTER_IP": master_ip,
+                "CML_MASTER_IP": master_ip,
+                "CDSW_MASTER_ID": self.id,
+                "CDSW_ENGINE_ID": worker_id,
+                "CMLCLUSTER_ENGINE_ID": str(engine_id),
+                "PYTHONUNBUFFERED": "1",
+                # Workers import the same cmlcluster as the session, installed or not.
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p
+                ),
+            }
+        )
         return WorkerSpec(
-            worker_id=worker_id, engine_id=engine_id, argv=(sys.executable, "-m", "cmlcluster.agent"),
-            env=worker_env, resources=resources, cwd=cwd,
+            worker_id=worker_id,
+            engine_id=engine_id,
+            argv=(sys.executable, "-m", "cmlcluster.agent"),
+            env=worker_env,
+            resources=resources,
+            cwd=cwd,
         )
 
     async def _launch(
-        self, n: int, resources: Resources, kernel: str, program: Program, env: dict[str, str], cwd: str,
+        self,
+        n: int,
+        resources: Resources,
+        kernel: str,
+        program: Program,
+        env: dict[str, str],
+        cwd: str,
     ) -> list[dict[str, Any]]:
         control = await self._ensure_started()
         specs = [self._make_spec(resources, env, cwd, control) for _ in range(n)]
         self.backend.check(specs)
-        workers = [
-            Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs
-        ]
+        workers = [Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs]
         with self._lock:
             for w in workers:
                 self._workers[w.id] = w
@@ -266,7 +291,8 @@ class Session:
             changed = worker.finish(STOPPED, exit_code=code)
         else:
             changed = worker.finish(
-                FAILED, exit_code=code,
+                FAILED,
+                exit_code=code,
                 message=f"worker {worker.id} exited with code {code} "
                 f"{'before its program finished' if worker.running_at else 'before it was running'}"
                 f"{self._tail_for_message(worker)}",
@@ -310,7 +336,9 @@ class Session:
         if worker.program.empty:
             return  # serves the control plane until stopped
         try:
-            code = await control.run_program(worker.engine_id, worker.program, lambda s, t: self._on_output(worker, s, t))
+            code = await control.run_program(
+                worker.engine_id, worker.program, lambda s, t: self._on_output(worker, s, t)
+            )
         except Exception as e:
             if not worker.finished:
                 # Let the backend report the exit first; its exit code says more.
@@ -324,7 +352,8 @@ class Session:
             changed = worker.finish(SUCCEEDED, exit_code=0)
         else:
             changed = worker.finish(
-                FAILED, exit_code=code,
+                FAILED,
+                exit_code=code,
                 message=f"worker {worker.id} exited with code {code}{self._tail_for_message(worker)}",
             )
         if changed:
@@ -379,7 +408,10 @@ class Session:
             await asyncio.wait_for(waiter, timeout)
 
     async def _await(
-        self, refs: list[str | Mapping[str, Any]], wait_for_completion: bool, timeout: float,
+        self,
+        refs: list[str | Mapping[str, Any]],
+        wait_for_completion: bool,
+        timeout: float,
     ) -> dict[str, list[dict[str, Any]]]:
         failures: list[dict[str, Any]] = []
         workers: list[Worker] = []

@@ -91,9 +91,7 @@ class Worker:
     message: str | None = None
     stop_requested: bool = False
     handle: Any = None
-    output: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES_KEPT)
-    )
+    output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES_KEPT))
 
     @property
     def id(self) -> str:
@@ -149,8 +147,15 @@ class Worker:
 
 
 def validate_launch(
-    n: int, cpu: float, memory: float, nvidia_gpu: int, kernel: str, script: str, code: str,
-    env: Mapping[str, str] | None, cwd: str,
+    n: int,
+    cpu: float,
+    memory: float,
+    nvidia_gpu: int,
+    kernel: str,
+    script: str,
+    code: str,
+    env: Mapping[str, str] | None,
+    cwd: str,
 ) -> Program:
     """Refuse bad input before anything starts; return what the workers will run."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

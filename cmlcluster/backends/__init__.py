@@ -55,11 +55,13 @@ def make_backend(backend: str | Backend, **options: Any) -> Backend:
     """A backend instance from a name (plus options) or an instance."""
     if isinstance(backend, Backend):
         if options:
-            raise ConfigError(f"backend options {sorted(options)} given with a backend instance; pass them to its class")
+            raise ConfigError(
+                f"backend options {sorted(options)} given with a backend instance; pass them to its class"
+            )
         return backend
     if not isinstance(backend, str):
         raise ConfigError(f"backend={backend!r}: give a backend name such as 'local', or a Backend instance")
     return backend_class(backend)(**options)
 
 
-__all__ = ["Backend", "SessionContext", "backend_class", "known_backends", "make_backend", "ENTRY_POINT_GROUP"]
+__all__ = ["ENTRY_POINT_GROUP", "Backend", "SessionContext", "backend_class", "known_backends", "make_backend"]

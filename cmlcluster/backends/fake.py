@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..control import ControlPlane, OutputCallback, WorkerInfo
 from ..errors import BackendError, CmlClusterError
@@ -84,8 +85,11 @@ class FakeBackend(Backend):
         if script.launch_error is not None:
             raise BackendError(script.launch_error)
         handle = FakeHandle(
-            spec=spec, script=script, exited=asyncio.get_running_loop().create_future(),
-            gpus=self._gpus.take(spec.resources.nvidia_gpu), on_end=lambda h: self._gpus.give_back(h.gpus),
+            spec=spec,
+            script=script,
+            exited=asyncio.get_running_loop().create_future(),
+            gpus=self._gpus.take(spec.resources.nvidia_gpu),
+            on_end=lambda h: self._gpus.give_back(h.gpus),
         )
         self.handles[spec.engine_id] = handle
         if script.registers:
@@ -140,9 +144,10 @@ class FakeControl(ControlPlane):
         handle = self._backend.handles[engine_id]
         for line in handle.script.output:
             on_output("stdout", line + "\n")
-        running = asyncio.ensure_future(asyncio.sleep(handle.script.run_time))
+        running: asyncio.Future[Any] = asyncio.ensure_future(asyncio.sleep(handle.script.run_time))
+        exited: asyncio.Future[Any] = handle.exited
         try:
-            await asyncio.wait([running, handle.exited], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([running, exited], return_when=asyncio.FIRST_COMPLETED)
         finally:
             running.cancel()
         if handle.exited.done():

@@ -60,14 +60,23 @@ class LocalBackend(Backend):
         log_dir = os.path.join(self.context.session_dir, "workers")
         os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"{spec.worker_id}.log")
-        limits = CgroupLimits(
-            f"cmlcluster-{self.context.session_id}/{spec.worker_id}", spec.resources.cpu, spec.resources.memory
-        ) if self._apply_limits else None
+        limits = (
+            CgroupLimits(
+                f"cmlcluster-{self.context.session_id}/{spec.worker_id}", spec.resources.cpu, spec.resources.memory
+            )
+            if self._apply_limits
+            else None
+        )
         try:
             with open(log_path, "wb") as log:
                 process = await asyncio.create_subprocess_exec(
-                    *spec.argv, env=env, cwd=spec.cwd, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                    *spec.argv,
+                    env=env,
+                    cwd=spec.cwd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
                 )
         except OSError as e:
             self._gpus.give_back(gpus)

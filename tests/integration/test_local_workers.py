@@ -39,7 +39,9 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     view = session.client[:]
     pids = view.apply_sync(os.getpid)
     assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
-    env = view.apply_sync(ipp.interactive(lambda: {k: v for k, v in __import__("os").environ.items() if k.startswith(("CDSW", "CML_"))}))
+    env = view.apply_sync(
+        ipp.interactive(lambda: {k: v for k, v in __import__("os").environ.items() if k.startswith(("CDSW", "CML_"))})
+    )
     assert [e["CDSW_ENGINE_ID"] for e in env] == [w["id"] for w in workers]
     assert {e["CDSW_MASTER_ID"] for e in env} == {session.id}
     assert {e["CDSW_MASTER_IP"] for e in env} == {e["CML_MASTER_IP"] for e in env} == {"127.0.0.1"}
@@ -54,9 +56,11 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
 def test_program_output_is_streamed_live_and_prefixed(capsys):
     with Session("local") as s:  # echo on: lines are printed with the worker id
         [w] = s.launch_workers(
-            1, cpu=1, memory=1,
+            1,
+            cpu=1,
+            memory=1,
             code="import sys, subprocess\nprint('from python')\nprint('to stderr', file=sys.stderr)\n"
-                 "subprocess.run(['echo', 'from a child process'])",
+            "subprocess.run(['echo', 'from a child process'])",
         )
         result = s.await_workers([w], timeout_seconds=60)
         assert result["failures"] == [], result
@@ -87,7 +91,9 @@ def test_script_runs_as_main(session, tmp_path, monkeypatch):
 def test_raising_code_fails_with_exit_code_and_traceback_tail(session):
     ok, bad = (
         session.launch_workers(1, cpu=1, memory=1, code="print('fine')")[0],
-        session.launch_workers(1, cpu=1, memory=1, code="def train():\n    raise ValueError('loss is nan')\ntrain()")[0],
+        session.launch_workers(1, cpu=1, memory=1, code="def train():\n    raise ValueError('loss is nan')\ntrain()")[
+            0
+        ],
     )
     result = session.await_workers([ok, bad], timeout_seconds=60)
     assert [w["id"] for w in result["workers"]] == [ok["id"]]
@@ -150,6 +156,7 @@ def test_memory_and_cpu_limits_are_applied_where_cgroups_allow(session):
     @ipp.interactive
     def own_limits():
         import os as _os
+
         limits = {}
         for line in open("/proc/self/cgroup"):
             _, controllers, path = line.strip().split(":", 2)
@@ -178,7 +185,9 @@ SESSION_SCRIPT = textwrap.dedent("""
 
 def _session_process(mode: str) -> tuple[subprocess.Popen[str], list[int]]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", SESSION_SCRIPT, mode], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", SESSION_SCRIPT, mode],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -43,7 +43,9 @@ def test_bad_launch_input_is_refused_before_anything_starts(session, kwargs, mes
 
 
 def test_more_gpus_than_exist_is_refused_before_anything_starts(session):
-    with pytest.raises(ConfigError, match=r"nvidia_gpu=2 for 2 workers needs 4 GPUs, but this machine has 2 \(ids: 0, 1\)"):
+    with pytest.raises(
+        ConfigError, match=r"nvidia_gpu=2 for 2 workers needs 4 GPUs, but this machine has 2 \(ids: 0, 1\)"
+    ):
         session.launch_workers(2, cpu=1, memory=1, nvidia_gpu=2)
     assert session.list_workers() == []
 
@@ -57,7 +59,9 @@ def test_gpus_are_given_back_when_workers_end(session):
 
 
 def test_unknown_backend_lists_known_ones():
-    with pytest.raises(ConfigError, match="backend='kubernetes-typo' is not a known backend; choose one of .*fake.*local"):
+    with pytest.raises(
+        ConfigError, match=r"backend='kubernetes-typo' is not a known backend; choose one of .*fake.*local"
+    ):
         Session("kubernetes-typo")
 
 
