@@ -174,9 +174,27 @@ class IPyParallelControl(ControlPlane):
         return future, AsyncResult(client, future, fname=str(args[0]), targets=engine_id, owner=True)
 
     async def describe(self, engine_id: int) -> WorkerInfo:
-        _, result = self._apply(engine_id, ("describe",))
-        info = await asyncio.wait_for(asyncio.wrap_future(result), DESCRIBE_TIMEOUT)
-        return WorkerInfo(ip_address=info.get("ip_address"), hostname=info.get("hostname"), pid=info.get("pid"))
+        # The hub announces an engine once its heart beats, but under load the engine's
+        # shell socket can connect later, and ipyparallel's router drops what is sent to
+        # it before then. describe is idempotent, so on silence ask again, with backoff.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DESCRIBE_TIMEOUT
+        asked: set[asyncio.Future[Any]] = set()
+        silence = 0.5
+        while True:
+            _, result = self._apply(engine_id, ("describe",))
+            asked.add(asyncio.wrap_future(result))
+            done, asked = await asyncio.wait(
+                asked, timeout=max(0.0, min(silence, deadline - loop.time())), return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                for unanswered in asked:
+                    unanswered.cancel()
+                info = done.pop().result()
+                return WorkerInfo(ip_address=info.get("ip_address"), hostname=info.get("hostname"), pid=info.get("pid"))
+            if loop.time() >= deadline:
+                raise TimeoutError(f"engine {engine_id} did not answer for {DESCRIBE_TIMEOUT:g} s")
+            silence = min(silence * 2, 4.0)
 
     async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
         loop = asyncio.get_running_loop()

@@ -6,10 +6,10 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from .errors import ConfigError
-from .workers import WorkerSpec
+from .workers import Resources
 
 log = logging.getLogger("cmlcluster")
 
@@ -49,14 +49,13 @@ class GpuPool:
     def free(self) -> list[str]:
         return list(self._free)
 
-    def check(self, specs: Sequence[WorkerSpec]) -> None:
+    def check(self, n: int, resources: Resources) -> None:
         """Refuse a launch that asks for more GPUs than are free, before anything starts."""
-        wanted = sum(s.resources.nvidia_gpu for s in specs)
+        wanted = n * resources.nvidia_gpu
         if wanted > len(self._free):
-            per = specs[0].resources.nvidia_gpu
             have = ", ".join(self.all) or "none"
             raise ConfigError(
-                f"nvidia_gpu={per} for {len(specs)} workers needs {wanted} GPUs, but this machine has "
+                f"nvidia_gpu={resources.nvidia_gpu} for {n} workers needs {wanted} GPUs, but this machine has "
                 f"{len(self.all)} (ids: {have}) of which {len(self._free)} are free; "
                 "ask for fewer GPUs or workers, or stop workers that hold GPUs"
             )

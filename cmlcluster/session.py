@@ -17,12 +17,11 @@ import secrets
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ._aio import LoopThread
 from .backends import Backend, SessionContext, make_backend
@@ -61,6 +60,8 @@ class Event:
 
 Subscriber = Callable[[Event], None]
 
+T = TypeVar("T")
+
 _live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
@@ -84,7 +85,6 @@ class Session:
         self.id = secrets.token_hex(3)
         self.backend = make_backend(backend, **backend_options)
         self._loop = LoopThread(name=f"cmlcluster-{self.id}")
-        self._lock = threading.Lock()
         self._dir: str | None = None
         self._control: ControlPlane | None = None
         self._workers: dict[str, Worker] = {}
@@ -134,8 +134,7 @@ class Session:
         return self._loop.run(self._await(list(ids), wait_for_completion, float(timeout_seconds)))
 
     def list_workers(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return [w.to_dict() for w in self._workers.values()]
+        return self._read(lambda: [w.to_dict() for w in self._workers.values()])
 
     def stop_workers(self, *ids: str | Mapping[str, Any]) -> list[dict[str, Any]]:
         """Stop these workers (all of the session's when none are named), in parallel."""
@@ -146,8 +145,7 @@ class Session:
     def output(self, worker: str | Mapping[str, Any]) -> str:
         """The worker's output so far (the last lines of it)."""
         w = self._resolve(worker)
-        with self._lock:
-            return "\n".join(w.output)
+        return self._read(lambda: "\n".join(w.output))
 
     @property
     def client(self) -> Any:
@@ -185,6 +183,16 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise CmlClusterError(f"session {self.id} is closed; start a new one")
+
+    def _read(self, read: Callable[[], T]) -> T:
+        """Read the records on the loop thread, where they change, so a reader never sees half a change."""
+        if self.closed or self._loop.in_loop_thread:
+            return read()  # nothing changes any more / already on the loop
+
+        async def snapshot() -> T:
+            return read()
+
+        return self._loop.run(snapshot())
 
     def _resolve(self, ref: str | Mapping[str, Any]) -> Worker:
         worker_id = ref.get("id") if isinstance(ref, Mapping) else ref
@@ -256,14 +264,13 @@ class Session:
         env: dict[str, str],
         cwd: str,
     ) -> list[dict[str, Any]]:
+        self.backend.check(n, resources)
         control = await self._ensure_started()
         specs = [self._make_spec(resources, env, cwd, control) for _ in range(n)]
-        self.backend.check(specs)
         workers = [Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs]
-        with self._lock:
-            for w in workers:
-                self._workers[w.id] = w
-                self._by_engine[w.engine_id] = w
+        for w in workers:
+            self._workers[w.id] = w
+            self._by_engine[w.engine_id] = w
         try:
             return list(await asyncio.gather(*(self._start(w) for w in workers)))
         except BaseException:
@@ -275,9 +282,8 @@ class Session:
         try:
             worker.handle = await self.backend.start(worker.spec)
         except (BackendError, OSError) as e:
-            with self._lock:
-                del self._workers[worker.id]
-                del self._by_engine[worker.engine_id]
+            del self._workers[worker.id]
+            del self._by_engine[worker.engine_id]
             # CML's shape for a worker that could not be launched: no "id", a "message".
             return {"status": FAILED, "message": f"could not launch worker {worker.id}: {e}"}
         self._exit_watchers[worker.id] = self._spawn(self._watch_exit(worker))
@@ -321,17 +327,16 @@ class Session:
         try:
             info = await control.describe(worker.engine_id)
         except Exception as e:  # the engine died or hangs; the exit watcher has the last word
-            log.warning("worker %s registered but did not answer: %s", worker.id, e)
+            log.warning("worker %s registered but did not answer: %r", worker.id, e)
             return
         if worker.finished:
             return
         worker.hostname, worker.pid = info.hostname, info.pid
         if not info.ip_address:
             return  # registered, address unknown: not running by CML's definition
-        with self._lock:
-            worker.ip_address = info.ip_address
-            worker.status = RUNNING
-            worker.running_at = time.time()
+        worker.ip_address = info.ip_address
+        worker.status = RUNNING
+        worker.running_at = time.time()
         self._emit("status", worker)
         if worker.program.empty:
             return  # serves the control plane until stopped
@@ -383,8 +388,7 @@ class Session:
 
     def _output_line(self, worker: Worker, stream: str, line: str) -> None:
         line = line.rstrip("\r")
-        with self._lock:
-            worker.output.append(line)
+        worker.output.append(line)
         self._emit("output", worker, stream, line)
 
     def _emit(self, kind: str, worker: Worker, stream: str = "", text: str = "") -> None:
@@ -433,19 +437,18 @@ class Session:
             await self._next_change(remaining)
 
         ok: list[dict[str, Any]] = []
-        with self._lock:
-            for w in workers:
-                record = w.to_dict()
-                wanted = SUCCEEDED if wait_for_completion else RUNNING
-                if w.status == wanted:
-                    ok.append(record)
-                    continue
-                if not decided(w):
-                    record["status"] = TIMEDOUT
-                    record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s"
-                elif not wait_for_completion and not record.get("message"):
-                    record["message"] = f"worker {w.id} {w.status} while waiting for it to run"
-                failures.append(record)
+        for w in workers:
+            record = w.to_dict()
+            wanted = SUCCEEDED if wait_for_completion else RUNNING
+            if w.status == wanted:
+                ok.append(record)
+                continue
+            if not decided(w):
+                record["status"] = TIMEDOUT
+                record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s"
+            elif not wait_for_completion and not record.get("message"):
+                record["message"] = f"worker {w.id} {w.status} while waiting for it to run"
+            failures.append(record)
         return {"workers": ok, "failures": failures}
 
     async def _stop(self, workers: list[Worker]) -> list[dict[str, Any]]:
@@ -457,8 +460,7 @@ class Session:
         watchers = [self._exit_watchers[w.id] for w in live if w.id in self._exit_watchers]
         if watchers:
             await asyncio.wait(watchers, timeout=STOP_GRACE)
-        with self._lock:
-            return [w.to_dict() for w in workers]
+        return [w.to_dict() for w in workers]
 
     async def _close(self) -> None:
         try:

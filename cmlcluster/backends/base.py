@@ -6,9 +6,10 @@ It knows nothing of ipyparallel, statuses or CML; the session does all that.
 
 Lifecycle, all methods called from the session's event loop:
 
-- ``attach(context)`` once, before anything else.
-- ``check(specs)`` before a launch: raise ConfigError if the backend can never
-  satisfy these specs (say, more GPUs than exist). Nothing has started yet.
+- ``attach(context)`` once, before the first ``start``.
+- ``check(n, resources)`` before a launch, before ``attach`` and before anything
+  has started: raise ConfigError if n such workers can never start here (say,
+  more GPUs than exist).
 - ``start(spec)`` returns a handle once the process has been created. It may
   raise BackendError; then nothing of that worker is left behind.
 - ``poll(handle)`` returns None while the process is alive (and for a handle
@@ -25,11 +26,10 @@ Lifecycle, all methods called from the session's event loop:
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..workers import WorkerSpec
+from ..workers import Resources, WorkerSpec
 
 if TYPE_CHECKING:
     from ..control import ControlPlane
@@ -59,8 +59,8 @@ class Backend(abc.ABC):
         """A control plane of the backend's own; None means the real ipyparallel one."""
         return None
 
-    def check(self, specs: Sequence[WorkerSpec]) -> None:  # noqa: B027 - optional hook
-        """Raise ConfigError if these specs can never be satisfied here."""
+    def check(self, n: int, resources: Resources) -> None:  # noqa: B027 - optional hook
+        """Raise ConfigError if n workers with these resources can never start here."""
 
     @abc.abstractmethod
     async def start(self, spec: WorkerSpec) -> Any: ...

@@ -21,7 +21,7 @@ from typing import Any
 from ..control import ControlPlane, OutputCallback, WorkerInfo
 from ..errors import BackendError, CmlClusterError
 from ..resources import GpuPool
-from ..workers import Program, WorkerSpec
+from ..workers import Program, Resources, WorkerSpec
 from .base import Backend
 
 SIGTERM_EXIT = -15
@@ -77,8 +77,8 @@ class FakeBackend(Backend):
     def control_plane(self) -> ControlPlane:
         return self.control
 
-    def check(self, specs: Sequence[WorkerSpec]) -> None:
-        self._gpus.check(specs)
+    def check(self, n: int, resources: Resources) -> None:
+        self._gpus.check(n, resources)
 
     async def start(self, spec: WorkerSpec) -> FakeHandle:
         script = self._script(spec.engine_id)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from .._proc import signal_group
 from ..errors import BackendError
 from ..resources import CgroupLimits, GpuPool, visible_gpus
-from ..workers import WorkerSpec
+from ..workers import Resources, WorkerSpec
 from .base import Backend
 
 OUTPUT_TAIL_BYTES = 64 * 1024
@@ -48,8 +48,8 @@ class LocalBackend(Backend):
     def gpus(self) -> GpuPool:
         return self._gpus
 
-    def check(self, specs: Sequence[WorkerSpec]) -> None:
-        self._gpus.check(specs)
+    def check(self, n: int, resources: Resources) -> None:
+        self._gpus.check(n, resources)
 
     async def start(self, spec: WorkerSpec) -> LocalHandle:
         gpus = self._gpus.take(spec.resources.nvidia_gpu)

@@ -160,6 +160,7 @@ def test_closed_session_refuses_work_and_closes_its_control_plane():
     s.close()
     s.close()  # idempotent
     assert backend.control.closed
+    assert [w["status"] for w in s.list_workers()] == ["stopped"]  # the final records stay readable
     with pytest.raises(Exception, match="closed"):
         s.launch_workers(1, cpu=1, memory=1)
 

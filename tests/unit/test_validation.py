@@ -43,11 +43,13 @@ def test_bad_launch_input_is_refused_before_anything_starts(session, kwargs, mes
 
 
 def test_more_gpus_than_exist_is_refused_before_anything_starts(session):
+    assert not session.backend.control.started
     with pytest.raises(
         ConfigError, match=r"nvidia_gpu=2 for 2 workers needs 4 GPUs, but this machine has 2 \(ids: 0, 1\)"
     ):
         session.launch_workers(2, cpu=1, memory=1, nvidia_gpu=2)
     assert session.list_workers() == []
+    assert not session.backend.control.started  # not even the controller
 
 
 def test_gpus_are_given_back_when_workers_end(session):
