@@ -20,6 +20,21 @@ def cmlcluster_processes() -> list[psutil.Process]:
     return found
 
 
+def alive_after(pids: list[int], within: float) -> list[int]:
+    """The pids still running (zombies count as gone) once `within` seconds have passed or all are gone."""
+    deadline = time.monotonic() + within
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return alive
+
+
+@pytest.fixture
+def wait_gone():
+    return alive_after
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
     before = {p.pid for p in cmlcluster_processes()}

@@ -54,15 +54,6 @@ def worker_pids(kc) -> list[int]:
     return pids
 
 
-def wait_gone(pids: list[int], within: float = 30) -> list[int]:
-    deadline = time.monotonic() + within
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    return alive
-
-
 def test_interrupt_stops_the_wait_and_the_session_goes_on(kernel):
     km, kc = kernel
     worker_pids(kc)
@@ -76,15 +67,15 @@ def test_interrupt_stops_the_wait_and_the_session_goes_on(kernel):
     assert out.strip() == "['running', 'running']"
 
 
-def test_kernel_restart_stops_workers(kernel):
+def test_kernel_restart_stops_workers(kernel, wait_gone):
     km, kc = kernel
     pids = worker_pids(kc)
     km.restart_kernel(now=False)
-    assert wait_gone(pids) == []
+    assert wait_gone(pids, within=30) == []
 
 
-def test_kernel_shutdown_stops_workers(kernel):
+def test_kernel_shutdown_stops_workers(kernel, wait_gone):
     km, kc = kernel
     pids = worker_pids(kc)
     km.shutdown_kernel(now=False)
-    assert wait_gone(pids) == []
+    assert wait_gone(pids, within=30) == []

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import ipyparallel as ipp
 import psutil
@@ -195,24 +194,15 @@ def _session_process(mode: str) -> tuple[subprocess.Popen[str], list[int]]:
     return proc, json.loads(line)
 
 
-def _gone(pids: list[int], within: float) -> list[int]:
-    deadline = time.monotonic() + within
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    return alive
-
-
-def test_killed_session_process_leaves_no_worker_behind():
+def test_killed_session_process_leaves_no_worker_behind(wait_gone):
     proc, pids = _session_process("hang")
     assert all(psutil.pid_exists(p) for p in pids)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert _gone(pids, within=30) == []
+    assert wait_gone(pids, within=30) == []
 
 
-def test_interpreter_exit_stops_workers():
+def test_interpreter_exit_stops_workers(wait_gone):
     proc, pids = _session_process("exit")
     assert proc.wait(timeout=60) == 0
-    assert _gone(pids, within=5) == []
+    assert wait_gone(pids, within=5) == []
