@@ -15,7 +15,7 @@ from .api import (
     stop_workers,
     use_backend,
 )
-from .errors import BackendError, CmlClusterError, CommandError, ConfigError, ControllerError
+from .errors import BackendError, CmlClusterError, ConfigError, ControllerError
 from .session import Event, Session
 
 __version__ = "0.1.0"
@@ -23,7 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "CmlClusterError",
-    "CommandError",
     "ConfigError",
     "ControllerError",
     "Event",
