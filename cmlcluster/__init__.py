@@ -15,8 +15,10 @@ from .api import (
     stop_workers,
     use_backend,
 )
-from .errors import BackendError, CmlClusterError, ConfigError, ControllerError
+from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
 from .session import Event, Session
+from .tensorflow import TFCluster, run_cluster, start_cluster
+from .workers import Program
 
 __version__ = "0.1.0"
 
@@ -26,12 +28,17 @@ __all__ = [
     "ConfigError",
     "ControllerError",
     "Event",
+    "Program",
     "Session",
+    "TFCluster",
+    "WorkerError",
     "await_workers",
     "client",
     "get_session",
     "launch_workers",
     "list_workers",
+    "run_cluster",
+    "start_cluster",
     "stop_session",
     "stop_workers",
     "use_backend",

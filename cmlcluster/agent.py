@@ -17,6 +17,7 @@ controller's engine connection file), CDSW_MASTER_IP (the controller's address).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import runpy
@@ -69,11 +70,18 @@ def describe() -> dict[str, Any]:
     }
 
 
-def run_program(script: str, code: str) -> int:
+def call(target: str, *args: Any) -> Any:
+    """Call "package.module:function" with args; how the session runs code in a worker."""
+    module_name, _, function = target.partition(":")
+    return getattr(importlib.import_module(module_name), function)(*args)
+
+
+def run_program(script: str, code: str, target: str = "", args: tuple[Any, ...] = ()) -> int:
     """Run the worker's program in this engine and return its exit code.
 
     Behaves like ``python script`` / ``python -c code`` / ``sh -c cmd``: a
     traceback goes to stderr and gives exit code 1; SystemExit gives its code.
+    A target function's return value is its exit code (None is 0).
     """
     try:
         if script:
@@ -84,6 +92,8 @@ def run_program(script: str, code: str) -> int:
             return subprocess.call(["/bin/sh", "-c", code[1:]])
         elif code:
             exec(compile(code, "<worker code>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        elif target:
+            return int(call(target, *args) or 0)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -59,6 +60,13 @@ class ControlPlane(abc.ABC):
         """Run the program on the engine; return its exit code once all its output has arrived."""
 
     @abc.abstractmethod
+    async def call(self, engine_id: int, target: str, args: tuple[Any, ...], on_output: OutputCallback) -> Any:
+        """Call "module:function"(*args) in the worker and return its result; its output goes to on_output.
+
+        An exception raised there is raised here as a RemoteError carrying the remote traceback.
+        """
+
+    @abc.abstractmethod
     async def close(self) -> None: ...
 
     @property
@@ -69,8 +77,8 @@ class ControlPlane(abc.ABC):
 def _agent_call(name: str, *args: Any) -> Any:
     """Runs on an engine: call a function of the worker's agent module.
 
-    Shipped by ipyparallel as code; the agent's functions are imported there,
-    so they always match the worker's installed cmlcluster.
+    Only this small function travels as code; everything it calls is imported
+    in the worker, so it always matches the worker's installed cmlcluster.
     """
     from cmlcluster import agent
 
@@ -196,7 +204,7 @@ class IPyParallelControl(ControlPlane):
                 raise TimeoutError(f"engine {engine_id} did not answer for {DESCRIBE_TIMEOUT:g} s")
             silence = min(silence * 2, 4.0)
 
-    async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
+    async def _apply_streaming(self, engine_id: int, args: tuple[Any, ...], on_output: OutputCallback) -> Any:
         loop = asyncio.get_running_loop()
 
         def on_iopub(msg: dict[str, Any]) -> None:
@@ -204,14 +212,20 @@ class IPyParallelControl(ControlPlane):
                 content = msg["content"]
                 loop.call_soon_threadsafe(on_output, content["name"], content["text"])
 
-        future, result = self._apply(engine_id, ("run_program", program.script, program.code), on_iopub)
-        exit_code = await asyncio.wrap_future(result)
-        # The reply can overtake the last output; ipyparallel resolves `output` on the idle message.
+        future, result = self._apply(engine_id, args, on_iopub)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(future.output), OUTPUT_DRAIN_TIMEOUT)
-        except asyncio.TimeoutError:
-            pass
-        return int(exit_code)
+            return await asyncio.wrap_future(result)
+        finally:
+            # The reply can overtake the last output; ipyparallel resolves `output` on the idle message.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(future.output), OUTPUT_DRAIN_TIMEOUT)
+
+    async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
+        args = ("run_program", program.script, program.code, program.target, program.args)
+        return int(await self._apply_streaming(engine_id, args, on_output))
+
+    async def call(self, engine_id: int, target: str, args: tuple[Any, ...], on_output: OutputCallback) -> Any:
+        return await self._apply_streaming(engine_id, ("call", target, *args), on_output)
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -20,3 +20,11 @@ class BackendError(CmlClusterError):
 
 class ControllerError(CmlClusterError):
     """The session's ipyparallel controller did not start or went away."""
+
+
+class WorkerError(CmlClusterError):
+    """Something run on a worker failed there; the message names the worker and quotes its traceback."""
+
+    def __init__(self, message: str, worker_id: str | None = None):
+        super().__init__(message)
+        self.worker_id = worker_id

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from ._aio import LoopThread
 from .backends import Backend, SessionContext, make_backend
 from .control import ControlPlane, IPyParallelControl
-from .errors import BackendError, CmlClusterError, ConfigError
+from .errors import BackendError, CmlClusterError, ConfigError, WorkerError
 from .workers import (
     FAILED,
     RUNNING,
@@ -142,10 +142,54 @@ class Session:
             return []
         return self._loop.run(self._stop([self._resolve(i) for i in ids] if ids else list(self._workers.values())))
 
+    def run_program(self, workers: Iterable[str | Mapping[str, Any]], program: Program) -> list[dict[str, Any]]:
+        """Give running workers that were launched without a program one to run now.
+
+        Each then ends like a worker launched with it: succeeded or failed, then stopped.
+        Wait for them with await_workers.
+        """
+        self._check_open()
+        targets = [self._resolve(ref) for ref in workers]
+        return self._loop.run(self._run_later(targets, program))
+
+    def call(self, worker: str | Mapping[str, Any], target: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call "module:function"(*args) inside a running worker and return what it returns.
+
+        Its output joins the worker's output. An exception there raises WorkerError
+        here, naming the worker and quoting the remote traceback.
+        """
+        return self.call_each([(worker, target, args)], timeout=timeout)[0]
+
+    def call_each(
+        self, calls: Iterable[tuple[str | Mapping[str, Any], str, tuple[Any, ...]]], timeout: float | None = None
+    ) -> list[Any]:
+        """Several calls, (worker, "module:function", args) each, in parallel; results in order.
+
+        All of them finish (or time out) before the first failure is raised.
+        """
+        self._check_open()
+        resolved = [(self._resolve(ref), target, tuple(args)) for ref, target, args in calls]
+
+        async def all_calls() -> list[Any]:
+            results = await asyncio.gather(
+                *(self._call(w, t, a, timeout) for w, t, a in resolved), return_exceptions=True
+            )
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return results
+
+        return self._loop.run(all_calls())
+
     def output(self, worker: str | Mapping[str, Any]) -> str:
         """The worker's output so far (the last lines of it)."""
         w = self._resolve(worker)
         return self._read(lambda: "\n".join(w.output))
+
+    @property
+    def controller_ip(self) -> str:
+        """This host's address as the session's workers reach it."""
+        return self.backend.controller_ip()
 
     @property
     def client(self) -> Any:
@@ -338,8 +382,41 @@ class Session:
         worker.status = RUNNING
         worker.running_at = time.time()
         self._emit("status", worker)
-        if worker.program.empty:
-            return  # serves the control plane until stopped
+        if not worker.program.empty:  # else it serves the control plane until stopped or given a program
+            await self._run_program(worker)
+
+    async def _run_later(self, workers: list[Worker], program: Program) -> list[dict[str, Any]]:
+        for w in workers:
+            if w.status != RUNNING or w.program_started:
+                state = "already has a program" if w.program_started else f"is {w.status}"
+                raise ConfigError(f"worker {w.id} {state}; only running workers launched without one can be given one")
+        for w in workers:
+            w.program = program
+            self._spawn(self._run_program(w))
+        return [w.to_dict() for w in workers]
+
+    async def _call(self, worker: Worker, target: str, args: tuple[Any, ...], timeout: float | None) -> Any:
+        control = self._control
+        if worker.status != RUNNING or control is None:
+            raise WorkerError(f"cannot call {target} on worker {worker.id}: it is {worker.status}", worker.id)
+        try:
+            return await asyncio.wait_for(
+                control.call(worker.engine_id, target, args, lambda s, t: self._on_output(worker, s, t)), timeout
+            )
+        except asyncio.TimeoutError:
+            raise WorkerError(
+                f"{target} on worker {worker.id} did not return within {timeout:g} s", worker.id
+            ) from None
+        except Exception as e:
+            detail = getattr(e, "traceback", None) or f"{type(e).__name__}: {e}"
+            raise WorkerError(f"{target} failed on worker {worker.id}:\n{detail}", worker.id) from None
+        finally:
+            self._flush_partial(worker)
+
+    async def _run_program(self, worker: Worker) -> None:
+        control = self._control
+        assert control is not None
+        worker.program_started = True
         try:
             code = await control.run_program(
                 worker.engine_id, worker.program, lambda s, t: self._on_output(worker, s, t)

@@ -56,14 +56,20 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class Program:
-    """What a worker runs once it is up: a script, code, a shell command, or nothing."""
+    """What a worker runs once it is up: a script, code, a shell command, a function, or nothing.
+
+    `target` ("package.module:function", called with `args`) is how frameworks run
+    their own code in workers (a TF task's script with its TF_CONFIG, say).
+    """
 
     script: str = ""
     code: str = ""
+    target: str = ""
+    args: tuple[Any, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.script and not self.code
+        return not self.script and not self.code and not self.target
 
 
 def _iso(timestamp: float | None) -> str | None:
@@ -81,6 +87,7 @@ class Worker:
     kernel: str
     backend: str
     status: str = SCHEDULING
+    program_started: bool = False
     ip_address: str = UNKNOWN_ADDRESS
     hostname: str | None = None
     pid: int | None = None

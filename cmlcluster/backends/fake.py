@@ -126,6 +126,9 @@ class FakeControl(ControlPlane):
         self._backend = backend
         self.started = False
         self.closed = False
+        self.calls: list[tuple[int, str, tuple[Any, ...]]] = []
+        # Answers call(); tests set it to play the worker's side of a framework.
+        self.responder: Callable[[int, str, tuple[Any, ...]], Any] | None = None
 
     async def start(self, listen_ip: str, session_dir: str) -> None:
         self.started = True
@@ -153,6 +156,12 @@ class FakeControl(ControlPlane):
         if handle.exited.done():
             raise CmlClusterError(f"engine {engine_id} died while running its program")
         return handle.script.exit_code
+
+    async def call(self, engine_id: int, target: str, args: tuple[Any, ...], on_output: OutputCallback) -> Any:
+        self.calls.append((engine_id, target, args))
+        if self.responder is None:
+            raise CmlClusterError(f"fake worker {engine_id} runs no code (asked for {target})")
+        return self.responder(engine_id, target, args)
 
     async def close(self) -> None:
         self.closed = True

@@ -1,0 +1,321 @@
+"""TensorFlow clusters on a session's workers: run_cluster (Cloudera's), start_cluster and TFCluster.
+
+One worker per TensorFlow task. The session launches them, learns their
+addresses, and then, over the control plane, starts a tf.distribute.Server in
+each (job name + task index) or runs a script in each with its TF_CONFIG.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CmlClusterError, ConfigError, WorkerError
+from ..session import Session
+from ..workers import Program
+from . import spec as specs
+
+TASK = "cmlcluster.tensorflow.task"
+SERVER_READY_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class TaskWorker:
+    """A TensorFlow task and the worker it runs in."""
+
+    job: str
+    index: int
+    address: str
+    worker_id: str
+
+
+class TFCluster:
+    """A running TensorFlow cluster: its workers, its ClusterSpec, and ways to train on it.
+
+    Use it as a context manager or call stop(). The notebook can be the coordinator
+    (``tf.distribute.ParameterServerStrategy(cluster.resolver)``), or every worker
+    task can run a script (``run_script`` with TF_CONFIG, ``run_cml_script`` with
+    Cloudera's run(cluster, server, task_index)).
+    """
+
+    def __init__(self, session: Session, tasks: Sequence[TaskWorker], servers: bool, chief: str | None = None):
+        self.session = session
+        self.tasks = list(tasks)
+        self.servers = servers
+        self.chief = chief  # the coordinator's address, in this process
+        self.cluster_spec: specs.ClusterDict = _spec_of(self.tasks, chief)
+        self.session_addr = f"grpc://{self.workers[0].address}"
+        self.stopped = False
+
+    @property
+    def workers(self) -> list[TaskWorker]:
+        return [t for t in self.tasks if t.job == "worker"]
+
+    @property
+    def ps(self) -> list[TaskWorker]:
+        return [t for t in self.tasks if t.job == "ps"]
+
+    def tf_config(self, task_type: str = "worker", task_index: int = 0) -> dict[str, Any]:
+        """The TF_CONFIG of one task of this cluster."""
+        return specs.tf_config(self.cluster_spec, task_type, task_index)
+
+    @property
+    def resolver(self) -> Any:
+        """A cluster resolver that makes this process the coordinator ("chief") of the cluster.
+
+        ``tf.distribute.ParameterServerStrategy(cluster.resolver)`` then runs the steps
+        of ``model.fit`` on the workers, with the variables on the parameter servers.
+        """
+        if self.chief is None:
+            raise CmlClusterError(
+                "this cluster has no coordinator task; start it with start_cluster(..., coordinator=True)"
+            )
+        import tensorflow as tf
+
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(self.cluster_spec), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+
+    def run_script(self, script: str, args: Sequence[str] = (), timeout_seconds: float = 0) -> list[dict[str, Any]]:
+        """Run `script args` as __main__ on every worker task, each with its own TF_CONFIG.
+
+        This is the MultiWorkerMirroredStrategy path (start the cluster with
+        servers=False: the strategy starts its own server from TF_CONFIG).
+        Waits for all of them; returns their worker dicts, or raises WorkerError.
+        """
+        programs = {
+            t.worker_id: Program(
+                target=f"{TASK}:run_script", args=(script, self.tf_config(t.job, t.index), tuple(args))
+            )
+            for t in self.workers
+        }
+        return self._run(programs, timeout_seconds)
+
+    def run_cml_script(self, script: str, timeout_seconds: float = 0) -> list[dict[str, Any]]:
+        """Cloudera's convention: every worker task calls the script's run(cluster, server, task_index)."""
+        if not self.servers:
+            raise CmlClusterError("run(cluster, server, task_index) needs the servers; start with servers=True")
+        programs = {
+            t.worker_id: Program(target=f"{TASK}:run_cml_script", args=(script, self.cluster_spec, t.index))
+            for t in self.workers
+        }
+        return self._run(programs, timeout_seconds)
+
+    def _run(self, programs: Mapping[str, Program], timeout_seconds: float) -> list[dict[str, Any]]:
+        if self.stopped:
+            raise CmlClusterError("this cluster is stopped; start a new one")
+        for worker_id, program in programs.items():
+            self.session.run_program([worker_id], program)
+        done = self.session.await_workers(list(programs), wait_for_completion=True, timeout_seconds=timeout_seconds)
+        if done["failures"]:
+            self.stop()  # one task failing leaves the others waiting on it forever
+            by_worker = {t.worker_id: t for t in self.tasks}
+            reasons = "\n\n".join(
+                f"{by_worker[f['id']].job} task {by_worker[f['id']].index} (worker {f['id']}): {f.get('message')}"
+                for f in done["failures"]
+            )
+            raise WorkerError(
+                f"{len(done['failures'])} of {len(programs)} worker tasks failed; "
+                f"the cluster was stopped.\n\n{reasons}",
+                done["failures"][0]["id"],
+            )
+        return done["workers"]
+
+    def stop(self) -> None:
+        """Stop every task's worker (TensorFlow servers end with their process)."""
+        if not self.stopped and not self.session.closed:
+            self.session.stop_workers(*(t.worker_id for t in self.tasks))
+        self.stopped = True
+
+    def __enter__(self) -> TFCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.stopped else "running"
+        return f"<TFCluster {state} ps={len(self.ps)} worker={len(self.workers)} {self.cluster_spec}>"
+
+
+def start_cluster(
+    n_workers: int,
+    n_ps: int = 0,
+    cpu: float = 1,
+    memory: float = 1,
+    nvidia_gpu: int = 0,
+    *,
+    port: int = specs.DEFAULT_PORT,
+    servers: bool = True,
+    coordinator: bool | None = None,
+    min_workers: int | None = None,
+    timeout_seconds: float = 60,
+    env: Mapping[str, str] | None = None,
+    session: Session | None = None,
+) -> TFCluster:
+    """Launch n_ps parameter servers (never with GPUs) and n_workers workers, and make them a cluster.
+
+    With servers=True every task runs its tf.distribute.Server, reachable before
+    this returns. With coordinator=True (the default when servers run) the spec
+    also holds a "chief" task at this process's address, for TF2's
+    ParameterServerStrategy with the notebook as coordinator (see TFCluster.resolver).
+    With min_workers, the cluster goes on with the workers that started if at
+    least that many did (a warning names the others).
+    """
+    min_workers = specs.check_counts(n_workers, n_ps, min_workers)
+    specs.check_port(port)
+    if coordinator is None:
+        coordinator = servers
+    if coordinator and not servers:
+        raise ConfigError("coordinator=True needs servers=True: a coordinator drives running servers")
+    if session is None:
+        from ..api import get_session
+
+        session = get_session()
+    with ExitStack() as undo:
+        launched: list[dict[str, Any]] = []
+        undo.callback(lambda: session.closed or session.stop_workers(*(w for w in launched if "id" in w)))
+        ps = session.launch_workers(n_ps, cpu, memory, 0, env=env) if n_ps else []
+        launched += ps
+        workers = session.launch_workers(n_workers, cpu, memory, nvidia_gpu, env=env)
+        launched += workers
+        ready = session.await_workers(launched, wait_for_completion=False, timeout_seconds=timeout_seconds)
+        ps_up, workers_up = _choose(ps, workers, ready, min_workers)
+        late = [f["id"] for f in ready["failures"] if "id" in f]
+        if late:
+            session.stop_workers(*late)  # still starting, perhaps; the cluster goes on without them
+        tasks = _place(ps_up, workers_up, port)
+        # The coordinator runs here; workers reach this host where they reach the controller.
+        chief = specs.join_address(session.controller_ip, _free_local_ports(1)[0]) if coordinator else None
+        if servers:
+            spec = _spec_of(tasks, chief)
+            session.call_each(
+                [(t.worker_id, f"{TASK}:start_server", (spec, t.job, t.index)) for t in tasks],
+                timeout=timeout_seconds or None,
+            )
+            _wait_reachable(tasks, SERVER_READY_TIMEOUT)
+        cluster = TFCluster(session, tasks, servers, chief)
+        undo.pop_all()
+    return cluster
+
+
+def run_cluster(
+    n_workers: int,
+    n_ps: int,
+    cpu: float,
+    memory: float,
+    nvidia_gpu: int = 0,
+    worker_script: str | None = None,
+    timeout_seconds: float = 60,
+    **options: Any,
+) -> tuple[specs.ClusterDict | None, str | None]:
+    """Cloudera's run_cluster: returns (cluster_spec, session_addr) of a running cluster.
+
+    With worker_script, every worker task calls the script's run(cluster, server,
+    task_index) while the parameter servers serve; once the workers are done the
+    cluster is stopped and (None, None) returned. A failing worker raises
+    WorkerError naming it, with its traceback, after everything is stopped.
+    Other options are start_cluster's (port, min_workers, env, session).
+    """
+    # TF1-style: clients connect to session_addr, so no coordinator task (a TF1 master
+    # would wait forever for a chief that never serves).
+    cluster = start_cluster(
+        n_workers,
+        n_ps,
+        cpu,
+        memory,
+        nvidia_gpu,
+        servers=True,
+        coordinator=False,
+        timeout_seconds=timeout_seconds,
+        **options,
+    )
+    if worker_script is None:
+        return cluster.cluster_spec, cluster.session_addr
+    with cluster:
+        cluster.run_cml_script(worker_script)
+    return None, None
+
+
+def _choose(
+    ps: list[dict[str, Any]], workers: list[dict[str, Any]], ready: dict[str, list[dict[str, Any]]], min_workers: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The tasks to build the cluster from; raises when too few are up. Order is launch order."""
+    up = {w["id"]: w for w in ready["workers"]}
+    ps_up = [up[w["id"]] for w in ps if w.get("id") in up]
+    workers_up = [up[w["id"]] for w in workers if w.get("id") in up]
+    failures = ready["failures"]
+    reasons = "\n".join(f"  {f.get('id', 'not launched')}: {f.get('message') or f.get('status')}" for f in failures)
+    if len(ps_up) < len(ps):
+        raise CmlClusterError(
+            f"{len(ps) - len(ps_up)} of {len(ps)} parameter servers did not start; a cluster cannot "
+            f"go on without one of its parameter servers:\n{reasons}"
+        )
+    if len(workers_up) < min_workers:
+        raise CmlClusterError(
+            f"only {len(workers_up)} of {len(workers)} workers started, "
+            f"fewer than min_workers={min_workers}:\n{reasons}"
+        )
+    if failures:
+        warnings.warn(
+            f"going on with {len(workers_up)} of {len(workers)} workers (min_workers={min_workers}); "
+            f"these did not start and were stopped:\n{reasons}",
+            stacklevel=3,
+        )
+    return ps_up, workers_up
+
+
+def _place(ps: list[dict[str, Any]], workers: list[dict[str, Any]], port: int) -> list[TaskWorker]:
+    """Give each task an address: its worker's IP, and a port of its own on that IP."""
+    members = [("ps", i, w) for i, w in enumerate(ps)] + [("worker", i, w) for i, w in enumerate(workers)]
+    ips = [w["ip_address"] for _, _, w in members]
+    if all(ipaddress.ip_address(ip).is_loopback for ip in ips):
+        ports = _free_local_ports(len(ips))  # workers on this host: ask the OS, nothing else may hold them
+    else:
+        ports = specs.assign_ports(ips, port)
+    return [
+        TaskWorker(job, index, specs.join_address(w["ip_address"], p), w["id"])
+        for (job, index, w), p in zip(members, ports, strict=True)
+    ]
+
+
+def _spec_of(tasks: Sequence[TaskWorker], chief: str | None = None) -> specs.ClusterDict:
+    every = [specs.Task(t.job, t.index, t.address) for t in tasks]
+    if chief is not None:
+        every.append(specs.Task("chief", 0, chief))
+    return specs.spec_from_tasks(every)
+
+
+def _free_local_ports(n: int) -> list[int]:
+    """n distinct ports that are free on this host now (all held at once, so no two are the same)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def _wait_reachable(tasks: Sequence[TaskWorker], timeout: float) -> None:
+    """Wait until every task's server accepts TCP connections from here."""
+    deadline = time.monotonic() + timeout
+    waiting = list(tasks)
+    while waiting:
+        task = waiting[0]
+        host, port = specs.split_address(task.address)
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            waiting.pop(0)
+            continue
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise CmlClusterError(
+                    f"the TensorFlow server of {task.job} task {task.index} (worker {task.worker_id}) at "
+                    f"{task.address} did not accept connections within {timeout:g} s: {e}"
+                ) from None
+        time.sleep(0.05)

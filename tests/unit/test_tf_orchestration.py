@@ -1,0 +1,88 @@
+"""start_cluster's choices on the fake backend: who becomes a task, carrying on with fewer, failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from cmlcluster import Session, WorkerError, start_cluster
+from cmlcluster.backends.fake import FakeBackend, FakeWorker
+from cmlcluster.errors import CmlClusterError, ConfigError
+
+
+def fake_session(*plan: FakeWorker) -> Session:
+    return Session(FakeBackend(list(plan)), echo=False)
+
+
+def statuses(session):
+    return [w["status"] for w in session.list_workers()]
+
+
+def test_parameter_servers_come_first_and_never_get_gpus():
+    with fake_session() as s:
+        cluster = start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, session=s)
+        assert cluster.cluster_spec == {"worker": ["10.0.0.2:2323", "10.0.0.3:2323"], "ps": ["10.0.0.1:2323"]}
+        assert [(t.job, t.index) for t in cluster.tasks] == [("ps", 0), ("worker", 0), ("worker", 1)]
+        assert cluster.session_addr == "grpc://10.0.0.2:2323"
+        assert cluster.tf_config("worker", 1)["task"] == {"type": "worker", "index": 1}
+        cluster.stop()
+        assert statuses(s) == ["stopped"] * 3
+
+    with Session(FakeBackend(gpus=["0", "1"]), echo=False) as s:
+        start_cluster(n_workers=2, n_ps=2, cpu=1, memory=1, nvidia_gpu=1, servers=False, session=s)
+        assert [w["nvidia_gpu"] for w in s.list_workers()] == [0, 0, 1, 1]
+
+
+def test_carries_on_with_the_workers_that_started_and_says_so():
+    # engine 0: the ps; 1 and 2: workers, of which 2 never comes up.
+    with fake_session(FakeWorker(), FakeWorker(), FakeWorker(registers=False)) as s:
+        with pytest.warns(UserWarning, match=r"going on with 1 of 2 workers \(min_workers=1\)"):
+            cluster = start_cluster(
+                n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, min_workers=1, timeout_seconds=0.5, session=s
+            )
+        assert cluster.cluster_spec == {"worker": ["10.0.0.2:2323"], "ps": ["10.0.0.1:2323"]}
+        assert statuses(s) == ["running", "running", "stopped"]  # the late one does not linger
+
+
+def test_below_min_workers_it_fails_with_the_reasons_and_stops_everything():
+    plan = (FakeWorker(), FakeWorker(registers=False), FakeWorker(dies_after=0.05, death_code=3))
+    with fake_session(*plan) as s:
+        with pytest.raises(CmlClusterError, match=r"only 0 of 2 workers started") as caught:
+            start_cluster(
+                n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, min_workers=1, timeout_seconds=1, session=s
+            )
+        message = str(caught.value)
+        assert f"{s.id}-1: worker {s.id}-1 was still scheduling after 1 s" in message
+        assert f"{s.id}-2: worker {s.id}-2 exited with code 3" in message
+        assert statuses(s) == ["stopped", "stopped", "failed"]
+
+
+def test_a_missing_parameter_server_is_fatal():
+    with fake_session(FakeWorker(launch_error="no room")) as s:
+        with pytest.raises(CmlClusterError, match=r"(?s)1 of 1 parameter servers did not start.*no room"):
+            start_cluster(n_workers=1, n_ps=1, cpu=1, memory=1, servers=False, timeout_seconds=1, session=s)
+        assert statuses(s) == ["stopped"]  # the worker that did start
+
+
+def test_a_failing_worker_task_names_itself_and_stops_the_cluster():
+    plan = (FakeWorker(), FakeWorker(output=("training",)), FakeWorker(output=("ValueError: bad batch",), exit_code=1))
+    with fake_session(*plan) as s:
+        cluster = start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, session=s)
+        with pytest.raises(WorkerError, match=r"1 of 2 worker tasks failed") as caught:
+            cluster.run_script("train.py")
+        assert f"worker task 1 (worker {s.id}-2)" in str(caught.value)
+        assert "ValueError: bad batch" in str(caught.value)
+        assert caught.value.worker_id == f"{s.id}-2"
+        assert statuses(s) == ["stopped", "succeeded", "failed"]
+
+
+def test_bad_input_is_refused_before_anything_starts():
+    with fake_session() as s:
+        for kwargs, names in [
+            ({"n_workers": 0}, "n_workers=0"),
+            ({"n_workers": 1, "n_ps": -1}, "n_ps=-1"),
+            ({"n_workers": 1, "port": 2222}, "2222"),
+            ({"n_workers": 1, "servers": False, "coordinator": True}, "coordinator=True needs servers=True"),
+        ]:
+            with pytest.raises(ConfigError, match=names):
+                start_cluster(cpu=1, memory=1, session=s, **kwargs)
+        assert s.list_workers() == []
