@@ -127,11 +127,17 @@ class Session:
         ids: Iterable[str | Mapping[str, Any]],
         wait_for_completion: bool = True,
         timeout_seconds: float = 60,
+        *,
+        fail_fast: bool = False,
     ) -> dict[str, list[dict[str, Any]]]:
-        """Wait until the workers run (or finish); returns {"workers": [...], "failures": [...]}."""
+        """Wait until the workers run (or finish); returns {"workers": [...], "failures": [...]}.
+
+        With fail_fast, return as soon as one of them fails; the ones still going are
+        then listed among the failures with their current status.
+        """
         if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or timeout_seconds < 0:
             raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give seconds >= 0 (0 waits without a limit)")
-        return self._loop.run(self._await(list(ids), wait_for_completion, float(timeout_seconds)))
+        return self._loop.run(self._await(list(ids), wait_for_completion, float(timeout_seconds), fail_fast))
 
     def list_workers(self) -> list[dict[str, Any]]:
         return self._read(lambda: [w.to_dict() for w in self._workers.values()])
@@ -493,6 +499,7 @@ class Session:
         refs: list[str | Mapping[str, Any]],
         wait_for_completion: bool,
         timeout: float,
+        fail_fast: bool = False,
     ) -> dict[str, list[dict[str, Any]]]:
         failures: list[dict[str, Any]] = []
         workers: list[Worker] = []
@@ -507,7 +514,11 @@ class Session:
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout if timeout else None
-        while not all(decided(w) for w in workers):
+
+        def one_failed() -> bool:
+            return fail_fast and any(w.status in (FAILED, STOPPED) for w in workers)
+
+        while not all(decided(w) for w in workers) and not one_failed():
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 break
@@ -520,7 +531,9 @@ class Session:
             if w.status == wanted:
                 ok.append(record)
                 continue
-            if not decided(w):
+            if not decided(w) and one_failed():
+                record["message"] = f"worker {w.id} was still {w.status} when another worker failed"
+            elif not decided(w):
                 record["status"] = TIMEDOUT
                 record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s"
             elif not wait_for_completion and not record.get("message"):
@@ -542,6 +555,10 @@ class Session:
     async def _close(self) -> None:
         try:
             await self._stop(list(self._workers.values()))
+            # A finished worker's process may still be on its way out (its program just
+            # ended); stop is idempotent, so make sure of every one before the loop goes.
+            handles = [w.handle for w in self._workers.values() if w.handle is not None]
+            await asyncio.gather(*(self.backend.stop(h, STOP_GRACE) for h in handles))
         finally:
             for task in list(self._tasks):
                 task.cancel()

@@ -112,18 +112,20 @@ class TFCluster:
             raise CmlClusterError("this cluster is stopped; start a new one")
         for worker_id, program in programs.items():
             self.session.run_program([worker_id], program)
-        done = self.session.await_workers(list(programs), wait_for_completion=True, timeout_seconds=timeout_seconds)
+        done = self.session.await_workers(
+            list(programs), wait_for_completion=True, timeout_seconds=timeout_seconds, fail_fast=True
+        )
         if done["failures"]:
-            self.stop()  # one task failing leaves the others waiting on it forever
+            self.stop()  # the others would wait on the failed one forever
             by_worker = {t.worker_id: t for t in self.tasks}
+            failed = [f for f in done["failures"] if f["status"] != "running"]
             reasons = "\n\n".join(
                 f"{by_worker[f['id']].job} task {by_worker[f['id']].index} (worker {f['id']}): {f.get('message')}"
-                for f in done["failures"]
+                for f in failed
             )
             raise WorkerError(
-                f"{len(done['failures'])} of {len(programs)} worker tasks failed; "
-                f"the cluster was stopped.\n\n{reasons}",
-                done["failures"][0]["id"],
+                f"{len(failed)} of {len(programs)} worker tasks failed; the cluster was stopped.\n\n{reasons}",
+                failed[0]["id"],
             )
         return done["workers"]
 

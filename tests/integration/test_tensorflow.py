@@ -1,0 +1,147 @@
+"""Real TensorFlow clusters on real workers: parameter-server training with this process as
+coordinator, Cloudera's run(cluster, server, task_index) scripts, MultiWorkerMirroredStrategy."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tensorflow as tf
+
+from cmlcluster import Session, WorkerError, run_cluster, start_cluster
+
+pytestmark = pytest.mark.integration
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "worker_scripts"
+
+
+@pytest.fixture
+def session():
+    with Session("local", echo=False) as s:
+        yield s
+
+
+def outputs(session):
+    return {w["id"]: session.output(w) for w in session.list_workers()}
+
+
+def test_parameter_server_training_with_this_process_as_coordinator(session):
+    with start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session) as cluster:
+        assert sorted(cluster.cluster_spec) == ["chief", "ps", "worker"]
+        assert len(cluster.cluster_spec["worker"]) == 2 and len(cluster.cluster_spec["ps"]) == 1
+
+        strategy = tf.distribute.ParameterServerStrategy(cluster.resolver)
+        assert strategy.extended._num_workers == 2 and strategy.extended._num_ps == 1
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(1)])
+            model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+
+        def dataset(_context):
+            x = np.random.default_rng(0).random((512, 4), dtype=np.float32)
+            y = x @ np.array([[1.0], [-2.0], [3.0], [0.5]], dtype=np.float32)
+            return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512).repeat().batch(32)
+
+        worker_pids = [session.call(t.worker_id, "os:getpid") for t in cluster.workers]
+        cpu_before = [sum(psutil.Process(p).cpu_times()[:2]) for p in worker_pids]
+        history = model.fit(tf.keras.utils.experimental.DatasetCreator(dataset), epochs=4, steps_per_epoch=25)
+        cpu_used = [sum(psutil.Process(p).cpu_times()[:2]) - b for p, b in zip(worker_pids, cpu_before, strict=True)]
+        losses = history.history["loss"]
+        assert losses[-1] < losses[0] / 2, losses
+        # The variables live on the parameter server, not here and not on the workers.
+        assert {v.device for v in model.variables} == {"/job:ps/replica:0/task:0/device:CPU:0"}
+        # The steps ran in the worker processes: both worked (their servers are idle otherwise).
+        assert all(used > 0.1 for used in cpu_used), cpu_used
+    assert {w["status"] for w in session.list_workers()} == {"stopped"}
+
+
+def test_run_cluster_returns_a_spec_and_address_of_real_servers(session):
+    spec, address = run_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session)
+    assert sorted(spec) == ["ps", "worker"]
+    assert address == f"grpc://{spec['worker'][0]}"
+    # A TF1 client session through that address places ops on the parameter server.
+    with tf.Graph().as_default():
+        with tf.device("/job:ps/task:0"):
+            total = tf.reduce_sum(tf.constant([1.0, 2.0, 3.0]))
+        with tf.compat.v1.Session(address) as client:
+            assert client.run(total) == 6.0
+            assert {d.name.split("/device")[0] for d in client.list_devices()} >= {
+                "/job:ps/replica:0/task:0",
+                "/job:worker/replica:0/task:0",
+                "/job:worker/replica:0/task:1",
+            }
+    session.stop_workers()
+
+
+def test_worker_script_runs_cloudera_style_and_stops_everything(session, monkeypatch):
+    monkeypatch.setenv("TRAIN_STEPS", "200")
+    result = run_cluster(
+        n_workers=2, n_ps=1, cpu=1, memory=2, worker_script=str(SCRIPTS / "tf_ps_train.py"), session=session
+    )
+    assert result == (None, None)
+    records = session.list_workers()
+    assert [w["status"] for w in records] == ["stopped", "succeeded", "succeeded"]  # ps stopped once done
+    logs = outputs(session)
+    for task_index, worker in enumerate(records[1:]):
+        final = re.search(rf"worker {task_index}: done, (\d+) steps, final loss ([\d.]+)", logs[worker["id"]])
+        assert final, logs[worker["id"]]
+        assert float(final.group(2)) < 0.05  # it learned the linear function
+    # Asynchronous SGD: the two workers' steps add up to the global step count.
+    steps = [int(m) for m in re.findall(r"cmlcluster-bench steps=(\d+)", "\n".join(logs.values()))]
+    assert len(steps) == 2 and sum(steps) >= 200
+
+
+def test_multi_worker_mirrored_strategy_ends_with_identical_weights(session):
+    with start_cluster(n_workers=2, servers=False, cpu=1, memory=2, session=session) as cluster:
+        assert "chief" not in cluster.cluster_spec and "ps" not in cluster.cluster_spec
+        done = cluster.run_script(str(SCRIPTS / "tf_multiworker_train.py"), args=["--epochs", "2"])
+        assert [w["status"] for w in done] == ["succeeded", "succeeded"]
+    logs = outputs(session)
+    sizes = re.findall(r"task worker:(\d) of (\d)", "\n".join(logs.values()))
+    assert sorted(sizes) == [("0", "2"), ("1", "2")]
+    checksums = re.findall(r"weights checksum (-?[\d.]+)", "\n".join(logs.values()))
+    assert len(checksums) == 2 and checksums[0] == checksums[1]  # the allreduce kept them in step
+
+
+def test_a_raising_worker_script_names_the_worker_and_leaves_nothing(session, tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text(
+        "def run(cluster, server, task_index):\n"
+        "    if task_index == 1:\n"
+        "        raise ValueError('bad shard ' + str(task_index))\n"
+        "    import time; time.sleep(600)\n"
+    )
+    with pytest.raises(WorkerError) as caught:
+        run_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, worker_script=str(script), session=session)
+    message = str(caught.value)
+    worker_1 = session.list_workers()[2]
+    assert f"worker task 1 (worker {worker_1['id']})" in message
+    assert "ValueError: bad shard 1" in message and "broken.py" in message
+    assert [w["status"] for w in session.list_workers()] == ["stopped", "stopped", "failed"]
+    # (the autouse fixture fails the test if any worker process is left)
+
+
+def test_min_workers_carries_on_without_a_worker_that_never_starts(session, tmp_path):
+    # Engine 1, the second worker, hangs before it can register.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('CMLCLUSTER_ENGINE_ID') == '1':\n    time.sleep(3600)\n"
+    )
+    with pytest.warns(UserWarning, match="going on with 1 of 2 workers"):
+        cluster = start_cluster(
+            n_workers=2,
+            cpu=1,
+            memory=2,
+            servers=False,
+            min_workers=1,
+            timeout_seconds=20,
+            env={"PYTHONPATH": str(tmp_path)},
+            session=session,
+        )
+    with cluster:
+        assert list(cluster.cluster_spec) == ["worker"] and len(cluster.cluster_spec["worker"]) == 1
+        assert [w["status"] for w in session.list_workers()] == ["running", "stopped"]
+        [done] = cluster.run_script(str(SCRIPTS / "tf_multiworker_train.py"), args=["--epochs", "1"])
+        assert done["status"] == "succeeded"
+    assert "task worker:0 of 1" in session.output(done)
