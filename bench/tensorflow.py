@@ -1,0 +1,140 @@
+"""TensorFlow clusters: training throughput and time to ready, against servers started by hand.
+
+1. Steps per second of the same parameter-server training (worker_scripts/tf_ps_train.py,
+   2 workers + 1 ps, asynchronous SGD), through run_cluster(worker_script=...) and through
+   processes started by hand with hand-written TF_CONFIG. Throughput is the sum over
+   workers of steps / seconds, measured inside the training loop by the script itself.
+   Goal: ratio (ours / by hand) >= 0.97.
+2. Call -> every server accepting connections for 4 workers + 2 ps: start_cluster against
+   6 processes started by hand in parallel, each starting its tf.distribute.Server.
+
+Both sides run in this process's run, alternating, on this machine's local processes.
+
+    python bench/tensorflow.py [--steps 3000] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cmlcluster import Session, run_cluster, start_cluster
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "worker_scripts" / "tf_ps_train.py")
+# The processes started by hand have no CPU quota; giving ours the whole machine keeps the
+# comparison about cmlcluster, not about the cgroup quota a smaller cpu= would set.
+CPUS = os.cpu_count() or 1
+BENCH_LINE = re.compile(r"cmlcluster-bench steps=(\d+) seconds=([\d.]+)")
+
+
+def throughput(text: str) -> float:
+    return sum(int(steps) / float(seconds) for steps, seconds in BENCH_LINE.findall(text))
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def hand_cluster(n_workers: int, n_ps: int, command: list[str]) -> tuple[list[subprocess.Popen[str]], dict]:
+    ports = free_ports(n_workers + n_ps)
+    spec = {
+        "ps": [f"127.0.0.1:{p}" for p in ports[:n_ps]],
+        "worker": [f"127.0.0.1:{p}" for p in ports[n_ps:]],
+    }
+    processes = []
+    for job in ("ps", "worker"):
+        for index in range(len(spec[job])):
+            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": job, "index": index}}))
+            processes.append(
+                subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
+    return processes, spec
+
+
+def training_ours(steps: int) -> float:
+    os.environ["TRAIN_STEPS"] = str(steps)
+    with Session("local", echo=False) as session:
+        run_cluster(n_workers=2, n_ps=1, cpu=CPUS, memory=2, worker_script=SCRIPT, session=session)
+        return throughput("\n".join(session.output(w) for w in session.list_workers()))
+
+
+def training_by_hand(steps: int) -> float:
+    os.environ["TRAIN_STEPS"] = str(steps)
+    processes, _ = hand_cluster(2, 1, [sys.executable, SCRIPT])
+    ps, workers = processes[0], processes[1:]
+    outputs = [w.communicate()[0] for w in workers]
+    ps.kill()
+    ps.wait()
+    return throughput("\n".join(outputs))
+
+
+SERVE = (
+    "import json, os, tensorflow as tf; c = json.loads(os.environ['TF_CONFIG']); "
+    "s = tf.distribute.Server(tf.train.ClusterSpec(c['cluster']), job_name=c['task']['type'], "
+    "task_index=c['task']['index'], protocol='grpc'); s.join()"
+)
+
+
+def ready_ours() -> float:
+    with Session("local", echo=False) as session:
+        t0 = time.perf_counter()
+        start_cluster(n_workers=4, n_ps=2, cpu=CPUS, memory=2, coordinator=False, session=session)
+        return time.perf_counter() - t0
+
+
+def ready_by_hand() -> float:
+    t0 = time.perf_counter()
+    processes, spec = hand_cluster(4, 2, [sys.executable, "-c", SERVE])
+    try:
+        for address in spec["ps"] + spec["worker"]:
+            host, port = address.split(":")
+            while True:
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        return time.perf_counter() - t0
+    finally:
+        for p in processes:
+            p.kill()
+            p.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    mine, theirs = [], []
+    for _ in range(args.repeat):
+        mine.append(training_ours(args.steps))
+        theirs.append(training_by_hand(args.steps))
+    m, t = statistics.median(mine), statistics.median(theirs)
+    print(f"training steps/s, 2 workers + 1 ps: run_cluster {m:.0f}, by hand {t:.0f}, ratio {m / t:.3f} (goal >= 0.97)")
+
+    mine, theirs = [], []
+    for _ in range(args.repeat):
+        mine.append(ready_ours())
+        theirs.append(ready_by_hand())
+    m, t = statistics.median(mine), statistics.median(theirs)
+    print(f"call -> ready, 4 workers + 2 ps: start_cluster {m:.2f} s, by hand {t:.2f} s, ratio {m / t:.2f}")
+
+
+if __name__ == "__main__":
+    main()
