@@ -20,6 +20,7 @@ ENTRY_POINT_GROUP = "cmlcluster.backends"
 BUILTIN: dict[str, tuple[str, str]] = {
     "local": ("cmlcluster.backends.local:LocalBackend", ""),
     "fake": ("cmlcluster.backends.fake:FakeBackend", ""),
+    "docker": ("cmlcluster.backends.docker:DockerBackend", "pip install 'cmlcluster[docker]'"),
 }
 
 

@@ -1,0 +1,380 @@
+"""Workers as Docker containers on one engine, each with its own IP on a user-defined network.
+
+Every container carries labels naming its session and worker (and the session's
+host and pid), so `cmlcluster cleanup` can find what a dead session left. The
+containers are started with --rm and --init: when a worker's agent exits (its
+program is done, it was stopped, or its controller went away) the container
+is gone too. Its output is streamed into the session's folder as it is
+printed, so it survives the container.
+
+The controller listens on the network's gateway, the host's own address on
+that network, which every container reaches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..errors import BackendError, ConfigError
+from ..resources import GpuPool, visible_gpus
+from ..workers import Resources, WorkerSpec
+from .base import Backend, SessionContext
+
+DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
+DEFAULT_NETWORK = "cmlcluster"
+LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, .host, .pid
+OUTPUT_TAIL_BYTES = 64 * 1024
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+T = TypeVar("T")
+
+
+def connect(timeout: int = 30) -> Any:
+    """A docker SDK client, or a ConfigError that says how to start the engine."""
+    try:
+        import docker
+    except ImportError as e:
+        raise ConfigError("the docker backend needs the docker SDK: pip install 'cmlcluster[docker]'") from e
+    try:
+        client = docker.from_env(timeout=timeout, max_pool_size=64)
+        client.ping()
+    except Exception as e:
+        raise ConfigError(
+            f"no Docker engine answers ({e}). Start it: `dockerd &` as root, or `systemctl start docker`; "
+            "scripts/docker_engine.sh does it for the tests"
+        ) from None
+    return client
+
+
+def gpu_request(gpu_ids: Sequence[str], count: int) -> Any:
+    """The device request for a worker's GPUs: these ids, or (ids unknown) any `count` of them."""
+    from docker.types import DeviceRequest
+
+    if gpu_ids:
+        return DeviceRequest(device_ids=list(gpu_ids), capabilities=[["gpu"]])
+    return DeviceRequest(count=count, capabilities=[["gpu"]])
+
+
+@dataclass(eq=False)
+class DockerHandle:
+    container: Any
+    worker_id: str
+    log_path: str
+    gpus: list[str]
+    exited: asyncio.Future[int]
+    released: bool = field(default=False)
+
+
+class DockerBackend(Backend):
+    """Options:
+
+    image: the worker image (cmlcluster, Python and, for Horovod, sshd and Horovod in it).
+    network: a user-defined bridge network, created when missing.
+    volumes: {host path: container path} (or "host:container[:ro]" strings), shared by every worker:
+        data, checkpoints, logs, like the EFS mount of the AWS template.
+    host_python: bind-mount this host's /usr, Python environment and cmlcluster read-only, so
+        a bare image runs the session's own interpreter (the test setup; see scripts/docker_engine.sh).
+    mount_cwd: mount the session's working folder at the same path, read-write, so workers see
+        the project's files as CML workers do (default True).
+    gpu_ids: the GPU ids to hand out (default: nvidia-smi's); without any, requests are by count.
+    python: the interpreter in the image (ignored with host_python).
+    """
+
+    name = "docker"
+
+    def __init__(
+        self,
+        image: str = DEFAULT_IMAGE,
+        network: str = DEFAULT_NETWORK,
+        volumes: Mapping[str, str] | Iterable[str] | None = None,
+        host_python: bool = False,
+        mount_cwd: bool = True,
+        gpu_ids: Sequence[str] | None = None,
+        python: str = "python3",
+    ):
+        self.image = image
+        self.network = network
+        self.volumes = _parse_volumes(volumes)
+        self.host_python = host_python
+        self.mount_cwd = mount_cwd
+        self.python = python
+        self._gpus = GpuPool(list(gpu_ids) if gpu_ids is not None else visible_gpus())
+        self._client: Any = None
+        self._gateway: str | None = None
+        self._created_network = False
+        # Containers start and stop in parallel; the SDK blocks, so each call gets a thread.
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cmlcluster-docker")
+
+    # ---------------------------------------------------------------- before anything starts
+
+    def check(self, n: int, resources: Resources) -> None:
+        client = self._client or connect()
+        self._client = client
+        import docker.errors
+
+        try:
+            client.images.get(self.image)
+        except docker.errors.ImageNotFound:
+            raise ConfigError(
+                f"image={self.image!r} is not on this Docker engine; build it (docker build -t {self.image} .) "
+                "or pass image= (the tests use cmlcluster-test:latest from scripts/docker_engine.sh)"
+            ) from None
+        if resources.nvidia_gpu:
+            runtimes = client.info().get("Runtimes", {})
+            if "nvidia" not in runtimes:
+                raise ConfigError(
+                    f"nvidia_gpu={resources.nvidia_gpu}: this Docker engine has no GPU runtime (runtimes: "
+                    f"{', '.join(sorted(runtimes)) or 'none'}); install the NVIDIA Container Toolkit and run "
+                    "`nvidia-ctk runtime configure --runtime=docker`, then restart dockerd"
+                )
+            if self._gpus.all:
+                self._gpus.check(n, resources)
+
+    def attach(self, context: SessionContext) -> None:
+        super().attach(context)
+        self._client = self._client or connect()
+        self._gateway = self._ensure_network()
+
+    def _ensure_network(self) -> str:
+        import docker.errors
+
+        client = self._client
+        try:
+            network = client.networks.get(self.network)
+        except docker.errors.NotFound:
+            try:
+                network = client.networks.create(
+                    self.network, driver="bridge", check_duplicate=True, labels={f"{LABEL}.network": "1"}
+                )
+                self._created_network = True
+            except docker.errors.APIError as e:
+                raise ConfigError(
+                    f"network={self.network!r} could not be created: {e.explanation or e}. If its address range "
+                    "clashes with another network, remove that one or create this one yourself with a free "
+                    f"--subnet (docker network create --subnet 10.201.0.0/24 {self.network})"
+                ) from None
+            network.reload()
+        if network.attrs.get("Driver") != "bridge":
+            raise ConfigError(
+                f"network={self.network!r} uses the {network.attrs.get('Driver')!r} driver; the docker backend "
+                "needs a user-defined bridge network (pass another network=)"
+            )
+        configs = (network.attrs.get("IPAM") or {}).get("Config") or []
+        gateways = [c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]]
+        if not gateways:
+            raise ConfigError(f"network={self.network!r} has no IPv4 gateway; workers could not reach the session")
+        return str(gateways[0])
+
+    def controller_ip(self) -> str:
+        assert self._gateway is not None, "attach() first"
+        return self._gateway
+
+    # ---------------------------------------------------------------- workers
+
+    def container_options(self, spec: WorkerSpec, gpus: Sequence[str]) -> dict[str, Any]:
+        """Everything sent to Docker for one worker (tests inspect this)."""
+        argv = list(spec.argv) if self.host_python else [self.python, *spec.argv[1:]]
+        env = dict(spec.env)
+        mounts = dict(self.volumes)
+        session_dir = self.context.session_dir
+        mounts[session_dir] = f"{session_dir}:ro"  # the controller's connection file
+        if self.mount_cwd:
+            mounts[spec.cwd] = f"{spec.cwd}:rw"
+        if self.host_python:
+            for path in ("/usr", sys.base_prefix, sys.prefix, _PACKAGE_PARENT):
+                if not path.startswith("/usr/"):
+                    mounts.setdefault(path, f"{path}:ro")
+        options: dict[str, Any] = {
+            "image": self.image,
+            "command": argv,
+            "name": f"cmlcluster-{spec.worker_id}",
+            "hostname": f"worker-{spec.worker_id}",
+            "environment": env,
+            "working_dir": spec.cwd,
+            "network": self.network,
+            "labels": {
+                f"{LABEL}.session": self.context.session_id,
+                f"{LABEL}.worker": spec.worker_id,
+                f"{LABEL}.host": socket.gethostname(),
+                f"{LABEL}.pid": str(os.getpid()),
+            },
+            "nano_cpus": int(spec.resources.cpu * 1e9),
+            "mem_limit": f"{int(spec.resources.memory * 1024)}m",
+            "volumes": [f"{host}:{binding}" for host, binding in mounts.items()],
+            "init": True,  # signals reach the agent, and it is not PID 1
+            "auto_remove": True,
+            "detach": True,
+        }
+        if spec.resources.nvidia_gpu:
+            options["device_requests"] = [gpu_request(gpus, spec.resources.nvidia_gpu)]
+        return options
+
+    async def start(self, spec: WorkerSpec) -> DockerHandle:
+        gpus = self._gpus.take(spec.resources.nvidia_gpu) if self._gpus.all else []
+        log_dir = os.path.join(self.context.session_dir, "workers")
+        os.makedirs(log_dir, exist_ok=True)
+        options = self.container_options(spec, gpus)
+        # Create, start watching for the exit, then start: a container that dies at once is still seen.
+        try:
+            container = await self._call(self._client.containers.create, **_create_options(options))
+        except Exception as e:
+            self._gpus.give_back(gpus)
+            raise BackendError(f"could not create container for worker {spec.worker_id}: {_explain(e)}") from e
+        loop = asyncio.get_running_loop()
+        handle = DockerHandle(
+            container=container,
+            worker_id=spec.worker_id,
+            log_path=os.path.join(log_dir, f"{spec.worker_id}.log"),
+            gpus=gpus,
+            exited=loop.create_future(),
+        )
+        _thread(f"wait-{spec.worker_id}", self._wait_for_exit, handle, loop)
+        try:
+            await self._call(container.start)
+        except Exception as e:
+            await self.stop(handle, 0)
+            raise BackendError(f"could not start container for worker {spec.worker_id}: {_explain(e)}") from e
+        _thread(f"logs-{spec.worker_id}", self._copy_output, handle)
+        return handle
+
+    def _wait_for_exit(self, handle: DockerHandle, loop: asyncio.AbstractEventLoop) -> None:
+        # Runs on its own thread for the container's life; "removed" is what --rm ends with.
+        try:
+            code = int(handle.container.wait(condition="removed", timeout=None)["StatusCode"])
+        except Exception:
+            code = 255  # the container vanished before the wait began; its code is lost
+        # docker-init exits with 128+N when the agent dies of signal N; the contract says -N.
+        if 128 < code <= 128 + 64:
+            code = 128 - code
+        def report() -> None:
+            if not handle.exited.done():
+                handle.exited.set_result(code)
+
+        with contextlib.suppress(RuntimeError):  # the session's loop is gone
+            loop.call_soon_threadsafe(report)
+
+    def _copy_output(self, handle: DockerHandle) -> None:
+        with contextlib.suppress(Exception), open(handle.log_path, "ab") as log:
+            for chunk in handle.container.logs(stream=True, follow=True, stdout=True, stderr=True):
+                log.write(chunk)
+                log.flush()
+
+    async def poll(self, handle: DockerHandle) -> int | None:
+        return handle.exited.result() if handle.exited.done() else None
+
+    async def wait(self, handle: DockerHandle) -> int:
+        code = await asyncio.shield(handle.exited)
+        self._release(handle)
+        return code
+
+    async def stop(self, handle: DockerHandle, grace: float = 5.0) -> None:
+        if not handle.exited.done():
+            with contextlib.suppress(Exception):  # already gone: nothing to stop
+                await self._call(handle.container.stop, timeout=max(0, round(grace)))
+            with contextlib.suppress(Exception):
+                await self._call(handle.container.remove, force=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(handle.exited), 10)
+        self._release(handle)
+
+    def _release(self, handle: DockerHandle) -> None:
+        if not handle.released:
+            handle.released = True
+            self._gpus.give_back(handle.gpus)
+
+    def output(self, handle: DockerHandle) -> str:
+        try:
+            with open(handle.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - OUTPUT_TAIL_BYTES))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    async def close(self) -> None:
+        if self._client is not None:
+            if self._created_network:
+                # Another session may still use it; then it stays, and the last one out removes it.
+                with contextlib.suppress(Exception):
+                    await self._call(self._client.networks.get(self.network).remove)
+            await self._call(self._client.close)
+        self._pool.shutdown(wait=False)
+
+    async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: function(*args, **kwargs))
+
+
+def _create_options(options: dict[str, Any]) -> dict[str, Any]:
+    created = dict(options)
+    created.pop("detach")
+    return created
+
+
+def _thread(name: str, target: Callable[..., None], *args: Any) -> None:
+    threading.Thread(target=target, args=args, name=f"cmlcluster-docker-{name}", daemon=True).start()
+
+
+def _explain(error: Exception) -> str:
+    return str(getattr(error, "explanation", None) or error)
+
+
+def _parse_volumes(volumes: Mapping[str, str] | Iterable[str] | None) -> dict[str, str]:
+    """{host: "container[:mode]"} from a mapping or "host:container[:mode]" strings; host paths must exist."""
+    parsed: dict[str, str] = {}
+    if volumes is None:
+        return parsed
+    items = volumes.items() if isinstance(volumes, Mapping) else (_split_volume(v) for v in volumes)
+    for host, target in items:
+        if not os.path.isabs(host) or not os.path.exists(host):
+            raise ConfigError(f"volumes: {host!r} is not an existing absolute path on this host; create it first")
+        parsed[host] = target if target.count(":") else f"{target}:rw"
+    return parsed
+
+
+def _split_volume(volume: str) -> tuple[str, str]:
+    host, sep, target = volume.partition(":")
+    if not sep or not target:
+        raise ConfigError(f"volumes: {volume!r} should be 'host path:container path[:ro]'")
+    return host, target
+
+
+def cleanup(client: Any = None, *, dry_run: bool = False) -> list[str]:
+    """Remove containers labelled for a session whose process is gone; returns their names.
+
+    A container belongs to a live session when its labelled pid runs on this host.
+    Containers of sessions on other hosts are left alone.
+    """
+    client = client or connect()
+    removed = []
+    host = socket.gethostname()
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL}.session"}):
+        labels = container.labels
+        if labels.get(f"{LABEL}.host") != host:
+            continue
+        pid = int(labels.get(f"{LABEL}.pid", "0"))
+        if pid and _alive(pid):
+            continue
+        removed.append(container.name)
+        if not dry_run:
+            with contextlib.suppress(Exception):
+                container.remove(force=True)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
