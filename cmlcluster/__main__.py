@@ -1,4 +1,5 @@
-"""Command line: ``cmlcluster demo`` runs the main job on the local default."""
+"""Command line: ``cmlcluster demo`` runs the main job on the local default;
+``cmlcluster cleanup`` removes containers left by sessions that no longer run."""
 
 from __future__ import annotations
 
@@ -47,10 +48,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo_parser.add_argument("-n", "--workers", type=int, default=3)
     demo_parser.add_argument("--backend", default="local")
     demo_parser.add_argument("--timeout", type=float, default=120)
+    cleanup_parser = commands.add_parser(
+        "cleanup", help="remove worker containers whose session process is gone (on this host)"
+    )
+    cleanup_parser.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args.workers, args.backend, args.timeout)
+    if args.command == "cleanup":
+        return cleanup(args.dry_run)
     return 2
+
+
+def cleanup(dry_run: bool) -> int:
+    from .backends import docker
+
+    names = docker.cleanup(dry_run=dry_run)
+    for name in names:
+        print(f"{'would remove' if dry_run else 'removed'} {name}")
+    if not names:
+        print("nothing to clean up: every cmlcluster container belongs to a running session")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,21 +1,34 @@
-"""Shared fixtures. Every test is checked for leaked worker and controller processes."""
+"""Shared fixtures. Every test is checked for leaked worker and controller processes and containers.
+
+Tests that take the `backend` fixture (or a `session` built on it) run once per backend: on local
+processes, and on Docker containers made from the test image (scripts/docker_engine.sh), which
+run this machine's own Python through read-only bind mounts.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import psutil
 import pytest
 
+DOCKER_TEST_IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
+BACKENDS = ("local", "docker")
+
 LEAK_PATTERNS = ("cmlcluster.agent", "cmlcluster._controller", "ipyparallel.controller", "ipyparallel.engine")
 
 
 def cmlcluster_processes() -> list[psutil.Process]:
+    """Live worker and controller processes, those inside containers included (zombies are gone)."""
     found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if proc.info["pid"] != os.getpid() and any(p in cmdline for p in LEAK_PATTERNS):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["pid"] == os.getpid():
+            continue
+        if any(p in cmdline for p in LEAK_PATTERNS):
+            proc.info["cmdline_text"] = cmdline
             found.append(proc)
     return found
 
@@ -35,6 +48,53 @@ def wait_gone():
     return alive_after
 
 
+def backend_for(name: str, shared: str):
+    """The backend a parametrized test runs on; `shared` is a folder workers must see at the same path."""
+    if name == "docker":
+        from cmlcluster.backends.docker import DockerBackend
+
+        return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, volumes={shared: shared})
+    return name
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path_factory):
+    return backend_for(request.param, str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture
+def session(backend):
+    from cmlcluster import Session
+
+    with Session(backend, echo=False) as s:
+        yield s
+
+
+def cmlcluster_containers() -> list:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=10)
+        return client.containers.list(all=True, filters={"label": "cmlcluster.session"}, ignore_removed=True)
+    except Exception:  # no Docker engine: nothing to leak there
+        return []
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_containers():
+    before = {c.id for c in cmlcluster_containers()}
+    yield
+    deadline = time.monotonic() + 15
+    leaked = [c for c in cmlcluster_containers() if c.id not in before]
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked = [c for c in cmlcluster_containers() if c.id not in before]
+    names = [c.name for c in leaked]
+    for c in leaked:
+        c.remove(force=True)
+    assert not leaked, f"containers left behind: {names}"
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
     before = {p.pid for p in cmlcluster_processes()}
@@ -43,7 +103,8 @@ def no_leaked_processes():
     leaked = [p for p in cmlcluster_processes() if p.pid not in before]
     while leaked and time.monotonic() < deadline:
         time.sleep(0.2)
-        leaked = [p for p in cmlcluster_processes() if p.pid not in before and p.is_running()]
+        leaked = [p for p in cmlcluster_processes() if p.pid not in before]
     for p in leaked:  # do not let one leak fail every later test
-        p.kill()
-    assert not leaked, f"processes left behind: {[(p.pid, ' '.join(p.cmdline())) for p in leaked]}"
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    assert not leaked, f"processes left behind: {[(p.pid, p.info['cmdline_text']) for p in leaked]}"

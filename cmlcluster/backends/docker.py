@@ -75,7 +75,7 @@ class DockerHandle:
 
 
 class DockerBackend(Backend):
-    """Options:
+    """Options (image and host_python also from CMLCLUSTER_DOCKER_IMAGE, CMLCLUSTER_DOCKER_HOST_PYTHON=1):
 
     image: the worker image (cmlcluster, Python and, for Horovod, sshd and Horovod in it).
     network: a user-defined bridge network, created when missing.
@@ -93,17 +93,20 @@ class DockerBackend(Backend):
 
     def __init__(
         self,
-        image: str = DEFAULT_IMAGE,
+        image: str | None = None,
         network: str = DEFAULT_NETWORK,
         volumes: Mapping[str, str] | Iterable[str] | None = None,
-        host_python: bool = False,
+        host_python: bool | None = None,
         mount_cwd: bool = True,
         gpu_ids: Sequence[str] | None = None,
         python: str = "python3",
     ):
-        self.image = image
+        # The environment can choose these once for every session (CMLCLUSTER_BACKEND=docker and these).
+        self.image = image or os.environ.get("CMLCLUSTER_DOCKER_IMAGE", DEFAULT_IMAGE)
         self.network = network
         self.volumes = _parse_volumes(volumes)
+        if host_python is None:
+            host_python = os.environ.get("CMLCLUSTER_DOCKER_HOST_PYTHON", "") not in ("", "0")
         self.host_python = host_python
         self.mount_cwd = mount_cwd
         self.python = python
@@ -255,6 +258,7 @@ class DockerBackend(Backend):
         # docker-init exits with 128+N when the agent dies of signal N; the contract says -N.
         if 128 < code <= 128 + 64:
             code = 128 - code
+
         def report() -> None:
             if not handle.exited.done():
                 handle.exited.set_result(code)
@@ -356,7 +360,7 @@ def cleanup(client: Any = None, *, dry_run: bool = False) -> list[str]:
     client = client or connect()
     removed = []
     host = socket.gethostname()
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL}.session"}):
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL}.session"}, ignore_removed=True):
         labels = container.labels
         if labels.get(f"{LABEL}.host") != host:
             continue

@@ -1,5 +1,6 @@
-"""Real TensorFlow clusters on real workers: parameter-server training with this process as
-coordinator, Cloudera's run(cluster, server, task_index) scripts, MultiWorkerMirroredStrategy."""
+"""Real TensorFlow clusters on real workers (local processes and Docker containers): parameter-server
+training with this process as coordinator, Cloudera's run(cluster, server, task_index) scripts,
+MultiWorkerMirroredStrategy, failures and carrying on with fewer workers."""
 
 from __future__ import annotations
 
@@ -11,17 +12,11 @@ import psutil
 import pytest
 import tensorflow as tf
 
-from cmlcluster import Session, WorkerError, run_cluster, start_cluster
+from cmlcluster import WorkerError, run_cluster, start_cluster
 
 pytestmark = pytest.mark.integration
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "worker_scripts"
-
-
-@pytest.fixture
-def session():
-    with Session("local", echo=False) as s:
-        yield s
 
 
 def outputs(session):

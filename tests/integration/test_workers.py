@@ -1,10 +1,12 @@
-"""The worker API on real local processes, with a real ipyparallel controller and engines."""
+"""The worker API on real workers (local processes and Docker containers), with a real ipyparallel
+controller and engines. Tests taking `session` run on every backend (see conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def session():
+def local_session():
     with Session("local", echo=False) as s:
         yield s
 
@@ -32,28 +34,37 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     running = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
     assert running["failures"] == []
     assert [w["status"] for w in running["workers"]] == ["running"] * 3
-    assert {w["ip_address"] for w in running["workers"]} == {"127.0.0.1"}
+    ips = [w["ip_address"] for w in running["workers"]]
+    if session.backend.name == "local":
+        assert set(ips) == {"127.0.0.1"}
+    else:  # containers: an address of their own each
+        assert len(set(ips)) == 3 and "127.0.0.1" not in ips
 
     # Every worker is a live process of its own, and runs code sent over the control plane.
     view = session.client[:]
     pids = view.apply_sync(os.getpid)
-    assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
+    hostnames = view.apply_sync(socket.gethostname)
+    if session.backend.name == "local":
+        assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
+    else:  # pids are the containers' own; each is a host of its own
+        assert hostnames == [f"worker-{w['id']}" for w in workers]
     env = view.apply_sync(
         ipp.interactive(lambda: {k: v for k, v in __import__("os").environ.items() if k.startswith(("CDSW", "CML_"))})
     )
     assert [e["CDSW_ENGINE_ID"] for e in env] == [w["id"] for w in workers]
     assert {e["CDSW_MASTER_ID"] for e in env} == {session.id}
-    assert {e["CDSW_MASTER_IP"] for e in env} == {e["CML_MASTER_IP"] for e in env} == {"127.0.0.1"}
-    assert {e["CDSW_IP_ADDRESS"] for e in env} == {"127.0.0.1"}
+    assert {e["CDSW_MASTER_IP"] for e in env} == {e["CML_MASTER_IP"] for e in env} == {session.controller_ip}
+    assert [e["CDSW_IP_ADDRESS"] for e in env] == ips
 
     stopped = session.stop_workers()
     assert [w["status"] for w in stopped] == ["stopped"] * 3
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    if session.backend.name == "local":
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
     assert [e.worker["status"] for e in events if e.kind == "status"].count("stopped") == 3
 
 
-def test_program_output_is_streamed_live_and_prefixed(capsys):
-    with Session("local") as s:  # echo on: lines are printed with the worker id
+def test_program_output_is_streamed_live_and_prefixed(backend, capsys):
+    with Session(backend) as s:  # echo on: lines are printed with the worker id
         [w] = s.launch_workers(
             1,
             cpu=1,
@@ -146,7 +157,8 @@ def test_gpus_are_assigned_per_worker_through_cuda_visible_devices():
         assert seen == ["0,1", "2,3", ""]
 
 
-def test_memory_and_cpu_limits_are_applied_where_cgroups_allow(session):
+def test_memory_and_cpu_limits_are_applied_where_cgroups_allow(local_session):
+    session = local_session
     if not os.access("/sys/fs/cgroup/memory", os.W_OK) and not os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
         pytest.skip("no writable cgroup hierarchy on this machine")
     [w] = session.launch_workers(1, cpu=0.5, memory=0.25)
