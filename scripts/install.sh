@@ -36,4 +36,5 @@ fi
 
 if $dev; then
     bash scripts/build_horovod.sh
+    bash scripts/docker_engine.sh  # starts dockerd when none answers; makes the test image
 fi

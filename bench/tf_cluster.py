@@ -10,7 +10,7 @@
 
 Both sides run in this process's run, alternating, on this machine's local processes.
 
-    python bench/tensorflow.py [--steps 3000] [--repeat 3]
+    python bench/tf_cluster.py [--steps 3000] [--repeat 3]
 """
 
 from __future__ import annotations
