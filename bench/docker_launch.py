@@ -2,10 +2,11 @@
 and the time to stop 16 against the time to stop 1.
 
 The floor does the same work with nothing of cmlcluster: an ipyparallel controller on the
-network's gateway (with the same threaded, no-database settings as cmlcluster's), then N containers started in parallel with the docker SDK (same image, same
-mounts, same network), each running a plain ipyparallel engine, until all N engines have
-registered. cmlcluster's figure is launch_workers + await_workers(wait_for_completion=False),
-which also learns every worker's address. Goal: ratio <= 1.25 at each N; stopping 16 < 2x stopping 1.
+network's gateway (threaded, no database, as cmlcluster's is), then N containers started in
+parallel with the docker SDK (same image, mounts and network), each running a plain ipyparallel
+engine, until all N engines have registered. cmlcluster's figure is launch_workers +
+await_workers(wait_for_completion=False), which also learns every worker's address.
+Goal: ratio <= 1.25 at each N; stopping 16 < 2x stopping 1.
 
     python bench/docker_launch.py [--sizes 1 4 16] [--repeat 3]
 """
@@ -60,6 +61,7 @@ def floor(n: int, client: docker.DockerClient, gateway: str) -> float:
         engine_file = os.path.join(profile, "security", "ipcontroller-engine.json")
         client_file = os.path.join(profile, "security", "ipcontroller-client.json")
         while not (os.path.exists(engine_file) and os.path.exists(client_file)):
+            assert controller.poll() is None, "the controller exited"
             time.sleep(0.02)
         rc = ipp.Client(client_file)
         mounts = [f"{p}:{p}:ro" for p in {"/usr", sys.base_prefix, sys.prefix, PACKAGE_PARENT, profile}]
@@ -90,9 +92,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     client = docker.from_env(max_pool_size=64)
-    with Session(backend(), echo=False) as s:  # creates the network; its gateway is where controllers listen
-        s.launch_workers(1, cpu=0.5, memory=0.5)
-        gateway = s.controller_ip
+    # One network for the whole run (a session removes a network it created when it ends).
+    try:
+        network = client.networks.get(NETWORK)
+    except docker.errors.NotFound:
+        network = client.networks.create(NETWORK, driver="bridge")
+    network.reload()
+    gateway = network.attrs["IPAM"]["Config"][0]["Gateway"]
     print(f"{'N':>3} {'cmlcluster s':>13} {'by hand s':>10} {'ratio':>6} {'stop s':>7}  (medians of {args.repeat})")
     stops = {}
     for n in args.sizes:

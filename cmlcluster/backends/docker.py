@@ -281,13 +281,18 @@ class DockerBackend(Backend):
         return code
 
     async def stop(self, handle: DockerHandle, grace: float = 5.0) -> None:
+        # TERM, then KILL after grace; --rm removes the container once it has exited, and
+        # the exit watcher resolves when it is removed. A gone container is already stopped.
         if not handle.exited.done():
-            with contextlib.suppress(Exception):  # already gone: nothing to stop
-                await self._call(handle.container.stop, timeout=max(0, round(grace)))
             with contextlib.suppress(Exception):
-                await self._call(handle.container.remove, force=True)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(handle.exited), 10)
+                await self._call(handle.container.kill, signal="SIGTERM")
+            try:
+                await asyncio.wait_for(asyncio.shield(handle.exited), grace)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(Exception):
+                    await self._call(handle.container.remove, force=True)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(handle.exited), 10)
         self._release(handle)
 
     def _release(self, handle: DockerHandle) -> None:
