@@ -193,6 +193,11 @@ class Session:
         return self._read(lambda: "\n".join(w.output))
 
     @property
+    def session_dir(self) -> str | None:
+        """The session's private folder (0700), removed at close; None before the first launch."""
+        return self._dir
+
+    @property
     def controller_ip(self) -> str:
         """This host's address as the session's workers reach it."""
         return self.backend.controller_ip()

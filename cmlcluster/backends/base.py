@@ -26,6 +26,7 @@ Lifecycle, all methods called from the session's event loop:
 from __future__ import annotations
 
 import abc
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -54,6 +55,14 @@ class Backend(abc.ABC):
     def controller_ip(self) -> str:
         """The address the session's controller listens on so that workers reach it."""
         return "127.0.0.1"
+
+    def worker_python(self) -> str:
+        """The Python interpreter's path inside workers (what a remote command should run)."""
+        return sys.executable
+
+    def worker_interfaces(self) -> tuple[str, ...]:
+        """Network interfaces workers talk to each other on, for horovodrun/mpirun; () lets them find out."""
+        return ()
 
     def control_plane(self) -> ControlPlane | None:
         """A control plane of the backend's own; None means the real ipyparallel one."""

@@ -181,6 +181,12 @@ class DockerBackend(Backend):
         assert self._gateway is not None, "attach() first"
         return self._gateway
 
+    def worker_python(self) -> str:
+        return sys.executable if self.host_python else self.python
+
+    def worker_interfaces(self) -> tuple[str, ...]:
+        return ("eth0",)  # a container's interface on its network
+
     # ---------------------------------------------------------------- workers
 
     def container_options(self, spec: WorkerSpec, gpus: Sequence[str]) -> dict[str, Any]:

@@ -1,0 +1,157 @@
+"""Pure builders: hosts and slots to horovodrun / mpirun argv lists, hostfiles, ssh config, known_hosts.
+
+Every command is an argv list, never a shell string, and nothing here runs anything.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shlex
+from collections.abc import Mapping, Sequence
+
+from ..errors import ConfigError
+
+SSH_PORT = 2222  # sshd in every worker, as in CML and Kubeflow's MPI operator
+
+Hosts = Sequence[tuple[str, int]]  # (address, slots)
+
+
+def check_hosts(hosts: Hosts) -> list[tuple[str, int]]:
+    if not hosts:
+        raise ConfigError("hosts=[]: give at least one (address, slots) pair")
+    seen = set()
+    for host, slots in hosts:
+        if not isinstance(host, str) or not host or any(c.isspace() or c == "," for c in host):
+            raise ConfigError(f"host {host!r}: give an IP address or host name")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ConfigError(f"host {host!r} has slots={slots!r}: each host needs 1 or more slots")
+        if host in seen:
+            raise ConfigError(f"host {host!r} is listed twice; give it once with all its slots")
+        seen.add(host)
+    return list(hosts)
+
+
+def total_slots(hosts: Hosts) -> int:
+    return sum(slots for _, slots in check_hosts(hosts))
+
+
+def hosts_arg(hosts: Hosts) -> str:
+    """horovodrun's -H value: "10.0.0.2:2,10.0.0.3:2"."""
+    return ",".join(f"{host}:{slots}" for host, slots in check_hosts(hosts))
+
+
+def _check_np(np: int, hosts: Hosts) -> None:
+    slots = total_slots(hosts)
+    if isinstance(np, bool) or not isinstance(np, int) or not 1 <= np <= slots:
+        raise ConfigError(f"np={np!r}: the hosts have {slots} slots in all; ask for 1 to {slots} processes")
+
+
+def _check_port(port: int) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"ssh_port={port!r}: give the TCP port sshd listens on in the workers (2222)")
+
+
+def horovodrun_argv(
+    np: int,
+    hosts: Hosts,
+    command: Sequence[str],
+    *,
+    ssh_port: int | None = SSH_PORT,
+    identity_file: str | None = None,
+    start_timeout: int | None = None,
+    network_interfaces: Sequence[str] = (),
+    horovodrun: str = "horovodrun",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """horovodrun -np N -H ip:slots,... [-p 2222] [-i key] [--start-timeout s] [--network-interfaces ...] cmd..."""
+    _check_np(np, hosts)
+    if not command:
+        raise ConfigError("command=[]: give the training command, e.g. [sys.executable, 'train.py']")
+    argv = [horovodrun, "-np", str(np), "-H", hosts_arg(hosts)]
+    if ssh_port is not None:
+        _check_port(ssh_port)
+        argv += ["-p", str(ssh_port)]
+    if identity_file:
+        argv += ["-i", identity_file]
+    if start_timeout is not None:
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, int) or start_timeout < 1:
+            raise ConfigError(f"start_timeout={start_timeout!r}: give whole seconds, 1 or more")
+        argv += ["--start-timeout", str(start_timeout)]
+    if network_interfaces:
+        argv += ["--network-interfaces", ",".join(network_interfaces)]
+    return [*argv, *extra, *command]
+
+
+def mpirun_argv(
+    np: int,
+    hosts: Hosts,
+    command: Sequence[str],
+    *,
+    ssh_port: int = SSH_PORT,
+    identity_file: str | None = None,
+    known_hosts: str | None = None,
+    network_interfaces: Sequence[str] = (),
+    env: Sequence[str] = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH"),
+    mpirun: str = "mpirun",
+) -> list[str]:
+    """The OpenMPI equivalent, for MPI builds of Horovod: ssh on the workers' port, TCP on their NICs."""
+    _check_np(np, hosts)
+    _check_port(ssh_port)
+    ssh_args = ["-p", str(ssh_port)]
+    if identity_file:
+        ssh_args += ["-i", identity_file]
+    if known_hosts:
+        ssh_args += ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}"]
+    argv = [mpirun, "-np", str(np), "-H", hosts_arg(hosts), "-bind-to", "none", "-map-by", "slot"]
+    argv += ["-mca", "plm_rsh_args", shlex.join(ssh_args)]
+    if network_interfaces:
+        nics = ",".join(network_interfaces)
+        argv += ["-mca", "btl_tcp_if_include", nics, "-mca", "oob_tcp_if_include", nics]
+    argv += ["-mca", "pml", "ob1", "-mca", "btl", "^openib"]
+    for name in env:
+        argv += ["-x", name]
+    return [*argv, *command]
+
+
+def hostfile_text(hosts: Hosts) -> str:
+    """An OpenMPI hostfile (machinefile): one "host slots=N" line per host, as in the Rescale article."""
+    return "".join(f"{host} slots={slots}\n" for host, slots in check_hosts(hosts))
+
+
+def _ssh_host(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if port != 22 else host
+
+
+def known_hosts_text(host_keys: Mapping[str, str], port: int = SSH_PORT) -> str:
+    """known_hosts lines pinning each host's key on its sshd port: "[10.0.0.2]:2222 ssh-ed25519 AAAA..."."""
+    lines = []
+    for host, key in host_keys.items():
+        kind, _, rest = key.strip().partition(" ")
+        blob = rest.split(" ")[0]
+        if not kind.startswith("ssh-") or not blob:
+            raise ConfigError(f"host key of {host!r} is not an OpenSSH public key: {key!r}")
+        lines.append(f"{_ssh_host(host, port)} {kind} {blob}\n")
+    return "".join(lines)
+
+
+def ssh_config_text(hosts: Sequence[str], port: int, identity_file: str, known_hosts: str) -> str:
+    """An ssh config so that plain `ssh <ip>` (and mpirun) reach the workers with this session's key."""
+    blocks = []
+    for host in hosts:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not host or any(c.isspace() for c in host):
+                raise ConfigError(f"host {host!r}: give an IP address or host name") from None
+        blocks.append(
+            f"Host {host}\n"
+            f"    Port {port}\n"
+            f"    User root\n"
+            f"    IdentityFile {identity_file}\n"
+            f"    IdentitiesOnly yes\n"
+            f"    UserKnownHostsFile {known_hosts}\n"
+            f"    StrictHostKeyChecking yes\n"
+            f"    PasswordAuthentication no\n"
+            f"    BatchMode yes\n"
+        )
+    return "\n".join(blocks)

@@ -1,0 +1,81 @@
+"""Runs inside a worker: an sshd on port 2222 that lets in exactly one key, this session's.
+
+Key-only (no passwords, no keyboard-interactive), a host key made for this worker
+at start (its public half goes back to the session, which pins it), everything in
+a private folder. sshd is a child of the worker's agent, in its process group, so
+it ends with the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+from .keys import new_ed25519
+
+SSHD = "/usr/sbin/sshd"
+_running: subprocess.Popen[bytes] | None = None
+
+
+def start(authorized_key: str, port: int = 2222) -> str:
+    """Start sshd on `port` admitting `authorized_key`; return this worker's host public key."""
+    global _running
+    if _running is not None and _running.poll() is None:
+        raise RuntimeError(f"sshd already runs in this worker (pid {_running.pid})")
+    sshd = shutil.which("sshd") or SSHD
+    if not os.path.exists(sshd):
+        raise RuntimeError(f"{SSHD} is missing in this worker's image; install openssh-server in it")
+    home = tempfile.mkdtemp(prefix="cmlcluster-sshd-")
+    host_private, host_public = new_ed25519(comment="cmlcluster-worker")
+    files = {"host_key": host_private, "authorized_keys": authorized_key.strip() + "\n"}
+    for name, text in files.items():
+        with open(os.open(os.path.join(home, name), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(text)
+    config = os.path.join(home, "sshd_config")
+    with open(config, "w") as f:
+        f.write(
+            f"Port {port}\n"
+            f"HostKey {home}/host_key\n"
+            f"AuthorizedKeysFile {home}/authorized_keys\n"
+            f"PidFile {home}/sshd.pid\n"
+            "PubkeyAuthentication yes\n"
+            "PasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\n"
+            "PermitRootLogin prohibit-password\n"
+            "PermitEmptyPasswords no\n"
+            "UsePAM no\n"
+            "StrictModes no\n"  # the folder is the agent's own, mode 0700
+            "X11Forwarding no\n"
+            "AllowAgentForwarding no\n"
+            "PermitUserEnvironment no\n"
+            "LogLevel ERROR\n"
+        )
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation folder
+    _running = subprocess.Popen([sshd, "-D", "-e", "-f", config])  # output joins the worker's
+    _wait_listening(port, _running)
+    return host_public
+
+
+def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sshd exited with code {process.returncode} (its output is above)")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"sshd did not listen on port {port} within {timeout:g} s")
+
+
+def stop() -> None:
+    global _running
+    if _running is not None:
+        _running.terminate()
+        _running.wait()
+        _running = None

@@ -1,0 +1,63 @@
+"""Data-parallel Keras training with Horovod's allreduce, the way the SageMaker article does it:
+
+- hvd.init(); each process sees only its own GPU (local rank);
+- the learning rate is scaled by the number of processes;
+- DistributedOptimizer averages gradients across processes every step;
+- the initial variables are broadcast from rank 0, so every rank starts alike;
+- only rank 0 writes checkpoints.
+
+    %horovod -np 2 worker_scripts/horovod_keras_train.py --epochs 3
+
+Every rank prints its rank, size and host, and at the end a checksum of its weights: they are
+identical on every rank, because every step applied the same averaged gradients.
+"""
+
+import argparse
+import os
+import socket
+import tempfile
+
+import horovod.tensorflow.keras as hvd
+import numpy as np
+import tensorflow as tf
+
+tf.get_logger().setLevel("ERROR")
+parser = argparse.ArgumentParser()
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--steps-per-epoch", type=int, default=20)
+parser.add_argument("--batch-size", type=int, default=32)
+parser.add_argument("--learning-rate", type=float, default=0.05)
+parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "horovod-checkpoints"))
+options = parser.parse_args()
+
+hvd.init()
+gpus = tf.config.list_physical_devices("GPU")
+if gpus:
+    tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+print(f"rank {hvd.rank()} of size {hvd.size()} on host {socket.gethostname()}", flush=True)
+
+# Each rank trains on its own shard of the data.
+rng = np.random.default_rng(hvd.rank())
+x = rng.random((2048, 8), dtype=np.float32)
+y = (x @ np.linspace(-1, 1, 8, dtype=np.float32)[:, None] + 0.5).astype(np.float32)
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=hvd.rank()).repeat().batch(options.batch_size)
+
+tf.keras.utils.set_random_seed(hvd.rank())  # different on purpose: the broadcast makes them equal
+model = tf.keras.Sequential(
+    [tf.keras.Input(shape=(8,)), tf.keras.layers.Dense(16, activation="relu"), tf.keras.layers.Dense(1)]
+)
+optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(options.learning_rate * hvd.size()))
+model.compile(optimizer=optimizer, loss="mse")
+
+callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+if hvd.rank() == 0:
+    os.makedirs(options.checkpoint_dir, exist_ok=True)
+    callbacks.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(options.checkpoint_dir, "model-{epoch}.keras")))
+
+history = model.fit(
+    dataset, epochs=options.epochs, steps_per_epoch=options.steps_per_epoch, callbacks=callbacks, verbose=0
+)
+losses = history.history["loss"]
+checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
+print(f"rank {hvd.rank()}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+print(f"rank {hvd.rank()}: weights checksum {checksum:.10f}", flush=True)
