@@ -16,11 +16,20 @@ from .api import (
     use_backend,
 )
 from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
+from .horovod import HorovodError, HorovodResult, run_horovod
 from .session import Event, Session
 from .tensorflow import TFCluster, run_cluster, start_cluster
 from .workers import Program
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """%load_ext cmlcluster: the %horovod and %%horovod magics."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)
+
 
 __all__ = [
     "BackendError",
@@ -28,6 +37,8 @@ __all__ = [
     "ConfigError",
     "ControllerError",
     "Event",
+    "HorovodError",
+    "HorovodResult",
     "Program",
     "Session",
     "TFCluster",
@@ -37,7 +48,9 @@ __all__ = [
     "get_session",
     "launch_workers",
     "list_workers",
+    "load_ipython_extension",
     "run_cluster",
+    "run_horovod",
     "start_cluster",
     "stop_session",
     "stop_workers",

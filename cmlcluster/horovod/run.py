@@ -54,6 +54,13 @@ class HorovodResult:
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    def __repr__(self) -> str:
+        ranks = len(self.output)
+        state = "ok" if self.ok else f"failed (rank {self.failed_rank})"
+        return (
+            f"<HorovodResult {state} exit_code={self.exit_code} ranks={ranks} {self.duration:.1f} s hosts={self.hosts}>"
+        )
+
     @property
     def message(self) -> str:
         if self.ok:

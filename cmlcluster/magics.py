@@ -1,0 +1,88 @@
+"""IPython magics, registered by ``%load_ext cmlcluster``:
+
+    %horovod [options] train.py [script args]     run a script under horovodrun on fresh workers
+    %%horovod [options]                           the cell is the training script
+
+Options: -np N (processes in all), -n/--workers N, --slots S (processes per worker; default
+its GPUs or 1), --cpu, --memory (GB), --gpus (per worker), --backend NAME, --start-timeout S,
+--ssh-port P, --reuse (keep the workers for the next run). The value is a HorovodResult.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would exit the kernel
+        raise UsageError(f"%horovod: {message}\n{self.format_usage()}")
+
+
+def _parser(with_script: bool) -> argparse.ArgumentParser:
+    parser = _Parser(prog="%horovod" if with_script else "%%horovod", add_help=False)
+    parser.add_argument("-np", type=int, default=None, help="processes in all")
+    parser.add_argument("-n", "--workers", type=int, default=None)
+    parser.add_argument("--slots", type=int, default=None)
+    parser.add_argument("--cpu", type=float, default=1)
+    parser.add_argument("--memory", type=float, default=1)
+    parser.add_argument("--gpus", type=int, default=0)
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--start-timeout", type=int, default=60)
+    parser.add_argument("--ssh-port", type=int, default=2222)
+    parser.add_argument("--reuse", action="store_true")
+    if with_script:
+        parser.add_argument("script")
+        parser.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _run(options: argparse.Namespace, script: str, args: list[str]) -> Any:
+    from .horovod import run_horovod
+
+    return run_horovod(
+        script,
+        args,
+        np=options.np,
+        workers=options.workers,
+        slots=options.slots,
+        cpu=options.cpu,
+        memory=options.memory,
+        nvidia_gpu=options.gpus,
+        backend=options.backend,
+        start_timeout=options.start_timeout,
+        ssh_port=options.ssh_port,
+        reuse=options.reuse,
+    )
+
+
+@magics_class
+class ClusterMagics(Magics):
+    @line_magic
+    def horovod(self, line: str) -> Any:
+        """%horovod [options] train.py [args]: run a training script under horovodrun on workers."""
+        options = _parser(with_script=True).parse_args(shlex.split(line))
+        return _run(options, options.script, options.args)
+
+    @cell_magic("horovod")
+    def horovod_cell(self, line: str, cell: str) -> Any:
+        """%%horovod [options]: the cell is the training script."""
+        options = _parser(with_script=False).parse_args(shlex.split(line))
+        # In the working folder, which workers see at the same path; removed afterwards.
+        path = os.path.join(os.getcwd(), f".cmlcluster-horovod-cell-{secrets.token_hex(4)}.py")
+        with open(path, "w") as f:
+            f.write(cell)
+        try:
+            return _run(options, path, [])
+        finally:
+            os.remove(path)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    ipython.register_magics(ClusterMagics)
