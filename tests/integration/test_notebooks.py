@@ -37,3 +37,20 @@ def test_parameter_server_notebook_trains_and_stops():
     learned = [float(v) for v in re.search(r"\[([^\]]+)\]", weights).group(1).split()]
     assert learned == pytest.approx([1.0, -2.0, 3.0, 0.5], abs=0.5)
     assert stopped.strip() == "['stopped', 'stopped', 'stopped']"
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_horovod_notebook_runs_allreduce_and_cleans_up(backend, monkeypatch):
+    from conftest import DOCKER_TEST_IMAGE
+
+    monkeypatch.setenv("CMLCLUSTER_BACKEND", backend)  # the kernel inherits it
+    monkeypatch.setenv("CMLCLUSTER_DOCKER_IMAGE", DOCKER_TEST_IMAGE)
+    monkeypatch.setenv("CMLCLUSTER_DOCKER_HOST_PYTHON", "1")
+    _, training, summary, left = execute("horovod.ipynb")
+    assert "[rank 0] rank 0 of size 2" in training and "[rank 1] rank 1 of size 2" in training
+    checksums = re.findall(r"rank \d: weights checksum (\S+)", summary)
+    assert len(checksums) == 2 and checksums[0] == checksums[1], summary
+    assert "exit code: 0" in summary
+    hosts = re.search(r"hosts: (.*)", summary).group(1)
+    assert hosts == "[('localhost', 2)]" if backend == "local" else hosts.count(", 1)") == 2
+    assert left.strip() in ("no workers", "['stopped']")
