@@ -1,0 +1,117 @@
+"""%horovod end to end against the same job done by hand, in one run.
+
+By hand: two containers running sshd (same image, mounts and network as the docker backend
+uses), their IPs read from Docker, a key and host keys made beforehand, then
+`horovodrun -np 2 -H ip1:1,ip2:1 -p 2222 -i key` with the same training script. Ours:
+run_horovod (what %horovod calls) on a fresh session: controller, two worker containers,
+sshd through the agents, host keys pinned and checked, horovodrun, teardown.
+Goal: ratio (ours / by hand) <= 1.15.
+
+    python bench/horovod_e2e.py [--repeat 3] [--epochs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import docker
+
+from cmlcluster import Session
+from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.horovod import run_horovod
+from cmlcluster.horovod.keys import new_ed25519
+
+IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "worker_scripts" / "horovod_keras_train.py")
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def ours(epochs: int) -> float:
+    t0 = time.perf_counter()
+    with Session(DockerBackend(image=IMAGE, host_python=True), echo=False) as session:
+        result = run_horovod(SCRIPT, ["--epochs", str(epochs)], np=2, session=session, echo=False)
+    elapsed = time.perf_counter() - t0
+    assert result.ok, result.message
+    return elapsed
+
+
+def by_hand(epochs: int, client: docker.DockerClient) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        private, public = new_ed25519()
+        host_private, _ = new_ed25519()
+        files = {
+            "id": private,
+            "authorized_keys": public + "\n",
+            "host_key": host_private,
+            "sshd_config": f"Port 2222\nHostKey {folder}/host_key\nAuthorizedKeysFile {folder}/authorized_keys\n"
+            "PasswordAuthentication no\nUsePAM no\nStrictModes no\nPermitRootLogin prohibit-password\n",
+        }
+        for name, text in files.items():
+            path = os.path.join(folder, name)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(text)
+        mounts = [f"{p}:{p}:ro" for p in {"/usr", sys.base_prefix, sys.prefix, str(ROOT), folder}]
+        t0 = time.perf_counter()
+
+        def run(_: int):
+            return client.containers.run(
+                IMAGE,
+                ["/bin/sh", "-c", f"mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e -f {folder}/sshd_config"],
+                detach=True, auto_remove=True, init=True, network="cmlcluster", volumes=mounts,
+                working_dir=str(ROOT), labels={"cmlcluster-bench": "by-hand"},
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(2) as pool:
+            containers = list(pool.map(run, range(2)))
+        try:
+            ips = []
+            for c in containers:
+                c.reload()
+                ips.append(c.attrs["NetworkSettings"]["Networks"]["cmlcluster"]["IPAddress"])
+            for ip in ips:
+                while True:
+                    try:
+                        socket.create_connection((ip, 2222), timeout=1).close()
+                        break
+                    except OSError:
+                        time.sleep(0.05)
+            argv = [HOROVODRUN, "-np", "2", "-H", ",".join(f"{ip}:1" for ip in ips), "-p", "2222",
+                    "-i", f"{folder}/id", "--network-interfaces", "eth0",
+                    sys.executable, SCRIPT, "--epochs", str(epochs)]  # fmt: skip
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        finally:
+            for c in containers:
+                c.remove(force=True)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    client = docker.from_env()
+    try:
+        client.networks.get("cmlcluster")
+    except docker.errors.NotFound:
+        client.networks.create("cmlcluster", driver="bridge")
+    mine, theirs = [], []
+    for _ in range(args.repeat):
+        mine.append(ours(args.epochs))
+        theirs.append(by_hand(args.epochs, client))
+    m, t = statistics.median(mine), statistics.median(theirs)
+    print(f"horovod, 2 containers, end to end: %horovod {m:.2f} s, by hand {t:.2f} s, ratio {m / t:.2f} (goal <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()
