@@ -107,17 +107,23 @@ def run_horovod(
     their sshd) for the next run, and use those of the previous reuse=True run. check: raise
     HorovodError instead of returning a failed result.
     """
+    # Everything is checked before anything starts.
     slots = slots if slots is not None else max(nvidia_gpu, 1)
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ConfigError(f"slots={slots!r}: processes per worker must be 1 or more")
+    for name, value in (("slots", slots), ("workers", workers), ("np", np)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name}={value!r}: give a whole number, 1 or more")
     if workers is None:
         workers = math.ceil(np / slots) if np else 1
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ConfigError(f"workers={workers!r}: give 1 or more")
     np = np if np is not None else workers * slots
+    if np > workers * slots:
+        raise ConfigError(
+            f"np={np}: {workers} workers with {slots} slots each hold {workers * slots} processes; "
+            "ask for more workers or slots, or fewer processes"
+        )
     if not os.path.isfile(script):
         raise ConfigError(f"script={script!r}: no such file; give the path of the training script")
     script = os.path.abspath(script)
+    horovodrun = _horovodrun()
     owned = session is None and backend is not None
     if session is None:
         from ..api import get_session
@@ -132,10 +138,10 @@ def run_horovod(
                 [sys.executable, script, *args],
                 ssh_port=None,
                 start_timeout=start_timeout,
-                horovodrun=_horovodrun(),
+                horovodrun=horovodrun,
             )
             return _execute(argv, hosts, os.environ.copy(), echo, check)
-        cluster = _ssh_cluster(session, workers, slots, cpu, memory, nvidia_gpu, ssh_port, reuse or not owned)
+        cluster = _ssh_cluster(session, workers, slots, cpu, memory, nvidia_gpu, ssh_port, reuse)
         try:
             argv = commands.horovodrun_argv(
                 np,
@@ -145,7 +151,7 @@ def run_horovod(
                 identity_file=cluster.ssh.identity_file,
                 start_timeout=start_timeout,
                 network_interfaces=session.backend.worker_interfaces(),
-                horovodrun=_horovodrun(),
+                horovodrun=horovodrun,
             )
             env = dict(os.environ, PATH=f"{cluster.ssh.ssh_wrapper_dir}{os.pathsep}{os.environ.get('PATH', '')}")
             return _execute(argv, cluster.hosts, env, echo, check)

@@ -110,3 +110,24 @@ def test_session_keys_are_fresh_ed25519_keys_paramiko_reads(tmp_path):
         first.close()
         second.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_run_horovod_refuses_bad_input_before_anything_starts(tmp_path):
+    from cmlcluster import Session
+    from cmlcluster.backends.fake import FakeBackend
+    from cmlcluster.horovod import run_horovod
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with Session(FakeBackend(), echo=False) as s:
+        for kwargs, names in [
+            ({"np": 3, "workers": 1}, "np=3: 1 workers with 1 slots each hold 1 processes"),
+            ({"np": 0}, "np=0"),
+            ({"slots": 0}, "slots=0"),
+            ({"workers": -1}, "workers=-1"),
+        ]:
+            with pytest.raises(ConfigError, match=names):
+                run_horovod(str(script), session=s, **kwargs)
+        with pytest.raises(ConfigError, match="script='missing.py': no such file"):
+            run_horovod("missing.py", session=s)
+        assert s.list_workers() == []
