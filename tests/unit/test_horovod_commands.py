@@ -128,6 +128,6 @@ def test_run_horovod_refuses_bad_input_before_anything_starts(tmp_path):
         ]:
             with pytest.raises(ConfigError, match=names):
                 run_horovod(str(script), session=s, **kwargs)
-        with pytest.raises(ConfigError, match="script='missing.py': no such file"):
+        with pytest.raises(ConfigError, match=r"script='missing\.py': no such file"):
             run_horovod("missing.py", session=s)
         assert s.list_workers() == []
