@@ -70,7 +70,7 @@ class ClusterMagics(Magics):
         options = _parser(with_script=True).parse_args(shlex.split(line))
         return _run(options, options.script, options.args)
 
-    @cell_magic("horovod")
+    @cell_magic("horovod")  # type: ignore[arg-type]  # IPython types the named form poorly
     def horovod_cell(self, line: str, cell: str) -> Any:
         """%%horovod [options]: the cell is the training script."""
         options = _parser(with_script=False).parse_args(shlex.split(line))

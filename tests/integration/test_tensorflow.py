@@ -22,6 +22,7 @@ def outputs(session):
     return {w["id"]: session.output(w) for w in session.list_workers()}
 
 
+@pytest.mark.tf_coordinator
 def test_parameter_server_training_with_this_process_as_coordinator(session):
     with start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session) as cluster:
         assert sorted(cluster.cluster_spec) == ["chief", "ps", "worker"]
