@@ -26,6 +26,7 @@ Lifecycle, all methods called from the session's event loop:
 from __future__ import annotations
 
 import abc
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,6 +35,20 @@ from ..workers import Resources, WorkerSpec
 
 if TYPE_CHECKING:
     from ..control import ControlPlane
+
+
+OUTPUT_TAIL_BYTES = 64 * 1024
+
+
+def log_tail(path: str, limit: int = OUTPUT_TAIL_BYTES) -> str:
+    """The last `limit` bytes of a worker's log file, as text ("" when there is none yet)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,11 @@ from typing import Any, TypeVar
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
-from .base import Backend, SessionContext
+from .base import Backend, SessionContext, log_tail
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
 DEFAULT_NETWORK = "cmlcluster"
 LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, .host, .pid
-OUTPUT_TAIL_BYTES = 64 * 1024
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 T = TypeVar("T")
@@ -307,13 +306,7 @@ class DockerBackend(Backend):
             self._gpus.give_back(handle.gpus)
 
     def output(self, handle: DockerHandle) -> str:
-        try:
-            with open(handle.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - OUTPUT_TAIL_BYTES))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return log_tail(handle.log_path)
 
     async def close(self) -> None:
         if self._client is not None:

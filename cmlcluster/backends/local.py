@@ -18,9 +18,7 @@ from .._proc import signal_group
 from ..errors import BackendError
 from ..resources import CgroupLimits, GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
-from .base import Backend
-
-OUTPUT_TAIL_BYTES = 64 * 1024
+from .base import Backend, log_tail
 
 
 @dataclass(eq=False)
@@ -115,10 +113,4 @@ class LocalBackend(Backend):
         self._release(handle)
 
     def output(self, handle: LocalHandle) -> str:
-        try:
-            with open(handle.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - OUTPUT_TAIL_BYTES))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return log_tail(handle.log_path)
