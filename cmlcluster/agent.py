@@ -170,7 +170,7 @@ def main() -> None:
             "--IPEngine.enable_nanny=False",
             # Replaced by _watch_controller, which works while user code runs.
             "--IPEngine.max_heartbeat_misses=0",
-            "--log-level=WARN",
+            f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
     )
 

@@ -115,7 +115,7 @@ class IPyParallelControl(ControlPlane):
             "--IPController.use_threads=True",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             "--nodb",  # results live in the session, not in the controller's memory
-            "--log-level=WARN",
+            f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
         with open(log_path, "ab") as log:
             # stdin is the lifeline (see _controller.py); never closed until close().
@@ -176,8 +176,15 @@ class IPyParallelControl(ControlPlane):
             if on_iopub is not None:
                 message_future.iopub_callbacks.append(on_iopub)
 
+        # Send through the mux *stream*, as ipyparallel's own DirectView does, never on the raw
+        # _mux_socket: the client's IO thread reads replies from that socket through a ZMQStream,
+        # and a raw send runs libzmq's command processing, which can consume the socket's
+        # edge-triggered ZMQ_FD wake-up. A reply that arrives in that window then sits unread;
+        # the pipe never reports "readable" again, so every later reply of the session is stuck
+        # behind it (the stall after N launches). The stream re-reads ZMQ_EVENTS after each of
+        # its own sends. Same mechanism as ipykernel#1529 / ipykernel#1554 on the kernel side.
         future = client.send_apply_request(
-            client._mux_socket, _agent_call, list(args), ident=idents[0], message_future_hook=hook
+            client._mux_stream, _agent_call, list(args), ident=idents[0], message_future_hook=hook
         )
         return future, AsyncResult(client, future, fname=str(args[0]), targets=engine_id, owner=True)
 
