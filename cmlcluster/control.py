@@ -26,7 +26,7 @@ from .workers import Program
 
 HEARTBEAT_MS = 1000  # controller ping period; agents give up after agent.MISSED_PINGS_ALLOWED of them
 CONTROLLER_START_TIMEOUT = 60.0
-DESCRIBE_TIMEOUT = 30.0
+DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
 OUTPUT_DRAIN_TIMEOUT = 5.0
 
 EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
@@ -196,20 +196,26 @@ class IPyParallelControl(ControlPlane):
         deadline = loop.time() + DESCRIBE_TIMEOUT
         asked: set[asyncio.Future[Any]] = set()
         silence = 0.5
-        while True:
-            _, result = self._apply(engine_id, ("describe",))
-            asked.add(asyncio.wrap_future(result))
-            done, asked = await asyncio.wait(
-                asked, timeout=max(0.0, min(silence, deadline - loop.time())), return_when=asyncio.FIRST_COMPLETED
-            )
-            if done:
-                for unanswered in asked:
-                    unanswered.cancel()
-                info = done.pop().result()
-                return WorkerInfo(ip_address=info.get("ip_address"), hostname=info.get("hostname"), pid=info.get("pid"))
-            if loop.time() >= deadline:
-                raise TimeoutError(f"engine {engine_id} did not answer for {DESCRIBE_TIMEOUT:g} s")
-            silence = min(silence * 2, 4.0)
+        try:
+            while True:
+                _, result = self._apply(engine_id, ("describe",))
+                asked.add(asyncio.wrap_future(result))
+                done, asked = await asyncio.wait(
+                    asked, timeout=max(0.0, min(silence, deadline - loop.time())), return_when=asyncio.FIRST_COMPLETED
+                )
+                if done:
+                    info = done.pop().result()
+                    return WorkerInfo(
+                        ip_address=info.get("ip_address"), hostname=info.get("hostname"), pid=info.get("pid")
+                    )
+                if loop.time() >= deadline:
+                    raise TimeoutError(f"engine {engine_id} did not answer for {DESCRIBE_TIMEOUT:g} s")
+                silence = min(silence * 2, 4.0)
+        finally:
+            # Requests abandoned here are cancelled, so that their late failure (the engine
+            # dies; the hub reports "Engine died while running task") is never left unretrieved.
+            for unanswered in asked:
+                unanswered.cancel()
 
     async def _apply_streaming(self, engine_id: int, args: tuple[Any, ...], on_output: OutputCallback) -> Any:
         loop = asyncio.get_running_loop()

@@ -381,8 +381,8 @@ class Session:
         assert control is not None
         try:
             info = await control.describe(worker.engine_id)
-        except Exception as e:  # the engine died or hangs; the exit watcher has the last word
-            log.warning("worker %s registered but did not answer: %r", worker.id, e)
+        except Exception as e:
+            await self._fail_silent(worker, e)
             return
         if worker.finished:
             return
@@ -395,6 +395,21 @@ class Session:
         self._emit("status", worker)
         if not worker.program.empty:  # else it serves the control plane until stopped or given a program
             await self._run_program(worker)
+
+    async def _fail_silent(self, worker: Worker, error: Exception) -> None:
+        """A worker registered but its engine does not answer: fail it, saying what is known, and stop it."""
+        if worker.finished:
+            return  # it exited meanwhile; the exit watcher said why
+        code = await self.backend.poll(worker.handle)
+        process = "is still running" if code is None else f"exited with code {code}"
+        message = (
+            f"worker {worker.id} (engine {worker.engine_id}) registered with the controller but did not "
+            f"answer ({error}); its process {process}{self._tail_for_message(worker)}"
+        )
+        if worker.finish(FAILED, exit_code=code, message=message):
+            log.warning("cmlcluster: %s", message)
+            self._emit("status", worker)
+            await self.backend.stop(worker.handle, STOP_GRACE)
 
     async def _run_later(self, workers: list[Worker], program: Program) -> list[dict[str, Any]]:
         for w in workers:

@@ -31,6 +31,7 @@ SIGTERM_EXIT = -15
 class FakeWorker:
     start_delay: float = 0.0  # seconds from start until its engine registers
     registers: bool = True  # False: it never becomes ready
+    answers: bool = True  # False: it registers, but its engine never answers
     launch_error: str | None = None  # start() fails with this message
     address: str | None = "auto"  # "auto": 10.0.0.<engine id + 1>; None: never known
     output: tuple[str, ...] = ()  # lines its program prints
@@ -138,6 +139,8 @@ class FakeControl(ControlPlane):
 
     async def describe(self, engine_id: int) -> WorkerInfo:
         handle = self._backend.handles[engine_id]
+        if not handle.script.answers:
+            raise TimeoutError(f"engine {engine_id} did not answer")
         address = handle.script.address
         if address == "auto":
             address = f"10.0.0.{engine_id + 1}"

@@ -169,3 +169,17 @@ def test_unknown_worker_id_is_named():
     with fake_session() as s:
         with pytest.raises(ValueError, match="'nope' is not a worker"):
             s.await_workers(["nope"])
+
+
+def test_worker_that_registers_but_never_answers_fails_with_what_is_known_and_the_next_launch_works():
+    with fake_session(FakeWorker(answers=False, output=()), FakeWorker()) as s:
+        [silent] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        [failure] = s.await_workers([silent], timeout_seconds=10)["failures"]
+        assert failure["status"] == "failed"
+        message = failure["message"]
+        assert f"worker {silent['id']} (engine 0) registered with the controller but did not answer" in message
+        assert "its process is still running" in message
+        # ...and it was stopped, not left running.
+        assert s.backend.handles[0].exited.done()
+        [next_one] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        assert s.await_workers([next_one], timeout_seconds=10)["failures"] == []
