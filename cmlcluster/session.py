@@ -87,6 +87,7 @@ class Session:
         self._loop = LoopThread(name=f"cmlcluster-{self.id}")
         self._dir: str | None = None
         self._control: ControlPlane | None = None
+        self._attached = False  # whether the backend serves this session (from the first launch)
         self._workers: dict[str, Worker] = {}
         self._by_engine: dict[int, Worker] = {}
         self._next_engine_id = 0
@@ -147,6 +148,13 @@ class Session:
         if self.closed:
             return []
         return self._loop.run(self._stop([self._resolve(i) for i in ids] if ids else list(self._workers.values())))
+
+    def stop_workers_soon(self, *ids: str | Mapping[str, Any]) -> None:
+        """Begin stopping these workers and return at once; callable from any thread, subscribers included."""
+        if self.closed:
+            return
+        workers = [self._resolve(i) for i in ids]
+        self._loop.call_soon(lambda: self._spawn(self._stop(workers)))
 
     def run_program(self, workers: Iterable[str | Mapping[str, Any]], program: Program) -> list[dict[str, Any]]:
         """Give running workers that were launched without a program one to run now.
@@ -271,9 +279,12 @@ class Session:
     async def _ensure_started(self) -> ControlPlane:
         if self._control is not None:
             return self._control
-        self._dir = tempfile.mkdtemp(prefix=f"cmlcluster-{self.id}-")
-        os.chmod(self._dir, 0o700)  # holds the controller's keys
-        self.backend.attach(SessionContext(session_id=self.id, session_dir=self._dir))
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix=f"cmlcluster-{self.id}-")
+            os.chmod(self._dir, 0o700)  # holds the controller's keys
+        if not self._attached:
+            self.backend.attach(SessionContext(session_id=self.id, session_dir=self._dir))
+            self._attached = True
         control = self.backend.control_plane() or IPyParallelControl()
         control.on_engine = self._on_engine
         await control.start(self.backend.controller_ip(), self._dir)
@@ -354,12 +365,17 @@ class Session:
             changed = worker.finish(
                 FAILED,
                 exit_code=code,
-                message=f"worker {worker.id} exited with code {code} "
-                f"{'before its program finished' if worker.running_at else 'before it was running'}"
+                message=f"worker {worker.id} exited with code {code} {self._exit_moment(worker)}"
                 f"{self._tail_for_message(worker)}",
             )
         if changed:
             self._emit("status", worker)
+
+    @staticmethod
+    def _exit_moment(worker: Worker) -> str:
+        if worker.program_started:
+            return "before its program finished"
+        return "while it was running" if worker.running_at else "before it was running"
 
     def _tail_for_message(self, worker: Worker) -> str:
         tail = worker.output_tail()
@@ -573,19 +589,35 @@ class Session:
         return [w.to_dict() for w in workers]
 
     async def _close(self) -> None:
-        try:
-            await self._stop(list(self._workers.values()))
-            # A finished worker's process may still be on its way out (its program just
-            # ended); stop is idempotent, so make sure of every one before the loop goes.
-            handles = [w.handle for w in self._workers.values() if w.handle is not None]
-            await asyncio.gather(*(self.backend.stop(h, STOP_GRACE) for h in handles))
-        finally:
-            for task in list(self._tasks):
-                task.cancel()
-            if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=5)
-            if self._control is not None:
-                await self._control.close()
-            await self.backend.close()
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
+        # Each step runs even when one before it fails: a failing backend must not leave the
+        # controller running or the session's folder (keys, logs) behind.
+        steps = [self._stop_everything, self._cancel_tasks]
+        if self._control is not None:
+            steps.append(self._control.close)
+        if self._attached:
+            steps.append(self.backend.close)
+        errors = []
+        for step in steps:
+            try:
+                await step()
+            except Exception as e:
+                errors.append(e)
+        if self._attached:
+            self.backend.detach()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if errors:
+            raise errors[0]
+
+    async def _stop_everything(self) -> None:
+        await self._stop(list(self._workers.values()))
+        # A finished worker's process may still be on its way out (its program just
+        # ended); stop is idempotent, so make sure of every one before the loop goes.
+        handles = [w.handle for w in self._workers.values() if w.handle is not None]
+        await asyncio.gather(*(self.backend.stop(h, STOP_GRACE) for h in handles))
+
+    async def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)

@@ -1,4 +1,5 @@
-"""Shared fixtures. Every test is checked for leaked worker and controller processes and containers.
+"""Shared fixtures. Every test is checked for leaked worker and controller processes, containers and
+temp folders.
 
 Tests that take the `backend` fixture (or a `session` built on it) run once per backend: on local
 processes, and on Docker containers made from the test image (scripts/docker_engine.sh), which
@@ -8,7 +9,9 @@ run this machine's own Python through read-only bind mounts.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import tempfile
 import time
 
 import psutil
@@ -118,3 +121,20 @@ def no_leaked_processes():
         with contextlib.suppress(psutil.Error):
             p.kill()
     assert not leaked, f"processes left behind: {[(p.pid, p.info['cmdline_text']) for p in leaked]}"
+
+
+def cmlcluster_temp_folders() -> set[str]:
+    """Session folders, SSH key folders and sshd homes in the system's temp folder."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "cmlcluster-*")))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_temp_folders():
+    before = cmlcluster_temp_folders()
+    yield
+    deadline = time.monotonic() + 15
+    leaked = cmlcluster_temp_folders() - before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked = cmlcluster_temp_folders() - before
+    assert not leaked, f"temp folders left behind: {sorted(leaked)}"

@@ -6,7 +6,8 @@ It knows nothing of ipyparallel, statuses or CML; the session does all that.
 
 Lifecycle, all methods called from the session's event loop:
 
-- ``attach(context)`` once, before the first ``start``.
+- ``attach(context)`` once per session, before its first ``start``. One backend object serves
+  one open session at a time; after ``close()`` it may be attached to the next one.
 - ``check(n, resources)`` before a launch, before ``attach`` and before anything
   has started: raise ConfigError if n such workers can never start here (say,
   more GPUs than exist).
@@ -31,6 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..errors import ConfigError
 from ..workers import Resources, WorkerSpec
 
 if TYPE_CHECKING:
@@ -63,9 +65,20 @@ class Backend(abc.ABC):
     name: ClassVar[str]
 
     context: SessionContext
+    _serving: str | None = None  # the id of the open session this backend serves
 
     def attach(self, context: SessionContext) -> None:
+        if self._serving is not None:
+            raise ConfigError(
+                f"this {self.name} backend object already serves session {self._serving}, which is open; "
+                "give each open session a backend of its own (or pass the backend's name)"
+            )
+        self._serving = context.session_id
         self.context = context
+
+    def detach(self) -> None:
+        """Called by the session after close(): the backend may serve another session now."""
+        self._serving = None
 
     def controller_ip(self) -> str:
         """The address the session's controller listens on so that workers reach it."""

@@ -114,7 +114,8 @@ class DockerBackend(Backend):
         self._gateway: str | None = None
         self._created_network = False
         # Containers start and stop in parallel; the SDK blocks, so each call gets a thread.
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cmlcluster-docker")
+        # Made per session (attach), so that the backend serves the next session after close().
+        self._pool: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- before anything starts
 
@@ -145,6 +146,7 @@ class DockerBackend(Backend):
         super().attach(context)
         self._client = self._client or connect()
         self._gateway = self._ensure_network()
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cmlcluster-docker")
 
     def _ensure_network(self) -> str:
         import docker.errors
@@ -313,11 +315,14 @@ class DockerBackend(Backend):
             if self._created_network:
                 # Another session may still use it; then it stays, and the last one out removes it.
                 with contextlib.suppress(Exception):
-                    await self._call(self._client.networks.get(self.network).remove)
-            await self._call(self._client.close)
-        self._pool.shutdown(wait=False)
+                    await asyncio.to_thread(lambda: self._client.networks.get(self.network).remove())
+            await asyncio.to_thread(self._client.close)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self._client, self._pool, self._created_network = None, None, False
 
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        assert self._pool is not None, "attach() first"
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: function(*args, **kwargs))
 
 

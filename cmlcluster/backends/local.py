@@ -56,8 +56,11 @@ class LocalBackend(Backend):
         # Zero GPUs means none visible, not all of them.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         log_dir = os.path.join(self.context.session_dir, "workers")
-        os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"{spec.worker_id}.log")
+        # The worker's temp files live in the session's folder, so none outlives the session
+        # even when the worker is killed (a container's /tmp goes with the container the same way).
+        env["TMPDIR"] = os.path.join(log_dir, f"{spec.worker_id}.tmp")
+        os.makedirs(env["TMPDIR"], exist_ok=True)
         limits = (
             CgroupLimits(
                 f"cmlcluster-{self.context.session_id}/{spec.worker_id}", spec.resources.cpu, spec.resources.memory

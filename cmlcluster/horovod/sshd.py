@@ -19,17 +19,18 @@ from .keys import new_ed25519
 
 SSHD = "/usr/sbin/sshd"
 _running: subprocess.Popen[bytes] | None = None
+_home: str | None = None  # sshd's private folder (in the worker's own temp folder)
 
 
 def start(authorized_key: str, port: int = 2222) -> str:
     """Start sshd on `port` admitting `authorized_key`; return this worker's host public key."""
-    global _running
+    global _running, _home
     if _running is not None and _running.poll() is None:
         raise RuntimeError(f"sshd already runs in this worker (pid {_running.pid})")
     sshd = shutil.which("sshd") or SSHD
     if not os.path.exists(sshd):
         raise RuntimeError(f"{SSHD} is missing in this worker's image; install openssh-server in it")
-    home = tempfile.mkdtemp(prefix="cmlcluster-sshd-")
+    home = _home = tempfile.mkdtemp(prefix="cmlcluster-sshd-")
     host_private, host_public = new_ed25519(comment="cmlcluster-worker")
     files = {"host_key": host_private, "authorized_keys": authorized_key.strip() + "\n"}
     for name, text in files.items():
@@ -74,8 +75,11 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float 
 
 
 def stop() -> None:
-    global _running
+    global _running, _home
     if _running is not None:
         _running.terminate()
         _running.wait()
         _running = None
+    if _home is not None:
+        shutil.rmtree(_home, ignore_errors=True)
+        _home = None

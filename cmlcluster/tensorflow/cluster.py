@@ -8,6 +8,7 @@ each (job name + task index) or runs a script in each with its TF_CONFIG.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import time
 import warnings
@@ -16,10 +17,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CmlClusterError, ConfigError, WorkerError
+from ..errors import CmlClusterError, ConfigError
+from ..jobs import Job, JobFailed, Member
 from ..session import Session
 from ..workers import Program
 from . import spec as specs
+
+log = logging.getLogger("cmlcluster")
 
 TASK = "cmlcluster.tensorflow.task"
 SERVER_READY_TIMEOUT = 30.0
@@ -52,6 +56,8 @@ class TFCluster:
         self.cluster_spec: specs.ClusterDict = _spec_of(self.tasks, chief)
         self.session_addr = f"grpc://{self.workers[0].address}"
         self.stopped = False
+        # Tasks wait on each other: the first to end unexpectedly fails the cluster and stops the rest.
+        self.job = Job(session, [Member(t.worker_id, t.job, t.index) for t in self.tasks], "TensorFlow cluster")
 
     @property
     def workers(self) -> list[TaskWorker]:
@@ -110,27 +116,38 @@ class TFCluster:
     def _run(self, programs: Mapping[str, Program], timeout_seconds: float) -> list[dict[str, Any]]:
         if self.stopped:
             raise CmlClusterError("this cluster is stopped; start a new one")
-        for worker_id, program in programs.items():
-            self.session.run_program([worker_id], program)
-        done = self.session.await_workers(
-            list(programs), wait_for_completion=True, timeout_seconds=timeout_seconds, fail_fast=True
-        )
-        if done["failures"]:
-            self.stop()  # the others would wait on the failed one forever
-            by_worker = {t.worker_id: t for t in self.tasks}
-            failed = [f for f in done["failures"] if f["status"] != "running"]
-            reasons = "\n\n".join(
-                f"{by_worker[f['id']].job} task {by_worker[f['id']].index} (worker {f['id']}): {f.get('message')}"
-                for f in failed
+        self.job.raise_if_failed()
+        try:
+            for worker_id, program in programs.items():
+                self.session.run_program([worker_id], program)
+            done = self.session.await_workers(
+                list(programs), wait_for_completion=True, timeout_seconds=timeout_seconds, fail_fast=True
             )
-            raise WorkerError(
-                f"{len(failed)} of {len(programs)} worker tasks failed; the cluster was stopped.\n\n{reasons}",
-                failed[0]["id"],
+        except BaseException as e:  # Ctrl-C, or the session failed under us: nothing of the cluster stays
+            self.stop()
+            if isinstance(e, KeyboardInterrupt):
+                log.warning(
+                    "cmlcluster: interrupted; the TensorFlow cluster's %d workers were stopped", len(self.tasks)
+                )
+            raise
+        self.job.raise_if_failed()  # a task (a parameter server, say) ended: the job names it
+        if done["failures"]:  # none ended, but not all finished in time
+            self.stop()
+            waiting = ", ".join(str(self.job.member(f["id"])) for f in done["failures"])
+            raise CmlClusterError(
+                f"the TensorFlow cluster's tasks did not finish within {timeout_seconds:g} s ({waiting}); "
+                "it was stopped"
             )
         return done["workers"]
 
+    @property
+    def failure(self) -> Any:
+        """The JobFailure that ended this cluster (which task's worker ended, and why), or None."""
+        return self.job.failure
+
     def stop(self) -> None:
         """Stop every task's worker (TensorFlow servers end with their process)."""
+        self.job.finish()
         if not self.stopped and not self.session.closed:
             self.session.stop_workers(*(t.worker_id for t in self.tasks))
         self.stopped = True
@@ -138,8 +155,11 @@ class TFCluster:
     def __enter__(self) -> TFCluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.stop()
+        if exc is not None and self.failure is not None and not isinstance(exc, JobFailed):
+            # What TensorFlow raised in this process (UnavailableError, say) follows from this.
+            raise JobFailed(self.job.name, self.failure) from exc
 
     def __repr__(self) -> str:
         state = "stopped" if self.stopped else "running"

@@ -114,7 +114,7 @@ def test_a_raising_worker_script_names_the_worker_and_leaves_nothing(session, tm
         run_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, worker_script=str(script), session=session)
     message = str(caught.value)
     worker_1 = session.list_workers()[2]
-    assert f"worker task 1 (worker {worker_1['id']})" in message
+    assert f"TensorFlow cluster failed: worker task 1 (worker {worker_1['id']}) failed with exit code 1" in message
     assert "ValueError: bad shard 1" in message and "broken.py" in message
     assert [w["status"] for w in session.list_workers()] == ["stopped", "stopped", "failed"]
     # (the autouse fixture fails the test if any worker process is left)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cmlcluster import Session
+from cmlcluster import ConfigError, Session
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
 
 
@@ -183,3 +183,16 @@ def test_worker_that_registers_but_never_answers_fails_with_what_is_known_and_th
         assert s.backend.handles[0].exited.done()
         [next_one] = s.launch_workers(1, cpu=1, memory=1, code="pass")
         assert s.await_workers([next_one], timeout_seconds=10)["failures"] == []
+
+
+def test_one_backend_object_serves_one_open_session_at_a_time():
+    backend = FakeBackend()
+    with Session(backend, echo=False) as first:
+        first.launch_workers(1, cpu=1, memory=1)
+        with Session(backend, echo=False) as second:
+            with pytest.raises(ConfigError, match=f"already serves session {first.id}, which is open"):
+                second.launch_workers(1, cpu=1, memory=1)
+        assert first.launch_workers(1, cpu=1, memory=1)[0]["status"] == "scheduling"  # still first's
+    with Session(backend, echo=False) as third:  # once closed, a session lets it go
+        [w] = third.launch_workers(1, cpu=1, memory=1, code="pass")
+        assert third.await_workers([w], timeout_seconds=10)["failures"] == []

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cmlcluster import Session, WorkerError, start_cluster
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
 from cmlcluster.errors import CmlClusterError, ConfigError
+from cmlcluster.jobs import JobFailed
 
 
 def fake_session(*plan: FakeWorker) -> Session:
@@ -67,7 +70,9 @@ def test_a_failing_worker_task_names_itself_and_stops_the_cluster():
     plan = (FakeWorker(), FakeWorker(output=("training",)), FakeWorker(output=("ValueError: bad batch",), exit_code=1))
     with fake_session(*plan) as s:
         cluster = start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, session=s)
-        with pytest.raises(WorkerError, match=r"1 of 2 worker tasks failed") as caught:
+        with pytest.raises(
+            WorkerError, match=r"TensorFlow cluster failed: worker task 1 .* with exit code 1"
+        ) as caught:
             cluster.run_script("train.py")
         assert f"worker task 1 (worker {s.id}-2)" in str(caught.value)
         assert "ValueError: bad batch" in str(caught.value)
@@ -86,3 +91,31 @@ def test_bad_input_is_refused_before_anything_starts():
             with pytest.raises(ConfigError, match=names):
                 start_cluster(cpu=1, memory=1, session=s, **kwargs)
         assert s.list_workers() == []
+
+
+def test_a_parameter_server_that_dies_fails_the_job_naming_it_and_stops_the_workers():
+    plan = (FakeWorker(dies_after=0.3, death_code=-9), FakeWorker(run_time=60), FakeWorker(run_time=60))
+    with fake_session(*plan) as s:
+        cluster = start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, session=s)
+        started = time.monotonic()
+        with pytest.raises(JobFailed) as caught:
+            cluster.run_script("train.py")
+        assert time.monotonic() - started < 5  # not the workers' 60 s
+        failure = caught.value.failure
+        assert (failure.member.role, failure.member.index, failure.exit_code) == ("ps", 0, -9)
+        assert f"ps task 0 (worker {s.id}-0) failed with exit code -9" in str(caught.value)
+        assert statuses(s) == ["failed", "stopped", "stopped"]
+
+
+def test_a_worker_lost_while_this_process_coordinates_fails_the_cluster_and_stops_the_rest():
+    plan = (FakeWorker(), FakeWorker(), FakeWorker(dies_after=0.5, death_code=-9))
+    with fake_session(*plan) as s:
+        with pytest.raises(JobFailed, match=r"worker task 1 .* failed with exit code -9") as caught:
+            with start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, session=s) as cluster:
+                assert cluster.job.failed.wait(5)  # as model.fit would, fail once the peers are gone
+                raise RuntimeError("UnavailableError: the coordinator lost its workers")
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert statuses(s) == ["stopped", "stopped", "failed"]
+        # The session goes on: the next cluster works.
+        with start_cluster(n_workers=1, cpu=1, memory=1, servers=False, session=s) as again:
+            assert again.failure is None
