@@ -11,6 +11,7 @@ starts the ranks itself on localhost, without workers or SSH.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -25,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .._proc import signal_group
+from ..backends import Backend
 from ..errors import CmlClusterError, ConfigError
+from ..jobs import Job, JobFailure, Member
 from ..session import Session
 from . import commands
 from .keys import SessionSSH
@@ -35,6 +38,8 @@ PROCESS_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.$")
 FIRST_FAILURE = re.compile(r"Process name: (\d+)")  # in horovodrun's final error
 SSHD = "cmlcluster.horovod.sshd"
 CHECK_TIMEOUT = 10.0
+
+log = logging.getLogger("cmlcluster")
 
 
 @dataclass
@@ -49,6 +54,7 @@ class HorovodResult:
     driver_output: list[str] = field(default_factory=list)  # horovodrun's own lines
     rank_exit_codes: dict[int, int] = field(default_factory=dict)  # non-zero ones horovodrun reported
     failed_rank: int | None = None
+    worker_failure: JobFailure | None = None  # a worker that ended during the run (killed, crashed)
 
     @property
     def ok(self) -> bool:
@@ -65,6 +71,11 @@ class HorovodResult:
     def message(self) -> str:
         if self.ok:
             return f"horovodrun succeeded: {sum(s for _, s in self.hosts)} slots on {len(self.hosts)} hosts"
+        if self.worker_failure is not None:
+            return (
+                f"the Horovod job failed: {self.worker_failure}; horovodrun, its ranks and every other worker "
+                "were stopped"
+            )
         if self.failed_rank is None:
             tail = "\n".join(self.driver_output[-20:])
             return f"horovodrun exited with code {self.exit_code}:\n{tail}"
@@ -124,11 +135,10 @@ def run_horovod(
         raise ConfigError(f"script={script!r}: no such file; give the path of the training script")
     script = os.path.abspath(script)
     horovodrun = _horovodrun()
-    owned = session is None and backend is not None
+    owned = session is None and backend is not None and not reuse
     if session is None:
-        from ..api import get_session
-
-        session = Session(backend) if backend is not None else get_session()
+        session = _session_for(backend, reuse)
+    cluster: SSHCluster | None = None
     try:
         if session.backend.name == "local":
             hosts = [("localhost", np)]
@@ -142,25 +152,55 @@ def run_horovod(
             )
             return _execute(argv, hosts, os.environ.copy(), echo, check)
         cluster = _ssh_cluster(session, workers, slots, cpu, memory, nvidia_gpu, ssh_port, reuse)
-        try:
-            argv = commands.horovodrun_argv(
-                np,
-                cluster.hosts,
-                [session.backend.worker_python(), script, *args],
-                ssh_port=ssh_port,
-                identity_file=cluster.ssh.identity_file,
-                start_timeout=start_timeout,
-                network_interfaces=session.backend.worker_interfaces(),
-                horovodrun=horovodrun,
-            )
-            env = dict(os.environ, PATH=f"{cluster.ssh.ssh_wrapper_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-            return _execute(argv, cluster.hosts, env, echo, check)
-        finally:
-            if not reuse:
-                cluster.close()
+        argv = commands.horovodrun_argv(
+            np,
+            cluster.hosts,
+            [session.backend.worker_python(), script, *args],
+            ssh_port=ssh_port,
+            identity_file=cluster.ssh.identity_file,
+            start_timeout=start_timeout,
+            network_interfaces=session.backend.worker_interfaces(),
+            horovodrun=horovodrun,
+        )
+        env = dict(os.environ, PATH=f"{cluster.ssh.ssh_wrapper_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+        return _execute(argv, cluster.hosts, env, echo, check, cluster.job)
+    except KeyboardInterrupt:
+        kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
+        log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
+        raise
     finally:
-        if owned and not reuse:
+        if cluster is not None:
+            if reuse and cluster.job.failure is None:
+                cluster.end_ranks()  # the workers stay for the next run; what this run started does not
+            else:
+                cluster.close()
+        if owned:
             session.close()
+
+
+def _session_for(backend: str | Backend | None, reuse: bool) -> Session:
+    """The default session; or, for backend= without reuse, a session of its own (closed after the run).
+
+    Workers kept for reuse live in the default session, so that the next run finds them and
+    stop_session() (or the end of the process) stops them.
+    """
+    from ..api import get_session, use_backend
+
+    if backend is None:
+        return get_session()
+    if not reuse:
+        return Session(backend)
+    session = get_session()
+    same = session.backend is backend or (isinstance(backend, str) and session.backend.name == backend)
+    if not same:
+        if any(w["status"] not in ("stopped", "succeeded", "failed") for w in session.list_workers()):
+            raise ConfigError(
+                f"backend={backend!r} with reuse: the default session runs workers on {session.backend.name!r}; "
+                "call cmlcluster.stop_session() first, or run without reuse"
+            )
+        use_backend(backend)
+        session = get_session()
+    return session
 
 
 def _horovodrun() -> str:
@@ -177,19 +217,28 @@ def _horovodrun() -> str:
 
 @dataclass
 class SSHCluster:
-    """Workers with sshd running and pinned, ready for horovodrun or mpirun."""
+    """Workers with sshd running and pinned, ready for horovodrun or mpirun; one job."""
 
     session: Session
     worker_ids: list[str]
     hosts: list[tuple[str, int]]
     ssh: SessionSSH
+    job: Job
+
+    def end_ranks(self) -> None:
+        """End what runs on the workers through sshd (ranks a failed or interrupted run left); sshd stays."""
+        with contextlib.suppress(Exception):
+            if not self.session.closed:
+                self.session.call_each([(w, f"{SSHD}:end_sessions", ()) for w in self.worker_ids], timeout=30)
 
     def close(self) -> None:
+        self.job.finish()
         with contextlib.suppress(Exception):
             if not self.session.closed:
                 self.session.stop_workers(*self.worker_ids)
         self.ssh.close()
-        _reusable.pop(self.session.id, None)
+        if _reusable.get(self.session.id) is self:
+            del _reusable[self.session.id]
 
 
 _reusable: dict[str, SSHCluster] = {}
@@ -199,14 +248,16 @@ def _ssh_cluster(
     session: Session, n: int, slots: int, cpu: float, memory: float, gpus: int, port: int, keep: bool
 ) -> SSHCluster:
     previous = _reusable.get(session.id)
-    if previous is not None and len(previous.worker_ids) == n and keep:
-        running = {w["id"] for w in session.list_workers() if w["status"] == "running"}
-        if set(previous.worker_ids) <= running:
+    if previous is not None and keep:
+        if len(previous.worker_ids) == n and previous.job.failure is None and previous.hosts:
+            previous.hosts = [(host, slots) for host, _ in previous.hosts]
             return previous
         previous.close()
     launched = session.launch_workers(n, cpu, memory, gpus)
     ssh = SessionSSH.create(parent=session.session_dir)
-    cluster = SSHCluster(session, [w["id"] for w in launched if "id" in w], [], ssh)
+    ids = [w["id"] for w in launched if "id" in w]
+    job = Job(session, [Member(w, "host", i) for i, w in enumerate(ids)], "Horovod job")
+    cluster = SSHCluster(session, ids, [], ssh, job)
     try:
         ready = session.await_workers(launched, wait_for_completion=False, timeout_seconds=120)
         if ready["failures"]:
@@ -269,7 +320,7 @@ def check_hosts(hosts: Sequence[str], port: int, identity_file: str, known_hosts
 
 
 def _execute(
-    argv: list[str], hosts: list[tuple[str, int]], env: dict[str, str], echo: bool, check: bool
+    argv: list[str], hosts: list[tuple[str, int]], env: dict[str, str], echo: bool, check: bool, job: Job | None = None
 ) -> HorovodResult:
     result = HorovodResult(exit_code=-1, hosts=hosts, argv=argv, duration=0.0)
     started = time.monotonic()
@@ -281,6 +332,9 @@ def _execute(
     reader.start()
     try:
         while process.poll() is None:
+            if job is not None and job.failed.is_set():
+                _stop(process)  # a worker is gone: its ranks with it, so the others would only wait
+                break
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(0.1)  # short waits, so Ctrl-C reaches this thread
     except BaseException:
@@ -288,6 +342,7 @@ def _execute(
         raise
     finally:
         reader.join(5)
+    result.worker_failure = job.failure if job is not None else None
     result.exit_code = process.returncode
     result.duration = time.monotonic() - started
     if result.exit_code != 0:

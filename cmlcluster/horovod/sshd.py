@@ -8,8 +8,10 @@ it ends with the worker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -72,6 +74,36 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float 
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"sshd did not listen on port {port} within {timeout:g} s")
+
+
+def end_sessions() -> int:
+    """Kill every process started through this worker's sshd (ranks of an earlier run); sshd stays.
+
+    Without a terminal, a rank whose horovodrun was stopped does not get SIGHUP when its ssh
+    connection closes, and a rank waiting in an allreduce would wait for the dead peer.
+    Returns how many processes were killed.
+    """
+    if _running is None or _running.poll() is not None:
+        return 0
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    doomed, todo = [], list(children.get(_running.pid, []))
+    while todo:
+        pid = todo.pop()
+        doomed.append(pid)
+        todo += children.get(pid, [])
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(doomed)
 
 
 def stop() -> None:

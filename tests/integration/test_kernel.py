@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import time
 
 import psutil
 import pytest
+from conftest import DOCKER_TEST_IMAGE
 from jupyter_client.manager import KernelManager
 
 pytestmark = pytest.mark.integration
@@ -79,3 +82,80 @@ def test_kernel_shutdown_stops_workers(kernel, wait_gone):
     pids = worker_pids(kc)
     km.shutdown_kernel(now=False)
     assert wait_gone(pids, within=30) == []
+
+
+RUN_CLUSTER_FOREVER = """
+import pathlib, tempfile
+import cmlcluster as cdsw
+script = pathlib.Path(tempfile.mkdtemp(dir={shared!r})) / "forever.py"
+script.write_text("def run(cluster, server, task_index):\\n    import time\\n    print('training', flush=True)\\n"
+                  "    time.sleep(600)\\n")
+cdsw.run_cluster(n_workers=2, n_ps=1, cpu=0.5, memory=1, worker_script=str(script))
+"""
+
+HOROVOD_FOREVER = """
+import pathlib, tempfile
+import cmlcluster as cdsw
+from cmlcluster.backends.docker import DockerBackend
+script = pathlib.Path(tempfile.mkdtemp(dir={shared!r})) / "forever.py"
+script.write_text("import time\\nimport horovod.tensorflow as hvd\\nhvd.init()\\nprint('training', flush=True)\\n"
+                  "time.sleep(600)\\n")
+cdsw.use_backend(DockerBackend(image={image!r}, host_python=True, volumes={{{shared!r}: {shared!r}}}))
+%load_ext cmlcluster
+%horovod -np 2 --cpu 0.5 $script
+"""
+
+
+def interrupt_once_training(km, kc, code: str, expected: int) -> tuple[dict, str]:
+    """Run `code`; once `expected` processes printed "training", interrupt the kernel.
+
+    Returns the execute reply and everything the cell printed.
+    """
+    out = []
+    msg_id = kc.execute(code)
+    deadline = time.monotonic() + 180
+    while "".join(out).count("training") < expected:
+        assert time.monotonic() < deadline, f"the job never trained: {''.join(out)}"
+        with contextlib.suppress(queue.Empty):
+            msg = kc.get_iopub_msg(timeout=1)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    with contextlib.suppress(queue.Empty):
+        while True:  # what came with it: the message saying what was stopped, the traceback
+            msg = kc.get_iopub_msg(timeout=2)
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                out.append("\n".join(msg["content"]["traceback"]))
+    return reply["content"], "".join(out)
+
+
+def processes_of(name: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if name in " ".join(p.info["cmdline"] or [])]
+
+
+def test_interrupt_during_run_cluster_stops_the_cluster_and_says_so(kernel, tmp_path, wait_gone):
+    km, kc = kernel
+    content, out = interrupt_once_training(km, kc, RUN_CLUSTER_FOREVER.format(shared=str(tmp_path)), 2)
+    agents = processes_of("cmlcluster.agent")
+    assert content["ename"] == "KeyboardInterrupt", out
+    assert "interrupted; the TensorFlow cluster's 3 workers were stopped" in out
+    assert wait_gone(agents, within=15) == []
+    content, out = run(kc, "print(sorted(w['status'] for w in cdsw.list_workers()))")
+    assert out.strip() == "['stopped', 'stopped', 'stopped']", out
+
+
+def test_interrupt_during_horovod_stops_horovodrun_ranks_and_workers(kernel, tmp_path_factory, wait_gone):
+    km, kc = kernel
+    shared = str(tmp_path_factory.getbasetemp())
+    code = HOROVOD_FOREVER.format(shared=shared, image=DOCKER_TEST_IMAGE)
+    content, out = interrupt_once_training(km, kc, code, 2)
+    left = processes_of("forever.py") + processes_of("horovodrun")
+    assert content["ename"] == "KeyboardInterrupt", out
+    assert "interrupted; horovodrun and its ranks were stopped, the workers stopped" in out
+    assert wait_gone(left, within=15) == []
+    content, out = run(kc, "print(sorted(w['status'] for w in cdsw.list_workers()))")
+    assert out.strip() == "['stopped', 'stopped']", out

@@ -24,6 +24,7 @@ CYCLES = {"local": 100, "docker": 30}
 CALL_ROUNDS = 2000  # before the fix, a stall came within 5 to 1006 rounds of two parallel calls
 
 
+@pytest.mark.timeout(1800)  # about 1 to 3 s a cycle
 def test_launch_stop_cycles_never_stall(session):
     cycles = CYCLES[session.backend.name]
     slow = []
@@ -39,6 +40,7 @@ def test_launch_stop_cycles_never_stall(session):
     assert len(session.list_workers()) == 2 * cycles
 
 
+@pytest.mark.timeout(900)
 def test_thousands_of_calls_are_all_answered(session):
     workers = session.launch_workers(n=2, cpu=0.5, memory=0.5)
     assert session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)["failures"] == []

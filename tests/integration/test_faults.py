@@ -1,0 +1,197 @@
+"""Faults during jobs, on real workers: kill -9 of one worker or rank during run_cluster and %horovod,
+and reuse of Horovod workers. Each job must fail within 5 s naming the worker, its role and exit code,
+stop every other process of the job, and leave the session able to run the next job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import DOCKER_TEST_IMAGE
+
+import cmlcluster
+from cmlcluster import Session, run_cluster
+from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.horovod import run_horovod
+from cmlcluster.jobs import JobFailed
+
+pytestmark = pytest.mark.integration
+
+LONG_TASK = """
+def run(cluster, server, task_index):
+    import time
+    print(f"task {task_index} training", flush=True)
+    time.sleep(600)
+"""
+
+QUICK_TASK = """
+def run(cluster, server, task_index):
+    print(f"task {task_index} done", flush=True)
+"""
+
+LONG_RANKS = """
+import time
+import horovod.tensorflow as hvd
+hvd.init()
+print(f"rank {hvd.rank()} started", flush=True)
+time.sleep(600)
+"""
+
+QUICK_RANKS = """
+import horovod.tensorflow as hvd
+hvd.init()
+print(f"rank {hvd.rank()} of {hvd.size()}", flush=True)
+"""
+
+
+def wait_until(condition, timeout=120.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def agent_pid(worker_id: str) -> int | None:
+    """The pid (as this host sees it, containers included) of a worker's agent."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if "cmlcluster.agent" in " ".join(proc.info["cmdline"] or []):
+            try:
+                if proc.environ().get("CDSW_ENGINE_ID") == worker_id:
+                    return proc.pid
+            except psutil.Error:
+                continue
+    return None
+
+
+def processes_running(script: Path) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or [])]
+
+
+def kill_later(condition, victim, what):
+    """On a thread: once condition() holds, kill -9 victim()'s pid; returns a dict that gets the time."""
+    killed: dict[str, float] = {}
+
+    def kill():
+        wait_until(condition, what=what)
+        time.sleep(0.5)
+        os.kill(victim(), signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    threading.Thread(target=kill, daemon=True).start()
+    return killed
+
+
+def shared_docker_backend(tmp_path_factory):
+    shared = str(tmp_path_factory.getbasetemp())
+    return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, volumes={shared: shared})
+
+
+@pytest.mark.parametrize("victim_role", ["ps", "worker"])
+def test_kill_9_during_run_cluster_fails_the_job_naming_the_task_and_stops_the_rest(session, tmp_path, victim_role):
+    script = tmp_path / "long_task.py"
+    script.write_text(LONG_TASK)
+
+    def training():  # both worker tasks run their script
+        records = session.list_workers()
+        return len(records) == 3 and all("training" in session.output(w) for w in records[1:])
+
+    victim_index = 0 if victim_role == "ps" else 2  # launch order: the ps, then worker tasks 0 and 1
+    killed = kill_later(training, lambda: agent_pid(session.list_workers()[victim_index]["id"]), "training")
+    with pytest.raises(JobFailed) as caught:
+        run_cluster(n_workers=2, n_ps=1, cpu=0.5, memory=1, worker_script=str(script), session=session)
+    took = time.monotonic() - killed["at"]
+    failure = caught.value.failure
+    victim = session.list_workers()[victim_index]
+    assert (failure.member.role, failure.member.index, failure.exit_code) == (
+        victim_role,
+        0 if victim_role == "ps" else 1,
+        -9,
+    )
+    assert failure.member.worker_id == victim["id"]
+    assert f"{victim_role} task {failure.member.index} (worker {victim['id']}) failed with exit code -9" in str(
+        caught.value
+    )
+    assert took < 5, took
+    assert sorted(w["status"] for w in session.list_workers()) == ["failed", "stopped", "stopped"]
+
+    # The next job in the same session works.
+    quick = tmp_path / "quick_task.py"
+    quick.write_text(QUICK_TASK)
+    done = run_cluster(n_workers=1, n_ps=1, cpu=0.5, memory=1, worker_script=str(quick), session=session)
+    assert done == (None, None)
+    assert "task 0 done" in session.output(session.list_workers()[-1])
+
+
+def test_kill_9_of_a_worker_during_horovod_fails_the_run_naming_it(tmp_path, tmp_path_factory):
+    script = tmp_path / "long_ranks.py"
+    script.write_text(LONG_RANKS)
+    with Session(shared_docker_backend(tmp_path_factory), echo=False) as session:
+        killed = kill_later(
+            lambda: len(processes_running(script)) >= 2,
+            lambda: agent_pid(session.list_workers()[1]["id"]),
+            "both ranks",
+        )
+        result = run_horovod(str(script), np=2, cpu=0.5, memory=1, session=session, echo=False)
+        took = time.monotonic() - killed["at"]
+        assert not result.ok
+        failure = result.worker_failure
+        assert failure is not None and failure.exit_code == -9
+        assert (failure.member.role, failure.member.index) == ("host", 1)
+        assert f"host task 1 (worker {session.list_workers()[1]['id']}) failed with exit code -9" in result.message
+        assert took < 5, took
+        assert sorted(w["status"] for w in session.list_workers()) == ["failed", "stopped"]
+        wait_until(lambda: not processes_running(script), 15, "no rank left")
+
+        quick = tmp_path / "quick_ranks.py"
+        quick.write_text(QUICK_RANKS)
+        again = run_horovod(str(quick), np=2, cpu=0.5, memory=1, session=session, echo=False)
+        assert again.ok, again.message
+        assert sorted(again.output) == [0, 1]
+
+
+def test_kill_9_of_a_local_rank_names_the_rank_and_stops_the_others(tmp_path):
+    script = tmp_path / "long_ranks.py"
+    script.write_text(LONG_RANKS)
+    with Session("local", echo=False) as session:
+        ranks = {}
+
+        def both_started():
+            ranks["found"] = processes_running(script)
+            return len(ranks["found"]) >= 2
+
+        killed = kill_later(both_started, lambda: ranks["found"][-1].pid, "both ranks")
+        result = run_horovod(str(script), np=2, session=session, echo=False)
+        took = time.monotonic() - killed["at"]
+        assert not result.ok and result.failed_rank is not None
+        assert result.rank_exit_codes[result.failed_rank] != 0
+        assert f"rank {result.failed_rank} exited with code" in result.message
+        assert took < 5, took
+        wait_until(lambda: not processes_running(script), 15, "no rank left")
+
+
+def test_reuse_keeps_the_same_workers_and_sshd_and_leaves_nothing_after_stop_session(tmp_path, tmp_path_factory):
+    script = tmp_path / "quick_ranks.py"
+    script.write_text(QUICK_RANKS)
+    backend = shared_docker_backend(tmp_path_factory)
+    try:
+        first = run_horovod(str(script), np=2, cpu=0.5, memory=1, backend=backend, reuse=True, echo=False)
+        second = run_horovod(str(script), np=2, cpu=0.5, memory=1, backend=backend, reuse=True, echo=False)
+        assert first.ok and second.ok, (first.message, second.message)
+        assert first.hosts == second.hosts  # the same workers
+        identity = first.argv[first.argv.index("-i") + 1]
+        assert second.argv[second.argv.index("-i") + 1] == identity  # the same session key and pinned sshd
+        session = cmlcluster.get_session()
+        assert session.backend is backend
+        assert [w["status"] for w in session.list_workers()] == ["running", "running"]
+    finally:
+        cmlcluster.stop_session()
+    assert not Path(identity).exists()
+    # (the autouse fixtures fail the test on any container, process or temp folder left)
