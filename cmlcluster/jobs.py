@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cmlcluster")
 
+# A failed job's other members get this long between TERM and KILL: their peer is gone, and a
+# program blocked in user code (a training step, a wait on the dead peer) would use all of it.
+FAILED_JOB_STOP_GRACE = 1.0
+
 
 @dataclass(frozen=True)
 class Member:
@@ -104,7 +108,7 @@ class Job:
         log.warning(
             "cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, self.failure, len(others)
         )
-        self.session.stop_workers_soon(*others)
+        self.session.stop_workers_soon(*others, grace=FAILED_JOB_STOP_GRACE)
         self.failed.set()
 
     def raise_if_failed(self) -> None:

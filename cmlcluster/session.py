@@ -149,12 +149,15 @@ class Session:
             return []
         return self._loop.run(self._stop([self._resolve(i) for i in ids] if ids else list(self._workers.values())))
 
-    def stop_workers_soon(self, *ids: str | Mapping[str, Any]) -> None:
-        """Begin stopping these workers and return at once; callable from any thread, subscribers included."""
+    def stop_workers_soon(self, *ids: str | Mapping[str, Any], grace: float = STOP_GRACE) -> None:
+        """Begin stopping these workers (TERM, KILL after `grace` s) and return at once.
+
+        Callable from any thread, subscribers included.
+        """
         if self.closed:
             return
         workers = [self._resolve(i) for i in ids]
-        self._loop.call_soon(lambda: self._spawn(self._stop(workers)))
+        self._loop.call_soon(lambda: self._spawn(self._stop(workers, grace)))
 
     def run_program(self, workers: Iterable[str | Mapping[str, Any]], program: Program) -> list[dict[str, Any]]:
         """Give running workers that were launched without a program one to run now.
@@ -577,11 +580,11 @@ class Session:
             failures.append(record)
         return {"workers": ok, "failures": failures}
 
-    async def _stop(self, workers: list[Worker]) -> list[dict[str, Any]]:
+    async def _stop(self, workers: list[Worker], grace: float = STOP_GRACE) -> list[dict[str, Any]]:
         live = [w for w in workers if not w.finished and w.handle is not None]
         for w in live:
             w.stop_requested = True
-        await asyncio.gather(*(self.backend.stop(w.handle, STOP_GRACE) for w in live))
+        await asyncio.gather(*(self.backend.stop(w.handle, grace) for w in live))
         # The exit watchers turn the exits into "stopped"; wait for them so callers see it.
         watchers = [self._exit_watchers[w.id] for w in live if w.id in self._exit_watchers]
         if watchers:
