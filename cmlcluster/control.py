@@ -120,7 +120,12 @@ class IPyParallelControl(ControlPlane):
         with open(log_path, "ab") as log:
             # stdin is the lifeline (see _controller.py); never closed until close().
             self._process = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=dict(os.environ, CMLCLUSTER_SESSION_DIR=session_dir),
             )
         try:
             await self._wait_ready(client_file, log_path)
