@@ -51,16 +51,6 @@ def wait_gone():
     return alive_after
 
 
-def pytest_collection_modifyitems(items):
-    """Tests that make this process a TensorFlow coordinator run last.
-
-    TensorFlow cannot disconnect a coordinator: after its cluster is stopped, its threads
-    keep retrying the dead workers for the rest of the process, which slows everything
-    that runs after them here.
-    """
-    items.sort(key=lambda item: item.get_closest_marker("tf_coordinator") is not None)
-
-
 def backend_for(name: str, shared: str):
     """The backend a parametrized test runs on; `shared` is a folder workers must see at the same path."""
     if name == "docker":

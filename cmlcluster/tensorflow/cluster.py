@@ -21,6 +21,7 @@ from ..errors import CmlClusterError, ConfigError
 from ..jobs import Job, JobFailed, Member
 from ..session import Session
 from ..workers import Program
+from . import coordinator
 from . import spec as specs
 
 log = logging.getLogger("cmlcluster")
@@ -146,8 +147,14 @@ class TFCluster:
         return self.job.failure
 
     def stop(self) -> None:
-        """Stop every task's worker (TensorFlow servers end with their process)."""
+        """Stop every task's worker (TensorFlow servers end with their process).
+
+        If this process coordinated the cluster, it is detached first, while the servers
+        still answer, so that TensorFlow never talks to them again (see coordinator.py).
+        """
         self.job.finish()
+        if not self.stopped and self.chief is not None:
+            coordinator.detach(self.cluster_spec)
         if not self.stopped and not self.session.closed:
             self.session.stop_workers(*(t.worker_id for t in self.tasks))
         self.stopped = True

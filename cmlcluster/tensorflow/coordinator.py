@@ -1,0 +1,79 @@
+"""Detaching this process, a TF2 ParameterServerStrategy coordinator, from a cluster it coordinated.
+
+TensorFlow has no public disconnect. Every tf.function is an AtomicFunction whose
+__del__ removes it from every task in the eager context's list of remote contexts
+(EagerContext::MaybeRemoveFunctionRemotely, core/common_runtime/eager/context.cc),
+and nothing ever takes a dead task off that list. Once a cluster's servers are
+gone, each function freed logs "Failed to remove function remotely" once per task,
+and, with ParameterServerStrategy's blocking enqueue, each removal blocks the
+thread that frees it until the RPC fails: forever, for a peer that stops
+answering. The next strategy's set_server_def also tries to close the old
+contexts.
+
+The way out (found by reading that code and tested on 2.15): while the servers
+still answer, shrink the eager context's cluster to this process's own job with
+update_server_def. That sends CloseContext to the removed tasks and erases them
+from the list, so later removals have no remote target; update_server_def, unlike
+set_server_def, keeps the in-process gRPC server on the coordinator's port, so
+the next cluster connects as usual.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _coordinator_clusters() -> list[Any]:
+    """The ClusterCoordinator clusters running in this process, found through their threads.
+
+    A coordinator's cluster runs a WorkerPreemptionHandler thread and one closure loop
+    per worker, each the bound method of an object holding `_cluster`. The strategy
+    that owns them is the user's; threads are the one handle on them we have.
+    """
+    clusters = {}
+    for thread in threading.enumerate():
+        owner = getattr(getattr(thread, "_target", None), "__self__", None)  # CPython's Thread._target
+        cluster = getattr(owner, "_cluster", None)
+        if cluster is not None and hasattr(cluster, "closure_queue") and hasattr(cluster, "stop"):
+            clusters[id(cluster)] = cluster
+    return list(clusters.values())
+
+
+def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
+    """Forget this cluster's remote tasks; call it before its servers stop. True if there was something to do.
+
+    Nothing happens unless this process's eager context is connected to exactly this
+    cluster's remote tasks: stopping an old cluster never detaches a newer one.
+    """
+    if "tensorflow" not in sys.modules:
+        return False  # never imported here: this process coordinated nothing
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    server_def = ctx.get_server_def()
+    if server_def is None:
+        return False
+    me = server_def.job_name
+    remote = {
+        (job.name, i, address) for job in server_def.cluster.job if job.name != me for i, address in job.tasks.items()
+    }
+    wanted = {
+        (job, i, address) for job, addresses in cluster_spec.items() if job != me for i, address in enumerate(addresses)
+    }
+    if not remote or remote != wanted:
+        return False
+    # The coordinators' threads first: a "recovering" preemption handler would call
+    # update_server_def with the old cluster again, and closure loops would run closures.
+    for cluster in _coordinator_clusters():
+        cluster.stop()
+    local = type(server_def)()
+    local.CopyFrom(server_def)
+    own = [job for job in local.cluster.job if job.name == me]
+    del local.cluster.job[:]
+    local.cluster.job.extend(own)
+    local.ClearField("cluster_device_filters")
+    ctx.update_server_def(local)
+    return True
