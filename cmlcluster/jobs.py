@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,8 +69,16 @@ class JobFailed(WorkerError):
 class Job:
     """Watches `members` of `session` from now until finish(); see the module's docstring."""
 
-    def __init__(self, session: Session, members: Sequence[Member], name: str):
+    def __init__(
+        self,
+        session: Session,
+        members: Sequence[Member],
+        name: str,
+        on_failure: Callable[[JobFailure], None] | None = None,
+    ):
+        """on_failure(failure) runs once, on the session's thread, after the other members were told to stop."""
         self.session = session
+        self._on_failure = on_failure
         self.name = name
         self.members = list(members)
         self._by_id = {m.worker_id: m for m in self.members}
@@ -110,6 +118,8 @@ class Job:
         )
         self.session.stop_workers_soon(*others, grace=FAILED_JOB_STOP_GRACE)
         self.failed.set()
+        if self._on_failure is not None:
+            self._on_failure(self.failure)
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CmlClusterError, ConfigError
-from ..jobs import Job, JobFailed, Member
+from ..jobs import Job, JobFailed, JobFailure, Member
 from ..session import Session
 from ..workers import Program
 from . import coordinator
@@ -58,7 +58,10 @@ class TFCluster:
         self.session_addr = f"grpc://{self.workers[0].address}"
         self.stopped = False
         # Tasks wait on each other: the first to end unexpectedly fails the cluster and stops the rest.
-        self.job = Job(session, [Member(t.worker_id, t.job, t.index) for t in self.tasks], "TensorFlow cluster")
+        members = [Member(t.worker_id, t.job, t.index) for t in self.tasks]
+        # This process coordinates (chief): TensorFlow would wait for a lost worker forever.
+        on_failure = self._fail_coordinator if chief is not None else None
+        self.job = Job(session, members, "TensorFlow cluster", on_failure)
 
     @property
     def workers(self) -> list[TaskWorker]:
@@ -141,6 +144,9 @@ class TFCluster:
             )
         return done["workers"]
 
+    def _fail_coordinator(self, failure: JobFailure) -> None:
+        coordinator.fail(self.cluster_spec, JobFailed(self.job.name, failure))
+
     @property
     def failure(self) -> Any:
         """The JobFailure that ended this cluster (which task's worker ended, and why), or None."""
@@ -153,7 +159,9 @@ class TFCluster:
         still answer, so that TensorFlow never talks to them again (see coordinator.py).
         """
         self.job.finish()
-        if not self.stopped and self.chief is not None:
+        if not self.stopped and self.chief is not None and self.failure is None:
+            # Not after a failure: TensorFlow's preemption handler then blocks in update_server_def
+            # waiting for the lost worker, holding the lock that stopping its coordinator needs.
             coordinator.detach(self.cluster_spec)
         if not self.stopped and not self.session.closed:
             self.session.stop_workers(*(t.worker_id for t in self.tasks))

@@ -42,20 +42,25 @@ def _coordinator_clusters() -> list[Any]:
     return list(clusters.values())
 
 
-def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
-    """Forget this cluster's remote tasks; call it before its servers stop. True if there was something to do.
+def _recovering(cluster: Any) -> bool:
+    """Whether the cluster's preemption handler waits for a lost worker (in update_server_def, forever).
 
-    Nothing happens unless this process's eager context is connected to exactly this
-    cluster's remote tasks: stopping an old cluster never detaches a newer one.
+    It holds its update lock meanwhile, which stopping the cluster needs: such a cluster
+    (one whose job failed) is left alone.
     """
+    lock = getattr(getattr(cluster, "failure_handler", None), "_cluster_update_lock", None)
+    return lock is not None and lock.locked()
+
+
+def _connected_to(cluster_spec: Mapping[str, Sequence[str]]) -> Any:
+    """This process's eager server_def if it coordinates exactly this cluster's remote tasks, else None."""
     if "tensorflow" not in sys.modules:
-        return False  # never imported here: this process coordinated nothing
+        return None  # never imported here: this process coordinated nothing
     from tensorflow.python.eager import context
 
-    ctx = context.context()
-    server_def = ctx.get_server_def()
+    server_def = context.context().get_server_def()
     if server_def is None:
-        return False
+        return None
     me = server_def.job_name
     remote = {
         (job.name, i, address) for job in server_def.cluster.job if job.name != me for i, address in job.tasks.items()
@@ -63,17 +68,48 @@ def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
     wanted = {
         (job, i, address) for job, addresses in cluster_spec.items() if job != me for i, address in enumerate(addresses)
     }
-    if not remote or remote != wanted:
+    return server_def if remote and remote == wanted else None
+
+
+def fail(cluster_spec: Mapping[str, Sequence[str]], error: BaseException) -> bool:
+    """Make the coordinator's waits (model.fit, ClusterCoordinator.join/schedule) raise `error` now.
+
+    TensorFlow takes a lost worker for a preempted one and waits for it to come back,
+    forever when nothing restarts it; a lost parameter server surfaces only when a step
+    touches it. When the job has failed, the coordinator should fail too.
+    """
+    if _connected_to(cluster_spec) is None:
         return False
+    for cluster in _coordinator_clusters():
+        queue = cluster.closure_queue
+        with queue._queue_lock:  # what mark_failed does, without its bookkeeping of one failed closure
+            if queue._error is None:
+                queue._error = error
+            queue._stop_waiting_condition.notify_all()
+    return True
+
+
+def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
+    """Forget this cluster's remote tasks; call it before its servers stop. True if there was something to do.
+
+    Nothing happens unless this process's eager context is connected to exactly this
+    cluster's remote tasks: stopping an old cluster never detaches a newer one.
+    """
+    server_def = _connected_to(cluster_spec)
+    if server_def is None:
+        return False
+    from tensorflow.python.eager import context
+
     # The coordinators' threads first: a "recovering" preemption handler would call
     # update_server_def with the old cluster again, and closure loops would run closures.
     for cluster in _coordinator_clusters():
-        cluster.stop()
+        if not _recovering(cluster):
+            cluster.stop()
     local = type(server_def)()
     local.CopyFrom(server_def)
-    own = [job for job in local.cluster.job if job.name == me]
+    own = [job for job in local.cluster.job if job.name == server_def.job_name]
     del local.cluster.job[:]
     local.cluster.job.extend(own)
     local.ClearField("cluster_device_filters")
-    ctx.update_server_def(local)
+    context.context().update_server_def(local)
     return True

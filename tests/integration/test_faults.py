@@ -202,3 +202,66 @@ def test_reuse_keeps_the_same_workers_and_sshd_and_leaves_nothing_after_stop_ses
         cmlcluster.stop_session()
     assert not Path(identity).exists()
     # (the autouse fixtures fail the test on any container, process or temp folder left)
+
+
+def train_as_coordinator(cluster, epochs, callbacks=()):
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = tf.distribute.ParameterServerStrategy(cluster.resolver)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(0).random((256, 4), dtype=np.float32)
+
+    def data(_context):
+        return tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1))).repeat().batch(32)
+
+    history = model.fit(
+        tf.keras.utils.experimental.DatasetCreator(data),
+        epochs=epochs,
+        steps_per_epoch=20,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+    return history.history["loss"]
+
+
+def kill_9_while_this_process_coordinates(session, victim_role):
+    import tensorflow as tf
+
+    killed: dict[str, float] = {}
+
+    class KillAfterTheFirstEpoch(tf.keras.callbacks.Callback):
+        def __init__(self, worker_id):
+            super().__init__()
+            self.worker_id = worker_id
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                os.kill(agent_pid(self.worker_id), signal.SIGKILL)
+                killed["at"] = time.monotonic()
+
+    with pytest.raises(JobFailed) as caught:
+        with cmlcluster.start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session) as cluster:
+            victim = (cluster.workers[1] if victim_role == "worker" else cluster.ps[0]).worker_id
+            train_as_coordinator(cluster, epochs=500, callbacks=[KillAfterTheFirstEpoch(victim)])
+    took = time.monotonic() - killed["at"]
+    failure = caught.value.failure
+    assert failure.member.worker_id == victim and failure.member.role == victim_role and failure.exit_code == -9
+    assert took < 5, took
+    assert sorted(w["status"] for w in session.list_workers()) == ["failed", "stopped", "stopped"]
+
+    # A notebook re-runs the cell: the next cluster in the same process trains.
+    with cmlcluster.start_cluster(n_workers=1, n_ps=1, cpu=1, memory=2, session=session) as again:
+        losses = train_as_coordinator(again, epochs=3)
+    assert losses[-1] < losses[0], losses
+
+
+def test_kill_9_of_a_worker_while_this_process_coordinates_fails_fit_and_the_next_cluster_trains(session):
+    kill_9_while_this_process_coordinates(session, "worker")
+
+
+def test_kill_9_of_a_parameter_server_while_this_process_coordinates(tmp_path):
+    with Session("local", echo=False) as session:
+        kill_9_while_this_process_coordinates(session, "ps")
