@@ -28,6 +28,7 @@ log = logging.getLogger("cmlcluster")
 
 TASK = "cmlcluster.tensorflow.task"
 SERVER_READY_TIMEOUT = 30.0
+LOST_TASK_WAIT = 5.0  # seconds a TensorFlow error in the coordinator waits for the session to name a lost task
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,10 @@ class TFCluster:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and self.failure is None and hasattr(exc, "error_code"):  # a tf.errors.OpError
+            # TensorFlow can see a task's death (connection reset) before the session does:
+            # give the session a moment, so that the error names the task that died.
+            self.job.failed.wait(LOST_TASK_WAIT)
         self.stop()
         if exc is not None and self.failure is not None and not isinstance(exc, JobFailed):
             # What TensorFlow raised in this process (UnavailableError, say) follows from this.
