@@ -164,7 +164,7 @@ def main() -> None:
         [
             f"--IPEngine.id={engine_id}",
             f"--IPEngine.url_file={url_file}",
-            "--IPEngine.wait_for_url_file=30",
+            "--IPEngine.wait_for_url_file=5",  # written before any worker starts; gone = the session died
             # The agent is the worker's supervisor; ipyparallel's nanny process would
             # only add a second process per worker outside its process group.
             "--IPEngine.enable_nanny=False",

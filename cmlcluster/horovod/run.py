@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from .. import _lifeline
 from .._proc import signal_group
 from ..backends import Backend
 from ..errors import CmlClusterError, ConfigError
@@ -184,7 +185,7 @@ def _session_for(backend: str | Backend | None, reuse: bool) -> Session:
     Workers kept for reuse live in the default session, so that the next run finds them and
     stop_session() (or the end of the process) stops them.
     """
-    from ..api import get_session, use_backend
+    from ..api import get_session, stop_session, use_backend
 
     if backend is None:
         return get_session()
@@ -198,6 +199,7 @@ def _session_for(backend: str | Backend | None, reuse: bool) -> Session:
                 f"backend={backend!r} with reuse: the default session runs workers on {session.backend.name!r}; "
                 "call cmlcluster.stop_session() first, or run without reuse"
             )
+        stop_session()  # only finished workers in it: nothing is lost
         use_backend(backend)
         session = get_session()
     return session
@@ -220,10 +222,13 @@ class SSHCluster:
     """Workers with sshd running and pinned, ready for horovodrun or mpirun; one job."""
 
     session: Session
-    worker_ids: list[str]
     hosts: list[tuple[str, int]]
     ssh: SessionSSH
     job: Job
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return self.job.worker_ids
 
     def end_ranks(self) -> None:
         """End what runs on the workers through sshd (ranks a failed or interrupted run left); sshd stays."""
@@ -257,7 +262,7 @@ def _ssh_cluster(
     ssh = SessionSSH.create(parent=session.session_dir)
     ids = [w["id"] for w in launched if "id" in w]
     job = Job(session, [Member(w, "host", i) for i, w in enumerate(ids)], "Horovod job")
-    cluster = SSHCluster(session, ids, [], ssh, job)
+    cluster = SSHCluster(session, [], ssh, job)
     try:
         ready = session.await_workers(launched, wait_for_completion=False, timeout_seconds=120)
         if ready["failures"]:
@@ -325,8 +330,15 @@ def _execute(
     result = HorovodResult(exit_code=-1, hosts=hosts, argv=argv, duration=0.0)
     started = time.monotonic()
     env.pop("PYTEST_CURRENT_TEST", None)
+    # Under a lifeline: if this process is killed, horovodrun dies too, and its helpers end the ranks.
     process = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        [sys.executable, _lifeline.__file__, "--", *argv],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     reader = threading.Thread(target=_read_output, args=(process, result, echo), daemon=True)
     reader.start()
@@ -342,6 +354,8 @@ def _execute(
         raise
     finally:
         reader.join(5)
+        assert process.stdin is not None
+        process.stdin.close()
     result.worker_failure = job.failure if job is not None else None
     result.exit_code = process.returncode
     result.duration = time.monotonic() - started

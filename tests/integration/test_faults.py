@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -182,6 +184,29 @@ def test_kill_9_of_a_local_rank_names_the_rank_and_stops_the_others(tmp_path):
         assert f"rank {result.failed_rank} exited with code" in result.message
         assert took < 5, took
         wait_until(lambda: not processes_running(script), 15, "no rank left")
+
+
+KILLED_DURING_HOROVOD = """
+import sys
+from cmlcluster import Session
+from cmlcluster.horovod import run_horovod
+with Session("local", echo=False) as session:
+    run_horovod(sys.argv[1], np=2, session=session, echo=False)
+"""
+
+
+def test_a_session_killed_during_local_horovod_leaves_no_horovodrun_or_rank(tmp_path, wait_gone):
+    script = tmp_path / "long_ranks.py"
+    script.write_text(LONG_RANKS)
+    session = subprocess.Popen([sys.executable, "-c", KILLED_DURING_HOROVOD, str(script)])
+    try:
+        ranks = wait_until(lambda: len(found := processes_running(script)) >= 2 and found, what="both ranks")
+        horovodrun = [p for p in psutil.process_iter(["cmdline"]) if "horovodrun" in " ".join(p.info["cmdline"] or [])]
+        assert horovodrun
+    finally:
+        session.kill()
+        session.wait()
+    assert wait_gone([p.pid for p in ranks + horovodrun], within=15) == []
 
 
 def test_reuse_keeps_the_same_workers_and_sshd_and_leaves_nothing_after_stop_session(tmp_path, tmp_path_factory):

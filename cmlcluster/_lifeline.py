@@ -1,0 +1,56 @@
+"""Processes that die with the session, however the session ends (kill -9 included).
+
+A process started by the session in a process group of its own holds a lifeline:
+the read end of a pipe (its stdin) whose only write end the session holds. When
+the session process ends, the pipe reaches EOF and the lifeline thread kills the
+whole group. ``python -m cmlcluster._lifeline -- argv...`` runs any command that
+way (horovodrun, whose own helpers end the ranks when it dies); the controller
+holds one too (_controller.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+
+def hold(before_dying: Callable[[], None] | None = None) -> None:
+    """Start the lifeline thread on stdin; this process must lead its own process group."""
+    if os.getpgrp() != os.getpid():
+        sys.exit(f"{sys.argv[0]} must lead its own process group (start it with start_new_session=True)")
+
+    def wait_for_the_session() -> None:
+        while os.read(sys.stdin.fileno(), 1024):
+            pass
+        if before_dying is not None:
+            before_dying()
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=wait_for_the_session, name="lifeline", daemon=True).start()
+
+
+def remove_folder(path: str) -> Callable[[], None]:
+    return lambda: shutil.rmtree(path, ignore_errors=True)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: python -m cmlcluster._lifeline -- command [args...]")
+    hold()
+    # In this process group, so that stopping the group (or the session dying) ends it too.
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+    code = child.wait()
+    sys.exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main()
