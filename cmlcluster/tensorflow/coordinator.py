@@ -20,9 +20,11 @@ the next cluster connects as usual.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 
@@ -102,14 +104,29 @@ def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
 
     # The coordinators' threads first: a "recovering" preemption handler would call
     # update_server_def with the old cluster again, and closure loops would run closures.
-    for cluster in _coordinator_clusters():
-        if not _recovering(cluster):
-            cluster.stop()
     local = type(server_def)()
     local.CopyFrom(server_def)
     own = [job for job in local.cluster.job if job.name == server_def.job_name]
     del local.cluster.job[:]
     local.cluster.job.extend(own)
     local.ClearField("cluster_device_filters")
-    context.context().update_server_def(local)
+    with _quiet_tensorflow_logger():  # it narrates each stop at INFO, which a notebook shows
+        for cluster in _coordinator_clusters():
+            if not _recovering(cluster):
+                cluster.stop()
+                # ClusterCoordinator.__del__ stops it again, possibly at interpreter exit, when
+                # a kernel's streams are closed and its INFO lines become "Logging error"s.
+                cluster.stop = lambda: None
+        context.context().update_server_def(local)
     return True
+
+
+@contextlib.contextmanager
+def _quiet_tensorflow_logger() -> Iterator[None]:
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
