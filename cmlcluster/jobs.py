@@ -1,11 +1,12 @@
 """A job: a group of a session's workers that stand or fall together.
 
 A TensorFlow cluster's tasks, or the hosts of a Horovod run, wait on each other:
-when one of them ends while the job runs (killed, crashed, stopped by someone
-else), the others would wait for it until a framework timeout, if ever. A Job
-watches its members through the session's events; the first member to end
-unexpectedly fails the job, with a structured JobFailure, and every other member
-is stopped at once. The framework that owns the job raises the failure where
+when one of them fails while the job runs (it was killed, it crashed, its
+program raised), the others would wait for it until a framework timeout, if
+ever. A Job watches its members through the session's events; the first member
+to fail fails the job, with a structured JobFailure, and every other member is
+stopped at once. A member *stopped* on request does not fail the job: stopping
+a cluster's workers with stop_workers() is how a user ends it. The framework that owns the job raises the failure where
 the user waits.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import WorkerError
-from .workers import FAILED, STOPPED
+from .workers import FAILED
 
 if TYPE_CHECKING:
     from .session import Event, Session
@@ -104,13 +105,13 @@ class Job:
             self._check(event.worker)
 
     def _check(self, record: dict[str, Any]) -> None:
-        if record["status"] not in (FAILED, STOPPED) or self.session.closed:
-            return  # a program that succeeded ends its worker; the job decides what that means
+        if record["status"] != FAILED or self.session.closed:
+            return  # succeeded or stopped on request: the job's owner decides what that means
         with self._lock:
             if self._finished or self.failure is not None:
                 return
             member = self._by_id[record["id"]]
-            reason = record.get("message") or ("stopped from outside the job" if record["status"] == STOPPED else "")
+            reason = record.get("message") or ""
             self.failure = JobFailure(member, record["status"], record.get("exit_code"), reason)
         others = [m.worker_id for m in self.members if m is not member]
         log.warning(

@@ -136,13 +136,12 @@ class TFCluster:
                 )
             raise
         self.job.raise_if_failed()  # a task (a parameter server, say) ended: the job names it
-        if done["failures"]:  # none ended, but not all finished in time
+        if done["failures"]:  # none failed, but some were stopped on request or did not finish in time
             self.stop()
-            waiting = ", ".join(str(self.job.member(f["id"])) for f in done["failures"])
-            raise CmlClusterError(
-                f"the TensorFlow cluster's tasks did not finish within {timeout_seconds:g} s ({waiting}); "
-                "it was stopped"
+            reasons = "\n".join(
+                f"  {self.job.member(f['id'])}: {f.get('message') or f['status']}" for f in done["failures"]
             )
+            raise CmlClusterError(f"the TensorFlow cluster's tasks did not all finish; it was stopped:\n{reasons}")
         return done["workers"]
 
     def _fail_coordinator(self, failure: JobFailure) -> None:

@@ -119,3 +119,12 @@ def test_a_worker_lost_while_this_process_coordinates_fails_the_cluster_and_stop
         # The session goes on: the next cluster works.
         with start_cluster(n_workers=1, cpu=1, memory=1, servers=False, session=s) as again:
             assert again.failure is None
+
+
+def test_stopping_a_clusters_workers_on_request_does_not_fail_it(caplog):
+    with fake_session() as s:
+        cluster = start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, session=s)
+        s.stop_workers()  # how a user ends a cluster that run_cluster() returned as a spec
+        assert cluster.failure is None and not cluster.job.failed.is_set()
+        assert "failed" not in caplog.text
+        assert statuses(s) == ["stopped", "stopped", "stopped"]
