@@ -3,9 +3,10 @@
 A process started by the session in a process group of its own holds a lifeline:
 the read end of a pipe (its stdin) whose only write end the session holds. When
 the session process ends, the pipe reaches EOF and the lifeline thread kills the
-whole group. ``python -m cmlcluster._lifeline -- argv...`` runs any command that
-way (horovodrun, whose own helpers end the ranks when it dies); the controller
-holds one too (_controller.py).
+whole group. ``python path/to/_lifeline.py -- argv...`` runs any command that
+way (horovodrun, whose own helpers end the ranks when it dies); it imports only
+the standard library, so it runs by path where cmlcluster is not importable. The
+controller holds a lifeline too (_controller.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> None:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: python -m cmlcluster._lifeline -- command [args...]")
+        sys.exit(f"usage: python {__file__} -- command [args...]")
     hold()
     # In this process group, so that stopping the group (or the session dying) ends it too.
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
