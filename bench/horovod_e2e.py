@@ -28,7 +28,7 @@ import docker
 from cmlcluster import Session
 from cmlcluster.backends.docker import DockerBackend
 from cmlcluster.horovod import run_horovod
-from cmlcluster.horovod.keys import new_ed25519
+from cmlcluster.ssh.keys import new_ed25519
 
 IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,12 +11,15 @@ on for hours, so a watchdog thread listens to the controller's heartbeat pings
 when they stop.
 
 Started as ``python -m cmlcluster.agent``, configured by environment:
-CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_URL_FILE (the
-controller's engine connection file), CDSW_MASTER_IP (the controller's address).
+CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_CONNECTION (the
+controller's engine connection info, as JSON: data, never a path on the session's
+disk; removed from the environment before any user code runs), CDSW_MASTER_IP
+(the controller's address).
 """
 
 from __future__ import annotations
 
+import getpass
 import importlib
 import logging
 import os
@@ -25,12 +28,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from typing import Any
 
 from ipyparallel.engine.app import IPEngine
+from traitlets import default
+
+from . import shipping
 
 # The controller pings every HEARTBEAT_MS (set by the session); this many
 # missed in a row and the session is taken to be gone.
@@ -67,7 +74,39 @@ def describe() -> dict[str, Any]:
         "ip_address": os.environ.get("CDSW_IP_ADDRESS"),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
+        "user": getpass.getuser(),
+        "cwd": os.getcwd(),
     }
+
+
+_files_folder: str | None = None  # where shipped files were unpacked; relative scripts are found there
+
+
+def unpack_files(archive: bytes, in_cwd: bool = False) -> str:
+    """Unpack files shipped by the session; return the folder they are in.
+
+    Into the working folder when it is the worker's own (in_cwd), else into a private
+    folder in the worker's temp folder, so that nothing shipped overwrites a shared folder.
+    """
+    global _files_folder
+    if in_cwd:
+        _files_folder = os.getcwd()
+    return shipping.unpack(archive, files_folder())
+
+
+def files_folder() -> str:
+    """The folder shipped files go to in this worker (made on first use)."""
+    global _files_folder
+    if _files_folder is None:
+        _files_folder = tempfile.mkdtemp(prefix="cmlcluster-files-")
+    return _files_folder
+
+
+def script_path(script: str) -> str:
+    """Where a script named by the session is in this worker: shipped ones are relative names."""
+    if os.path.isabs(script):
+        return script
+    return os.path.join(_files_folder or os.getcwd(), script)
 
 
 def call(target: str, *args: Any) -> Any:
@@ -76,7 +115,14 @@ def call(target: str, *args: Any) -> Any:
     return getattr(importlib.import_module(module_name), function)(*args)
 
 
-def run_program(script: str, code: str, target: str = "", args: tuple[Any, ...] = ()) -> int:
+def run_program(
+    script: str,
+    code: str,
+    target: str = "",
+    args: tuple[Any, ...] = (),
+    files: bytes = b"",
+    files_in_cwd: bool = False,
+) -> int:
     """Run the worker's program in this engine and return its exit code.
 
     Behaves like ``python script`` / ``python -c code`` / ``sh -c cmd``: a
@@ -84,7 +130,10 @@ def run_program(script: str, code: str, target: str = "", args: tuple[Any, ...] 
     A target function's return value is its exit code (None is 0).
     """
     try:
+        if files:
+            unpack_files(files, files_in_cwd)
         if script:
+            script = script_path(script)
             sys.argv = [script]
             runpy.run_path(script, run_name="__main__")
         elif code.startswith("!"):
@@ -138,6 +187,10 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes]) ->
 class AgentEngine(IPEngine):
     """An ipyparallel engine whose controller watch does not depend on its event loop."""
 
+    @default("connection_info_env")
+    def _connection_from_session(self) -> str:
+        return _connection
+
     def start_heartbeat(self, hb_ping: str, hb_pong: str, hb_period: int, identity: bytes) -> None:
         super().start_heartbeat(hb_ping, hb_pong, hb_period, identity)
         import zmq
@@ -154,17 +207,20 @@ class AgentEngine(IPEngine):
         ).start()
 
 
+_connection = ""  # the controller's connection info (JSON), kept out of the environment user code sees
+
+
 def main() -> None:
+    global _connection
     clean_environment()
+    # The controller's key is cmlcluster's, not the program's: no child process inherits it.
+    _connection = os.environ.pop("CMLCLUSTER_CONNECTION")
     engine_id = os.environ["CMLCLUSTER_ENGINE_ID"]
-    url_file = os.environ["CMLCLUSTER_URL_FILE"]
     master = os.environ["CDSW_MASTER_IP"]
     os.environ["CDSW_IP_ADDRESS"] = route_address(master)
     AgentEngine.launch_instance(
         [
             f"--IPEngine.id={engine_id}",
-            f"--IPEngine.url_file={url_file}",
-            "--IPEngine.wait_for_url_file=5",  # written before any worker starts; gone = the session died
             # The agent is the worker's supervisor; ipyparallel's nanny process would
             # only add a second process per worker outside its process group.
             "--IPEngine.enable_nanny=False",

@@ -50,7 +50,7 @@ class ControlPlane(abc.ABC):
 
     @abc.abstractmethod
     def agent_env(self) -> dict[str, str]:
-        """Environment every worker's agent needs to connect."""
+        """Environment every worker's agent needs to connect: data, never a path on the session's disk."""
 
     @abc.abstractmethod
     async def describe(self, engine_id: int) -> WorkerInfo: ...
@@ -91,6 +91,7 @@ class IPyParallelControl(ControlPlane):
         self._client: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_file = ""
+        self._connection = ""
         self._listen_ip = ""
 
     @property
@@ -129,6 +130,8 @@ class IPyParallelControl(ControlPlane):
             )
         try:
             await self._wait_ready(client_file, log_path)
+            with open(self._engine_file) as f:
+                self._connection = f.read()
             self._client = await asyncio.to_thread(self._connect, client_file)
         except BaseException:
             await self.close()
@@ -165,7 +168,7 @@ class IPyParallelControl(ControlPlane):
             self._loop.call_soon_threadsafe(self.on_engine, event["event"], int(event["id"]))
 
     def agent_env(self) -> dict[str, str]:
-        return {"CMLCLUSTER_URL_FILE": self._engine_file}
+        return {"CMLCLUSTER_CONNECTION": self._connection}
 
     def _apply(
         self, engine_id: int, args: tuple[Any, ...], on_iopub: Callable[[dict[str, Any]], None] | None = None
@@ -239,7 +242,10 @@ class IPyParallelControl(ControlPlane):
                 await asyncio.wait_for(asyncio.wrap_future(future.output), OUTPUT_DRAIN_TIMEOUT)
 
     async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
-        args = ("run_program", program.script, program.code, program.target, program.args)
+        args = (
+            "run_program",
+            *(program.script, program.code, program.target, program.args, program.files, program.files_in_cwd),
+        )
         return int(await self._apply_streaming(engine_id, args, on_output))
 
     async def call(self, engine_id: int, target: str, args: tuple[Any, ...], on_output: OutputCallback) -> Any:

@@ -8,18 +8,23 @@ to fail fails the job, with a structured JobFailure, and every other member is
 stopped at once. A member *stopped* on request does not fail the job: stopping
 a cluster's workers with stop_workers() is how a user ends it. The framework that owns the job raises the failure where
 the user waits.
+
+launch_job() is the one way frameworks get their workers: launch every role's
+workers, wait until they run, go on with fewer where a role allows it, and
+refuse with every reason at once where it does not.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import WorkerError
-from .workers import FAILED
+from .errors import CmlClusterError, WorkerError
+from .workers import FAILED, TAIL_LINES, Resources
 
 if TYPE_CHECKING:
     from .session import Event, Session
@@ -38,6 +43,8 @@ class Member:
     worker_id: str
     role: str
     index: int
+    address: str = ""  # the worker's IP, once it runs
+    hostname: str = ""
 
     def __str__(self) -> str:
         return f"{self.role} task {self.index} (worker {self.worker_id})"
@@ -45,16 +52,49 @@ class Member:
 
 @dataclass(frozen=True)
 class JobFailure:
-    """The member whose end failed the job, with its status, exit code and the session's reason."""
+    """A member that failed, or never started, with what a UI shows without parsing text."""
 
     member: Member
     status: str
     exit_code: int | None
     reason: str
+    host: str = ""  # where it ran (its address), "" when it never ran
+    output_tail: str = ""  # its last lines of output
 
     def __str__(self) -> str:
         code = "" if self.exit_code is None else f" with exit code {self.exit_code}"
         return f"{self.member} {self.status}{code}: {self.reason}"
+
+    @classmethod
+    def of(cls, member: Member, record: Mapping[str, Any], tail: str = "") -> JobFailure:
+        address = record.get("ip_address") or ""
+        return cls(
+            member,
+            record.get("status", FAILED),
+            record.get("exit_code"),
+            record.get("message") or record.get("status", ""),
+            host="" if address == "unknown" else address,
+            output_tail=tail,
+        )
+
+
+class JobStartFailed(CmlClusterError):
+    """Too few of a job's workers started; every one that did was stopped."""
+
+    def __init__(self, message: str, failures: Sequence[JobFailure]):
+        super().__init__(message)
+        self.failures = list(failures)
+
+
+@dataclass(frozen=True)
+class Role:
+    """`count` workers with these resources; the job goes on with at least `min_count` of them."""
+
+    name: str
+    count: int
+    resources: Resources
+    min_count: int | None = None  # None: all of them
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 class JobFailed(WorkerError):
@@ -111,8 +151,7 @@ class Job:
             if self._finished or self.failure is not None:
                 return
             member = self._by_id[record["id"]]
-            reason = record.get("message") or ""
-            self.failure = JobFailure(member, record["status"], record.get("exit_code"), reason)
+            self.failure = JobFailure.of(member, record, _tail(self.session, member.worker_id))
         others = [m.worker_id for m in self.members if m is not member]
         log.warning(
             "cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, self.failure, len(others)
@@ -121,6 +160,20 @@ class Job:
         self.failed.set()
         if self._on_failure is not None:
             self._on_failure(self.failure)
+
+    def on_failure(self, callback: Callable[[JobFailure], None]) -> None:
+        """Call `callback(failure)` once when the job fails (at once if it already has)."""
+        with self._lock:
+            self._on_failure = callback
+            failure = self.failure
+        if failure is not None:
+            callback(failure)
+
+    def stop(self) -> None:
+        """Finish the job and stop every member."""
+        self.finish()
+        if not self.session.closed:
+            self.session.stop_workers(*self.worker_ids)
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -131,3 +184,79 @@ class Job:
         with self._lock:
             self._finished = True
         self._unsubscribe()
+
+
+def _tail(session: Session, worker_id: str) -> str:
+    try:
+        return "\n".join(session.output(worker_id).splitlines()[-TAIL_LINES:])
+    except Exception:  # the session is closing
+        return ""
+
+
+def launch_job(
+    session: Session,
+    roles: Sequence[Role],
+    name: str,
+    *,
+    timeout_seconds: float = 60,
+    on_failure: Callable[[JobFailure], None] | None = None,
+) -> Job:
+    """Launch every role's workers and wait until they run; return the Job of those that do.
+
+    A role with fewer running workers than its min_count fails the launch: everything
+    launched is stopped, and JobStartFailed lists every worker that did not start, and
+    why. Workers that were not running in time, where the roles allow going on without
+    them, are stopped, and a warning names them. Members are in launch order per role.
+    """
+    launched: list[tuple[Role, dict[str, Any]]] = []
+    try:
+        for role in roles:
+            if role.count:
+                records = session.launch_workers(
+                    role.count, role.resources.cpu, role.resources.memory, role.resources.nvidia_gpu, env=role.env
+                )
+                launched += [(role, r) for r in records]
+        ready = session.await_workers(
+            [r for _, r in launched], wait_for_completion=False, timeout_seconds=timeout_seconds
+        )
+        up = {w["id"]: w for w in ready["workers"]}
+        members: list[Member] = []
+        failures: list[JobFailure] = []
+        short: list[str] = []
+        for role in roles:
+            mine = [r for rl, r in launched if rl is role]
+            running = [up[r["id"]] for r in mine if r.get("id") in up]
+            for i, record in enumerate(running):
+                members.append(Member(record["id"], role.name, i, record["ip_address"], record.get("hostname") or ""))
+            for i, record in enumerate(r for r in mine if r.get("id") not in up):
+                failed = next((f for f in ready["failures"] if f.get("id", "") == record.get("id")), record)
+                member = Member(record.get("id", ""), role.name, len(running) + i)
+                failures.append(
+                    JobFailure.of(member, failed, _tail(session, member.worker_id) if member.worker_id else "")
+                )
+            if role.min_count is None and len(running) < role.count:
+                short.append(
+                    f"{role.count - len(running)} of {role.count} {role.name} tasks did not start, "
+                    "and it cannot go on without all of them"
+                )
+            elif role.min_count is not None and len(running) < role.min_count:
+                short.append(
+                    f"only {len(running)} of {role.count} {role.name} tasks started, fewer than {role.min_count}"
+                )
+        reasons = "\n".join(f"  {f.member.role} {f.member.worker_id or '(not launched)'}: {f.reason}" for f in failures)
+        if short:
+            raise JobStartFailed(f"the {name} could not start: {'; '.join(short)}:\n{reasons}", failures)
+        late = [f.member.worker_id for f in failures if f.member.worker_id]
+        if late:
+            session.stop_workers(*late)  # still starting, perhaps; the job goes on without them
+        if failures:
+            warnings.warn(
+                f"the {name} goes on with {len(members)} of {len(launched)} workers; these did not start "
+                f"and were stopped:\n{reasons}",
+                stacklevel=3,
+            )
+        return Job(session, members, name, on_failure)
+    except BaseException:
+        if not session.closed:
+            session.stop_workers(*(r["id"] for _, r in launched if "id" in r))
+        raise

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import shlex
+import shutil
+import tempfile
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -74,14 +75,15 @@ class ClusterMagics(Magics):
     def horovod_cell(self, line: str, cell: str) -> Any:
         """%%horovod [options]: the cell is the training script."""
         options = _parser(with_script=False).parse_args(shlex.split(line))
-        # In the working folder, which workers see at the same path; removed afterwards.
-        path = os.path.join(os.getcwd(), f".cmlcluster-horovod-cell-{secrets.token_hex(4)}.py")
+        # A private file, shipped to workers that do not see it like any script; removed afterwards.
+        folder = tempfile.mkdtemp(prefix="cmlcluster-cell-")
+        path = os.path.join(folder, "horovod_cell.py")
         with open(path, "w") as f:
             f.write(cell)
         try:
             return _run(options, path, [])
         finally:
-            os.remove(path)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_ipython_extension(ipython: Any) -> None:

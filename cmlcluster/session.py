@@ -15,14 +15,14 @@ import logging
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from . import shipping
 from ._aio import LoopThread
 from .backends import Backend, SessionContext, make_backend
 from .control import ControlPlane, IPyParallelControl
@@ -46,6 +46,19 @@ log = logging.getLogger("cmlcluster")
 STOP_GRACE = 5.0  # seconds between TERM and KILL
 LOST_CONTACT_GRACE = 5.0  # after an engine unregisters, how long the backend gets to report the exit
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """Files on their way to workers that do not see them (see Session.ship)."""
+
+    files: bytes  # a tar.gz, or b"" when the workers see everything already
+    in_cwd: bool  # unpacked into the worker's own working folder, else into a private folder
+    names: dict[str, str]  # a path on the session's machine -> how a program in the worker names it
+
+    def program(self, **fields: Any) -> Program:
+        """A Program carrying these files."""
+        return Program(files=self.files, files_in_cwd=self.in_cwd, **fields)
 
 
 @dataclass(frozen=True)
@@ -115,13 +128,55 @@ class Session:
         script: str = "",
         code: str = "",
         env: Mapping[str, str] | None = None,
+        *,
+        ship_working_folder: bool = False,
     ) -> list[dict[str, Any]]:
-        """Start n workers; one dict per worker, a dict without "id" for one that could not start."""
+        """Start n workers; one dict per worker, a dict without "id" for one that could not start.
+
+        A script the workers cannot read where it is (on SSH hosts, say) is shipped to them.
+        ship_working_folder: ship the whole working folder too, to workers that do not see it
+        (capped in size: see shipping.py); they start in their copy of it.
+        """
         self._check_open()
         cwd = os.getcwd()
         program = validate_launch(n, cpu, memory, nvidia_gpu, kernel, script, code, env, cwd)
+        shipment = self.ship([program.script] if program.script else [], working_folder=ship_working_folder)
+        if shipment.files:
+            program = replace(
+                program,
+                script=shipment.names.get(program.script, ""),
+                files=shipment.files,
+                files_in_cwd=shipment.in_cwd,
+            )
         resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
         return self._loop.run(self._launch(n, resources, kernel, program, dict(env or {}), cwd))
+
+    def ship(self, scripts: Iterable[str] = (), *, working_folder: bool = False) -> Shipment:
+        """What must travel so that workers can run these scripts (and, if asked, see the working folder).
+
+        Nothing travels to workers that see a file at its own path (local processes, a
+        mounted folder). Refused before anything starts when too large (see shipping.py).
+        """
+        capabilities = self.backend.capabilities()
+        cwd = os.getcwd()
+        in_cwd = not capabilities.sees(cwd)  # then the worker's working folder is its own
+        folder = cwd if working_folder and in_cwd else None
+        names: dict[str, str] = {}
+        files: dict[str, str] = {}
+        for script in scripts:
+            path = os.path.abspath(script)
+            if capabilities.sees(path):
+                names[script] = path
+            elif folder is not None and path.startswith(folder.rstrip("/") + "/"):
+                names[script] = os.path.relpath(path, folder)  # travels with the folder
+            else:
+                name = os.path.basename(path)
+                while name in files and files[name] != path:
+                    name = f"_{name}"  # two scripts of the same name from different folders
+                files[name] = path
+                names[script] = name
+        archive = shipping.pack(files, folder) if files or folder else b""
+        return Shipment(archive, in_cwd, names)
 
     def await_workers(
         self,
@@ -299,6 +354,9 @@ class Session:
         self._next_engine_id += 1
         worker_id = f"{self.id}-{engine_id}"
         master_ip = self.backend.controller_ip()
+        capabilities = self.backend.capabilities()
+        # The user's variables and cmlcluster's own; a backend on the session's own host adds the
+        # session's environment (see Capabilities.session_host), no other backend sees it.
         worker_env = dict(env)
         worker_env.update(control.agent_env())
         worker_env.update(
@@ -309,16 +367,16 @@ class Session:
                 "CDSW_ENGINE_ID": worker_id,
                 "CMLCLUSTER_ENGINE_ID": str(engine_id),
                 "PYTHONUNBUFFERED": "1",
-                # Workers import the same cmlcluster as the session, installed or not.
-                "PYTHONPATH": os.pathsep.join(
-                    p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p
-                ),
             }
         )
+        if capabilities.sees(_PACKAGE_PARENT):
+            # Workers that see this checkout import the same cmlcluster as the session, installed or not.
+            inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "") if capabilities.session_host else "")
+            worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, inherited) if p)
         return WorkerSpec(
             worker_id=worker_id,
             engine_id=engine_id,
-            argv=(sys.executable, "-m", "cmlcluster.agent"),
+            argv=(capabilities.python, "-m", "cmlcluster.agent"),
             env=worker_env,
             resources=resources,
             cwd=cwd,
@@ -365,11 +423,12 @@ class Session:
         if worker.stop_requested:
             changed = worker.finish(STOPPED, exit_code=code)
         else:
+            reason = self.backend.exit_reason(worker.handle)
             changed = worker.finish(
                 FAILED,
                 exit_code=code,
                 message=f"worker {worker.id} exited with code {code} {self._exit_moment(worker)}"
-                f"{self._tail_for_message(worker)}",
+                f"{f' ({reason})' if reason else ''}{self._tail_for_message(worker)}",
             )
         if changed:
             self._emit("status", worker)
@@ -408,6 +467,22 @@ class Session:
         worker.hostname, worker.pid = info.hostname, info.pid
         if not info.ip_address:
             return  # registered, address unknown: not running by CML's definition
+        if worker.program.empty and worker.program.files:
+            # No program, but files (the working folder): in place before the worker counts as running.
+            try:
+                await control.call(
+                    worker.engine_id,
+                    "cmlcluster.agent:unpack_files",
+                    (worker.program.files, worker.program.files_in_cwd),
+                    lambda s, t: self._on_output(worker, s, t),
+                )
+            except Exception as e:
+                if worker.finish(FAILED, message=f"worker {worker.id} could not unpack the files shipped to it: {e}"):
+                    self._emit("status", worker)
+                    await self.backend.stop(worker.handle, STOP_GRACE)
+                return
+            if worker.finished:
+                return
         worker.ip_address = info.ip_address
         worker.status = RUNNING
         worker.running_at = time.time()

@@ -60,12 +60,17 @@ class Program:
 
     `target` ("package.module:function", called with `args`) is how frameworks run
     their own code in workers (a TF task's script with its TF_CONFIG, say).
+    `files` is a tar.gz (see shipping.py) the worker unpacks first, into its working
+    folder when that is its own (`files_in_cwd`), else into a private folder; a
+    relative `script` is found where the files went.
     """
 
     script: str = ""
     code: str = ""
     target: str = ""
     args: tuple[Any, ...] = ()
+    files: bytes = b""
+    files_in_cwd: bool = False
 
     @property
     def empty(self) -> bool:

@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Backend, SessionContext
+from .base import Backend, Capabilities, SessionContext
 
 ENTRY_POINT_GROUP = "cmlcluster.backends"
 
@@ -21,6 +21,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "local": ("cmlcluster.backends.local:LocalBackend", ""),
     "fake": ("cmlcluster.backends.fake:FakeBackend", ""),
     "docker": ("cmlcluster.backends.docker:DockerBackend", "pip install 'cmlcluster[docker]'"),
+    "ssh": ("cmlcluster.backends.ssh:SSHBackend", ""),
 }
 
 
@@ -65,4 +66,12 @@ def make_backend(backend: str | Backend, **options: Any) -> Backend:
     return backend_class(backend)(**options)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "Backend", "SessionContext", "backend_class", "known_backends", "make_backend"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "Capabilities",
+    "SessionContext",
+    "backend_class",
+    "known_backends",
+    "make_backend",
+]

@@ -21,14 +21,22 @@ Lifecycle, all methods called from the session's event loop:
   seconds. Idempotent: stopping a stopped worker is a no-op, never an error.
 - ``output(handle)`` is the raw output of the process so far (the last part
   of it), for failure messages when the control plane saw nothing.
+- ``exit_reason(handle)`` may say why a process ended when its exit code alone
+  does not (its host stopped answering, say).
 - ``close()`` once, after every worker has been stopped.
+
+A backend also *declares* what its workers are (``capabilities()``), so that the
+core never branches on a backend's name and never assumes a worker shares the
+session's host. Everything a worker needs from the session reaches it as data in
+its WorkerSpec (the controller's connection info included); what it runs
+reaches it over the control plane (scripts and folders travel as archives when
+``sees()`` says the worker cannot read them where they are).
 """
 
 from __future__ import annotations
 
 import abc
 import os
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -51,6 +59,34 @@ def log_tail(path: str, limit: int = OUTPUT_TAIL_BYTES) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend's workers are. The core reads this; it never guesses from a backend's name.
+
+    own_address: each worker has an IP of its own (containers, pods), so fixed ports such as
+        sshd's 2222 never clash; else workers share their host's address and need distinct ports.
+    session_host: workers run on the session's own machine, as the session's user, and start with
+        the session's environment. Otherwise they receive only the variables the user passed
+        (env=) plus cmlcluster's own: the notebook's environment may hold credentials.
+    python: the interpreter a command on a worker should run.
+    shared_paths: folders of the session's machine that workers see at the same path ("/" for
+        all); anything else a program needs is shipped to them.
+    interfaces: the network interfaces workers talk to each other on, for horovodrun and mpirun;
+        () lets the frameworks find out.
+    """
+
+    own_address: bool
+    session_host: bool
+    python: str
+    shared_paths: tuple[str, ...]
+    interfaces: tuple[str, ...] = ()
+
+    def sees(self, path: str) -> bool:
+        """Whether workers read `path` (absolute, on the session's machine) at the same path."""
+        path = os.path.abspath(path)
+        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self.shared_paths)
 
 
 @dataclass(frozen=True)
@@ -84,13 +120,9 @@ class Backend(abc.ABC):
         """The address the session's controller listens on so that workers reach it."""
         return "127.0.0.1"
 
-    def worker_python(self) -> str:
-        """The Python interpreter's path inside workers (what a remote command should run)."""
-        return sys.executable
-
-    def worker_interfaces(self) -> tuple[str, ...]:
-        """Network interfaces workers talk to each other on, for horovodrun/mpirun; () lets them find out."""
-        return ()
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend's workers are (see Capabilities); read at each launch."""
 
     def control_plane(self) -> ControlPlane | None:
         """A control plane of the backend's own; None means the real ipyparallel one."""
@@ -113,6 +145,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def output(self, handle: Any) -> str: ...
+
+    def exit_reason(self, handle: Any) -> str | None:
+        """Why the process ended, when the backend knows more than its exit code (None otherwise)."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend itself holds (networks, cgroups...)."""

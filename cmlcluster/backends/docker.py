@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
-from .base import Backend, SessionContext, log_tail
+from .base import Backend, Capabilities, SessionContext, log_tail
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
 DEFAULT_NETWORK = "cmlcluster"
@@ -182,33 +182,40 @@ class DockerBackend(Backend):
         assert self._gateway is not None, "attach() first"
         return self._gateway
 
-    def worker_python(self) -> str:
-        return sys.executable if self.host_python else self.python
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            own_address=True,
+            session_host=False,
+            python=sys.executable if self.host_python else self.python,
+            shared_paths=tuple(self._same_path_mounts(os.getcwd())),
+            interfaces=("eth0",),  # a container's interface on its network
+        )
 
-    def worker_interfaces(self) -> tuple[str, ...]:
-        return ("eth0",)  # a container's interface on its network
+    def _same_path_mounts(self, cwd: str) -> dict[str, str]:
+        """{host path: "path:mode"} of what containers see at the session's own paths."""
+        mounts = {host: binding for host, binding in self.volumes.items() if binding.rpartition(":")[0] == host}
+        if self.mount_cwd:
+            mounts[cwd] = f"{cwd}:rw"
+        if self.host_python:
+            for path in (sys.base_prefix, sys.prefix, _PACKAGE_PARENT):
+                if not path.startswith("/usr/"):
+                    mounts.setdefault(path, f"{path}:ro")
+        return mounts
 
     # ---------------------------------------------------------------- workers
 
     def container_options(self, spec: WorkerSpec, gpus: Sequence[str]) -> dict[str, Any]:
         """Everything sent to Docker for one worker (tests inspect this)."""
-        argv = list(spec.argv) if self.host_python else [self.python, *spec.argv[1:]]
-        env = dict(spec.env)
         mounts = dict(self.volumes)
-        session_dir = self.context.session_dir
-        mounts[session_dir] = f"{session_dir}:ro"  # the controller's connection file
-        if self.mount_cwd:
-            mounts[spec.cwd] = f"{spec.cwd}:rw"
+        mounts.update(self._same_path_mounts(spec.cwd))
         if self.host_python:
-            for path in ("/usr", sys.base_prefix, sys.prefix, _PACKAGE_PARENT):
-                if not path.startswith("/usr/"):
-                    mounts.setdefault(path, f"{path}:ro")
+            mounts["/usr"] = "/usr:ro"
         options: dict[str, Any] = {
             "image": self.image,
-            "command": argv,
+            "command": list(spec.argv),
             "name": f"cmlcluster-{spec.worker_id}",
             "hostname": f"worker-{spec.worker_id}",
-            "environment": env,
+            "environment": dict(spec.env),
             "working_dir": spec.cwd,
             "network": self.network,
             "labels": {

@@ -22,7 +22,7 @@ from ..control import ControlPlane, OutputCallback, WorkerInfo
 from ..errors import BackendError, CmlClusterError
 from ..resources import GpuPool
 from ..workers import Program, Resources, WorkerSpec
-from .base import Backend
+from .base import Backend, Capabilities
 
 SIGTERM_EXIT = -15
 
@@ -64,8 +64,17 @@ class FakeHandle:
 class FakeBackend(Backend):
     name = "fake"
 
-    def __init__(self, plan: Sequence[FakeWorker] | Callable[[int], FakeWorker] = (), gpus: Sequence[str] = ()):
+    def __init__(
+        self,
+        plan: Sequence[FakeWorker] | Callable[[int], FakeWorker] = (),
+        gpus: Sequence[str] = (),
+        capabilities: Capabilities | None = None,
+    ):
+        """capabilities: what the fake workers claim to be (default: remote hosts of their own)."""
         self._plan = plan
+        self._capabilities = capabilities or Capabilities(
+            own_address=True, session_host=False, python="python3", shared_paths=()
+        )
         self._gpus = GpuPool(list(gpus))
         self.handles: dict[int, FakeHandle] = {}
         self.control = FakeControl(self)
@@ -74,6 +83,9 @@ class FakeBackend(Backend):
         if callable(self._plan):
             return self._plan(engine_id)
         return self._plan[engine_id] if engine_id < len(self._plan) else FakeWorker()
+
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
 
     def control_plane(self) -> ControlPlane:
         return self.control

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from .._proc import signal_group
 from ..errors import BackendError
 from ..resources import CgroupLimits, GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
-from .base import Backend, log_tail
+from .base import Backend, Capabilities, log_tail
 
 
 @dataclass(eq=False)
@@ -45,6 +46,10 @@ class LocalBackend(Backend):
     @property
     def gpus(self) -> GpuPool:
         return self._gpus
+
+    def capabilities(self) -> Capabilities:
+        # This machine, this user, this environment: workers inherit the session's variables.
+        return Capabilities(own_address=False, session_host=True, python=sys.executable, shared_paths=("/",))
 
     def check(self, n: int, resources: Resources) -> None:
         self._gpus.check(n, resources)

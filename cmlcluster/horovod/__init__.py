@@ -9,22 +9,17 @@ from .commands import (
     horovodrun_argv,
     hostfile_text,
     hosts_arg,
-    known_hosts_text,
     mpirun_argv,
-    ssh_config_text,
 )
-from .run import HorovodError, HorovodResult, check_hosts, run_horovod
+from .run import HorovodError, HorovodResult, run_horovod
 
 __all__ = [
     "SSH_PORT",
     "HorovodError",
     "HorovodResult",
-    "check_hosts",
     "horovodrun_argv",
     "hostfile_text",
     "hosts_arg",
-    "known_hosts_text",
     "mpirun_argv",
     "run_horovod",
-    "ssh_config_text",
 ]

@@ -1,13 +1,12 @@
-"""Pure builders: hosts and slots to horovodrun / mpirun argv lists, hostfiles, ssh config, known_hosts.
+"""Pure builders: hosts and slots to horovodrun / mpirun argv lists and hostfiles (ssh texts: ssh/config.py).
 
 Every command is an argv list, never a shell string, and nothing here runs anything.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ..errors import ConfigError
 
@@ -116,42 +115,3 @@ def mpirun_argv(
 def hostfile_text(hosts: Hosts) -> str:
     """An OpenMPI hostfile (machinefile): one "host slots=N" line per host, as in the Rescale article."""
     return "".join(f"{host} slots={slots}\n" for host, slots in check_hosts(hosts))
-
-
-def _ssh_host(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if port != 22 else host
-
-
-def known_hosts_text(host_keys: Mapping[str, str], port: int = SSH_PORT) -> str:
-    """known_hosts lines pinning each host's key on its sshd port: "[10.0.0.2]:2222 ssh-ed25519 AAAA..."."""
-    lines = []
-    for host, key in host_keys.items():
-        kind, _, rest = key.strip().partition(" ")
-        blob = rest.split(" ")[0]
-        if not kind.startswith("ssh-") or not blob:
-            raise ConfigError(f"host key of {host!r} is not an OpenSSH public key: {key!r}")
-        lines.append(f"{_ssh_host(host, port)} {kind} {blob}\n")
-    return "".join(lines)
-
-
-def ssh_config_text(hosts: Sequence[str], port: int, identity_file: str, known_hosts: str) -> str:
-    """An ssh config so that plain `ssh <ip>` (and mpirun) reach the workers with this session's key."""
-    blocks = []
-    for host in hosts:
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            if not host or any(c.isspace() for c in host):
-                raise ConfigError(f"host {host!r}: give an IP address or host name") from None
-        blocks.append(
-            f"Host {host}\n"
-            f"    Port {port}\n"
-            f"    User root\n"
-            f"    IdentityFile {identity_file}\n"
-            f"    IdentitiesOnly yes\n"
-            f"    UserKnownHostsFile {known_hosts}\n"
-            f"    StrictHostKeyChecking yes\n"
-            f"    PasswordAuthentication no\n"
-            f"    BatchMode yes\n"
-        )
-    return "\n".join(blocks)

@@ -1,11 +1,13 @@
 """run_horovod: workers, passwordless SSH done safely, then horovodrun from the session.
 
-On workers with their own addresses (Docker), every worker's agent starts sshd on
-port 2222 admitting only this session's key; the workers' host keys come back over
-the control plane and are pinned; each host is checked with paramiko; then
-`horovodrun -np N -H ip:slots,... -p 2222 -i key ...` runs here, and every rank's
-output streams back live, prefixed by its rank. On the local backend horovodrun
-starts the ranks itself on localhost, without workers or SSH.
+On workers elsewhere (containers, SSH hosts), one worker's agent per host starts
+sshd on port 2222, as the worker's user, admitting only this session's key; the
+hosts' keys come back over the control plane and are pinned; each host is checked
+with paramiko; the script is shipped to hosts that do not see it; then
+`horovodrun -np N -H host:slots,... -p 2222 -i key ...` runs here, and every rank's
+output streams back live, prefixed by its rank. Where workers would be processes
+on this machine (the local backend), horovodrun starts the ranks itself on
+localhost, without workers or SSH.
 """
 
 from __future__ import annotations
@@ -21,24 +23,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import _lifeline
 from .._proc import signal_group
 from ..backends import Backend
 from ..errors import CmlClusterError, ConfigError
-from ..jobs import Job, JobFailure, Member
-from ..session import Session
+from ..jobs import Job, JobFailure, Role, launch_job
+from ..session import Session, Shipment
+from ..ssh.keys import SessionSSH
+from ..ssh.preflight import Login, check_logins
+from ..workers import Resources
 from . import commands
-from .keys import SessionSSH
 
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 PROCESS_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.$")
 FIRST_FAILURE = re.compile(r"Process name: (\d+)")  # in horovodrun's final error
-SSHD = "cmlcluster.horovod.sshd"
-CHECK_TIMEOUT = 10.0
+SSHD = "cmlcluster.ssh.sshd"
+RANK = "cmlcluster.horovod.rank"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 log = logging.getLogger("cmlcluster")
 
@@ -104,19 +109,23 @@ def run_horovod(
     cpu: float = 1,
     memory: float = 1,
     nvidia_gpu: int = 0,
-    backend: str | None = None,
+    env: Mapping[str, str] | None = None,
+    backend: str | Backend | None = None,
     session: Session | None = None,
     start_timeout: int = 60,
     ssh_port: int = commands.SSH_PORT,
     reuse: bool = False,
+    ship_working_folder: bool = False,
     echo: bool = True,
     check: bool = False,
 ) -> HorovodResult:
     """Run `script args` under horovodrun on this session's workers; return what happened.
 
     np: processes in all (default: workers x slots). workers: how many workers (default: enough
-    for np). slots: processes per worker (default: its GPUs, or 1). reuse: keep the workers (and
-    their sshd) for the next run, and use those of the previous reuse=True run. check: raise
+    for np). slots: processes per worker (default: its GPUs, or 1). env: variables for every rank
+    (ranks on other machines get only these and Horovod's own). reuse: keep the workers (and
+    their sshd) for the next run, and use those of the previous reuse=True run.
+    ship_working_folder: copy the working folder to workers that do not see it. check: raise
     HorovodError instead of returning a failed result.
     """
     # Everything is checked before anything starts.
@@ -134,6 +143,8 @@ def run_horovod(
         )
     if not os.path.isfile(script):
         raise ConfigError(f"script={script!r}: no such file; give the path of the training script")
+    if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ConfigError(f"env={env!r}: environment names and values must be strings")
     script = os.path.abspath(script)
     horovodrun = _horovodrun()
     owned = session is None and backend is not None and not reuse
@@ -141,7 +152,9 @@ def run_horovod(
         session = _session_for(backend, reuse)
     cluster: SSHCluster | None = None
     try:
-        if session.backend.name == "local":
+        capabilities = session.backend.capabilities()
+        if capabilities.session_host and not capabilities.own_address:
+            # Workers would be processes on this machine anyway: horovodrun starts the ranks here.
             hosts = [("localhost", np)]
             argv = commands.horovodrun_argv(
                 np,
@@ -151,20 +164,22 @@ def run_horovod(
                 start_timeout=start_timeout,
                 horovodrun=horovodrun,
             )
-            return _execute(argv, hosts, os.environ.copy(), echo, check)
-        cluster = _ssh_cluster(session, workers, slots, cpu, memory, nvidia_gpu, ssh_port, reuse)
+            return _execute(argv, hosts, {**os.environ, **(env or {})}, echo, check)
+        shipment = session.ship([script], working_folder=ship_working_folder)
+        cluster = _ssh_cluster(session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment)
+        # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
+        command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
         argv = commands.horovodrun_argv(
             np,
             cluster.hosts,
-            [session.backend.worker_python(), script, *args],
+            command,
             ssh_port=ssh_port,
             identity_file=cluster.ssh.identity_file,
             start_timeout=start_timeout,
-            network_interfaces=session.backend.worker_interfaces(),
+            network_interfaces=capabilities.interfaces,
             horovodrun=horovodrun,
         )
-        env = dict(os.environ, PATH=f"{cluster.ssh.ssh_wrapper_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-        return _execute(argv, cluster.hosts, env, echo, check, cluster.job)
+        return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh, env), echo, check, cluster.job)
     except KeyboardInterrupt:
         kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
         log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
@@ -177,6 +192,19 @@ def run_horovod(
                 cluster.close()
         if owned:
             session.close()
+
+
+def _remote_driver_env(ssh: SessionSSH, env: Mapping[str, str] | None) -> dict[str, str]:
+    """horovodrun's environment when ranks run elsewhere.
+
+    horovodrun copies its whole environment onto every rank's ssh command line, so it gets only
+    what ranks should see: the user's env= and a neutral PATH; never the notebook's variables.
+    Its own ssh is the session's, first on PATH.
+    """
+    driver = {"PATH": f"{ssh.ssh_wrapper_dir}{os.pathsep}{SYSTEM_PATH}", "PYTHONUNBUFFERED": "1"}
+    driver.update({k: os.environ[k] for k in ("LANG", "LC_ALL") if k in os.environ})
+    driver.update(env or {})
+    return driver
 
 
 def _session_for(backend: str | Backend | None, reuse: bool) -> Session:
@@ -219,12 +247,13 @@ def _horovodrun() -> str:
 
 @dataclass
 class SSHCluster:
-    """Workers with sshd running and pinned, ready for horovodrun or mpirun; one job."""
+    """Workers with one sshd per host running and pinned, ready for horovodrun or mpirun; one job."""
 
     session: Session
-    hosts: list[tuple[str, int]]
+    hosts: list[tuple[str, int]]  # (address, slots)
     ssh: SessionSSH
     job: Job
+    sshd_workers: list[str] = field(default_factory=list)  # one per host, the one whose sshd serves it
 
     @property
     def worker_ids(self) -> list[str]:
@@ -234,13 +263,10 @@ class SSHCluster:
         """End what runs on the workers through sshd (ranks a failed or interrupted run left); sshd stays."""
         with contextlib.suppress(Exception):
             if not self.session.closed:
-                self.session.call_each([(w, f"{SSHD}:end_sessions", ()) for w in self.worker_ids], timeout=30)
+                self.session.call_each([(w, f"{SSHD}:end_sessions", ()) for w in self.sshd_workers], timeout=30)
 
     def close(self) -> None:
-        self.job.finish()
-        with contextlib.suppress(Exception):
-            if not self.session.closed:
-                self.session.stop_workers(*self.worker_ids)
+        self.job.stop()
         self.ssh.close()
         if _reusable.get(self.session.id) is self:
             del _reusable[self.session.id]
@@ -250,29 +276,37 @@ _reusable: dict[str, SSHCluster] = {}
 
 
 def _ssh_cluster(
-    session: Session, n: int, slots: int, cpu: float, memory: float, gpus: int, port: int, keep: bool
+    session: Session, n: int, slots: int, resources: Resources, port: int, keep: bool, shipment: Shipment
 ) -> SSHCluster:
     previous = _reusable.get(session.id)
     if previous is not None and keep:
         if len(previous.worker_ids) == n and previous.job.failure is None and previous.hosts:
-            previous.hosts = [(host, slots) for host, _ in previous.hosts]
+            _send(session, previous.sshd_workers, shipment)
+            per_host = Counter(m.address for m in previous.job.members)
+            previous.hosts = [(host, slots * per_host[host]) for host, _ in previous.hosts]
             return previous
         previous.close()
-    launched = session.launch_workers(n, cpu, memory, gpus)
-    ssh = SessionSSH.create(parent=session.session_dir)
-    ids = [w["id"] for w in launched if "id" in w]
-    job = Job(session, [Member(w, "host", i) for i, w in enumerate(ids)], "Horovod job")
-    cluster = SSHCluster(session, [], ssh, job)
+    job = launch_job(session, [Role("host", n, resources)], "Horovod job", timeout_seconds=120)
+    cluster = SSHCluster(session, [], SessionSSH.create(parent=session.session_dir), job)
     try:
-        ready = session.await_workers(launched, wait_for_completion=False, timeout_seconds=120)
-        if ready["failures"]:
-            reasons = "\n".join(f"  {f.get('id', '?')}: {f.get('message') or f['status']}" for f in ready["failures"])
-            raise CmlClusterError(f"{len(ready['failures'])} of {n} Horovod workers did not start:\n{reasons}")
-        up = ready["workers"]
-        host_keys = session.call_each([(w["id"], f"{SSHD}:start", (ssh.public_key, port)) for w in up])
-        ssh.pin({w["ip_address"]: key for w, key in zip(up, host_keys, strict=True)}, port)
-        check_hosts([w["ip_address"] for w in up], port, ssh.identity_file, ssh.known_hosts)
-        cluster.hosts = [(w["ip_address"], slots) for w in up]
+        # Workers that share an address (several on one SSH host) share one sshd, started in the first.
+        by_address: dict[str, list[str]] = {}
+        for m in job.members:
+            by_address.setdefault(m.address, []).append(m.worker_id)
+        cluster.sshd_workers = [ids[0] for ids in by_address.values()]
+        _send(session, cluster.sshd_workers, shipment)
+        started = session.call_each(
+            [(w, f"{SSHD}:start", (cluster.ssh.public_key, port)) for w in cluster.sshd_workers]
+        )
+        addresses = list(by_address)
+        cluster.ssh.pin(
+            {a: s["host_key"] for a, s in zip(addresses, started, strict=True)},
+            port,
+            {a: s["user"] for a, s in zip(addresses, started, strict=True)},
+        )
+        logins = [Login(a, port, s["user"]) for a, s in zip(addresses, started, strict=True)]
+        check_logins(logins, cluster.ssh.identity_file, cluster.ssh.known_hosts, what="Horovod hosts")
+        cluster.hosts = [(a, slots * len(ids)) for a, ids in by_address.items()]
     except BaseException:
         cluster.close()
         raise
@@ -281,47 +315,10 @@ def _ssh_cluster(
     return cluster
 
 
-def check_hosts(hosts: Sequence[str], port: int, identity_file: str, known_hosts: str) -> None:
-    """Log in to every host at once with paramiko, the session key and the pinned host keys.
-
-    Raises one error listing every host that cannot be reached, with its reason.
-    """
-    import paramiko
-
-    def try_host(host: str) -> str | None:
-        client = paramiko.SSHClient()
-        client.load_host_keys(known_hosts)
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        try:
-            client.connect(
-                host,
-                port=port,
-                username="root",
-                key_filename=identity_file,
-                look_for_keys=False,
-                allow_agent=False,
-                timeout=CHECK_TIMEOUT,
-                banner_timeout=CHECK_TIMEOUT,
-                auth_timeout=CHECK_TIMEOUT,
-            )
-            _, stdout, _ = client.exec_command("true", timeout=CHECK_TIMEOUT)
-            if stdout.channel.recv_exit_status() != 0:
-                return "logged in, but cannot run commands"
-            return None
-        except paramiko.BadHostKeyException:
-            return "its host key is not the one pinned for this session (refusing: possible impostor)"
-        except paramiko.SSHException as e:
-            return f"SSH refused: {e}"
-        except OSError as e:
-            return f"cannot connect to port {port}: {e.strerror or e}"
-        finally:
-            client.close()
-
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        problems = {h: p for h, p in zip(hosts, pool.map(try_host, hosts), strict=True) if p}
-    if problems:
-        listing = "\n".join(f"  {host}:{port}: {why}" for host, why in problems.items())
-        raise CmlClusterError(f"{len(problems)} of {len(hosts)} Horovod hosts cannot be reached by SSH:\n{listing}")
+def _send(session: Session, worker_ids: Sequence[str], shipment: Shipment) -> None:
+    """Unpack the shipment in the workers whose sshd starts the ranks (before sshd starts, the first time)."""
+    if shipment.files:
+        session.call_each([(w, "cmlcluster.agent:unpack_files", (shipment.files, shipment.in_cwd)) for w in worker_ids])
 
 
 def _execute(

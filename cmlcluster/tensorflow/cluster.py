@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CmlClusterError, ConfigError
-from ..jobs import Job, JobFailed, JobFailure, Member
-from ..session import Session
-from ..workers import Program
+from ..jobs import Job, JobFailed, JobFailure, Member, Role, launch_job
+from ..session import Session, Shipment
+from ..workers import Program, Resources
 from . import coordinator
 from . import spec as specs
 
@@ -50,7 +50,9 @@ class TFCluster:
     Cloudera's run(cluster, server, task_index)).
     """
 
-    def __init__(self, session: Session, tasks: Sequence[TaskWorker], servers: bool, chief: str | None = None):
+    def __init__(
+        self, session: Session, tasks: Sequence[TaskWorker], servers: bool, job: Job, chief: str | None = None
+    ):
         self.session = session
         self.tasks = list(tasks)
         self.servers = servers
@@ -59,10 +61,9 @@ class TFCluster:
         self.session_addr = f"grpc://{self.workers[0].address}"
         self.stopped = False
         # Tasks wait on each other: the first to end unexpectedly fails the cluster and stops the rest.
-        members = [Member(t.worker_id, t.job, t.index) for t in self.tasks]
-        # This process coordinates (chief): TensorFlow would wait for a lost worker forever.
-        on_failure = self._fail_coordinator if chief is not None else None
-        self.job = Job(session, members, "TensorFlow cluster", on_failure)
+        self.job = job
+        if chief is not None:  # this process coordinates: TensorFlow would wait for a lost worker forever
+            job.on_failure(self._fail_coordinator)
 
     @property
     def workers(self) -> list[TaskWorker]:
@@ -100,20 +101,27 @@ class TFCluster:
         servers=False: the strategy starts its own server from TF_CONFIG).
         Waits for all of them; returns their worker dicts, or raises WorkerError.
         """
+        shipment, name = self._ship(script)
         programs = {
-            t.worker_id: Program(
-                target=f"{TASK}:run_script", args=(script, self.tf_config(t.job, t.index), tuple(args))
+            t.worker_id: shipment.program(
+                target=f"{TASK}:run_script", args=(name, self.tf_config(t.job, t.index), tuple(args))
             )
             for t in self.workers
         }
         return self._run(programs, timeout_seconds)
 
+    def _ship(self, script: str) -> tuple[Shipment, str]:
+        """The script's file, for workers that do not see it; a module name travels as it is."""
+        shipment = self.session.ship([script] if os.path.isfile(script) else [])
+        return shipment, shipment.names.get(script, script)
+
     def run_cml_script(self, script: str, timeout_seconds: float = 0) -> list[dict[str, Any]]:
         """Cloudera's convention: every worker task calls the script's run(cluster, server, task_index)."""
         if not self.servers:
             raise CmlClusterError("run(cluster, server, task_index) needs the servers; start with servers=True")
+        shipment, name = self._ship(script)
         programs = {
-            t.worker_id: Program(target=f"{TASK}:run_cml_script", args=(script, self.cluster_spec, t.index))
+            t.worker_id: shipment.program(target=f"{TASK}:run_cml_script", args=(name, self.cluster_spec, t.index))
             for t in self.workers
         }
         return self._run(programs, timeout_seconds)
@@ -219,19 +227,14 @@ def start_cluster(
         from ..api import get_session
 
         session = get_session()
+    roles = [  # launch_workers checks the resources before anything starts
+        Role("ps", n_ps, Resources(cpu, memory, 0), env=dict(env or {})),  # never a GPU
+        Role("worker", n_workers, Resources(cpu, memory, nvidia_gpu), min_count=min_workers, env=dict(env or {})),
+    ]
+    job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds)
     with ExitStack() as undo:
-        launched: list[dict[str, Any]] = []
-        undo.callback(lambda: session.closed or session.stop_workers(*(w for w in launched if "id" in w)))
-        ps = session.launch_workers(n_ps, cpu, memory, 0, env=env) if n_ps else []
-        launched += ps
-        workers = session.launch_workers(n_workers, cpu, memory, nvidia_gpu, env=env)
-        launched += workers
-        ready = session.await_workers(launched, wait_for_completion=False, timeout_seconds=timeout_seconds)
-        ps_up, workers_up = _choose(ps, workers, ready, min_workers)
-        late = [f["id"] for f in ready["failures"] if "id" in f]
-        if late:
-            session.stop_workers(*late)  # still starting, perhaps; the cluster goes on without them
-        tasks = _place(ps_up, workers_up, port)
+        undo.callback(job.stop)
+        tasks = _place(job.members, port, session.backend.capabilities().own_address)
         # The coordinator runs here; workers reach this host where they reach the controller.
         chief = specs.join_address(session.controller_ip, _free_local_ports(1)[0]) if coordinator else None
         if servers:
@@ -241,7 +244,7 @@ def start_cluster(
                 timeout=timeout_seconds or None,
             )
             _wait_reachable(tasks, SERVER_READY_TIMEOUT)
-        cluster = TFCluster(session, tasks, servers, chief)
+        cluster = TFCluster(session, tasks, servers, job, chief)
         undo.pop_all()
     return cluster
 
@@ -284,45 +287,16 @@ def run_cluster(
     return None, None
 
 
-def _choose(
-    ps: list[dict[str, Any]], workers: list[dict[str, Any]], ready: dict[str, list[dict[str, Any]]], min_workers: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The tasks to build the cluster from; raises when too few are up. Order is launch order."""
-    up = {w["id"]: w for w in ready["workers"]}
-    ps_up = [up[w["id"]] for w in ps if w.get("id") in up]
-    workers_up = [up[w["id"]] for w in workers if w.get("id") in up]
-    failures = ready["failures"]
-    reasons = "\n".join(f"  {f.get('id', 'not launched')}: {f.get('message') or f.get('status')}" for f in failures)
-    if len(ps_up) < len(ps):
-        raise CmlClusterError(
-            f"{len(ps) - len(ps_up)} of {len(ps)} parameter servers did not start; a cluster cannot "
-            f"go on without one of its parameter servers:\n{reasons}"
-        )
-    if len(workers_up) < min_workers:
-        raise CmlClusterError(
-            f"only {len(workers_up)} of {len(workers)} workers started, "
-            f"fewer than min_workers={min_workers}:\n{reasons}"
-        )
-    if failures:
-        warnings.warn(
-            f"going on with {len(workers_up)} of {len(workers)} workers (min_workers={min_workers}); "
-            f"these did not start and were stopped:\n{reasons}",
-            stacklevel=3,
-        )
-    return ps_up, workers_up
-
-
-def _place(ps: list[dict[str, Any]], workers: list[dict[str, Any]], port: int) -> list[TaskWorker]:
+def _place(members: Sequence[Member], port: int, own_address: bool) -> list[TaskWorker]:
     """Give each task an address: its worker's IP, and a port of its own on that IP."""
-    members = [("ps", i, w) for i, w in enumerate(ps)] + [("worker", i, w) for i, w in enumerate(workers)]
-    ips = [w["ip_address"] for _, _, w in members]
-    if all(ipaddress.ip_address(ip).is_loopback for ip in ips):
+    ips = [m.address for m in members]
+    if not own_address and all(ipaddress.ip_address(ip).is_loopback for ip in ips):
         ports = _free_local_ports(len(ips))  # workers on this host: ask the OS, nothing else may hold them
     else:
-        ports = specs.assign_ports(ips, port)
+        ports = specs.assign_ports(ips, port)  # tasks that share a host get consecutive ports from `port`
     return [
-        TaskWorker(job, index, specs.join_address(w["ip_address"], p), w["id"])
-        for (job, index, w), p in zip(members, ports, strict=True)
+        TaskWorker(m.role, m.index, specs.join_address(m.address, p), m.worker_id)
+        for m, p in zip(members, ports, strict=True)
     ]
 
 

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .. import agent
+
 _server: Any = None
 
 
@@ -51,8 +53,9 @@ def start_server(spec: Mapping[str, Sequence[str]], job: str, index: int) -> str
 
 def _load(script: str) -> dict[str, Any]:
     """A script's globals, run as a module that is not __main__; a module name works too."""
-    if os.path.isfile(script):
-        return runpy.run_path(script, run_name="__cmlcluster_task__")
+    path = agent.script_path(script)  # shipped scripts arrive under a relative name
+    if os.path.isfile(path):
+        return runpy.run_path(path, run_name="__cmlcluster_task__")
     return vars(importlib.import_module(script))
 
 
@@ -71,8 +74,9 @@ def run_cml_script(script: str, spec: Mapping[str, Sequence[str]], task_index: i
 def run_script(script: str, tf_config: Mapping[str, Any], args: Sequence[str] = ()) -> None:
     """Run a script as __main__ with this task's TF_CONFIG, as `TF_CONFIG=... python script args` would."""
     os.environ["TF_CONFIG"] = json.dumps(tf_config)
-    sys.argv = [script, *args]
-    if os.path.isfile(script):
-        runpy.run_path(script, run_name="__main__")
+    path = agent.script_path(script)
+    sys.argv = [path, *args]
+    if os.path.isfile(path):
+        runpy.run_path(path, run_name="__main__")
     else:
         runpy.run_module(script, run_name="__main__", alter_sys=True)

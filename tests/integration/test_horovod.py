@@ -13,8 +13,14 @@ from conftest import DOCKER_TEST_IMAGE
 import cmlcluster
 from cmlcluster import CmlClusterError, Session
 from cmlcluster.backends.docker import DockerBackend
-from cmlcluster.horovod import check_hosts, run_horovod
-from cmlcluster.horovod.keys import SessionSSH, new_ed25519
+from cmlcluster.horovod import run_horovod
+from cmlcluster.ssh.keys import SessionSSH, new_ed25519
+from cmlcluster.ssh.preflight import Login, check_logins
+
+
+def check_hosts(ips, port, identity, known_hosts):
+    check_logins([Login(ip, port, "root") for ip in ips], identity, known_hosts, what="Horovod hosts")
+
 
 pytestmark = pytest.mark.integration
 
@@ -108,8 +114,11 @@ def test_sshd_down_wrong_key_and_wrong_host_key_are_refused_before_horovodrun(tm
         up = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)["workers"]
         ips = [w["ip_address"] for w in up]
         ssh = SessionSSH.create(str(tmp_path))
-        host_keys = session.call_each([(w["id"], "cmlcluster.horovod.sshd:start", (ssh.public_key, 2222)) for w in up])
-        ssh.pin(dict(zip(ips, host_keys, strict=True)), 2222)
+        started = session.call_each([(w["id"], "cmlcluster.ssh.sshd:start", (ssh.public_key, 2222)) for w in up])
+        host_keys = [s["host_key"] for s in started]
+        assert {s["user"] for s in started} == {"root"}
+        users = dict.fromkeys(ips, "root")
+        ssh.pin(dict(zip(ips, host_keys, strict=True)), 2222, users)
         check_hosts(ips, 2222, ssh.identity_file, ssh.known_hosts)  # both fine
 
         # Plain ssh works with the session's config; the wrapper horovodrun uses keeps checking host keys.
@@ -130,14 +139,14 @@ def test_sshd_down_wrong_key_and_wrong_host_key_are_refused_before_horovodrun(tm
         impostor = tmp_path / "known_hosts_impostor"
         impostor.write_text(f"[{ips[0]}]:2222 {new_ed25519()[1]}\n[{ips[1]}]:2222 {host_keys[1]}\n")
         with pytest.raises(
-            CmlClusterError, match=rf"(?s)1 of 2 .*\n  {ips[0]}:2222: its host key is not the one pinned"
+            CmlClusterError, match=rf"(?s)1 of 2 .*\n  root@{ips[0]}:2222: its host key is not the one pinned"
         ):
             check_hosts(ips, 2222, ssh.identity_file, str(impostor))
-        ssh.pin({ips[0]: new_ed25519()[1], ips[1]: host_keys[1]}, 2222)
+        ssh.pin({ips[0]: new_ed25519()[1], ips[1]: host_keys[1]}, 2222, users)
         ran = subprocess.run([wrapper, "-o", "StrictHostKeyChecking=no", ips[0], "true"], capture_output=True,
                              text=True, timeout=30)  # fmt: skip
         assert ran.returncode != 0 and "HOST IDENTIFICATION HAS CHANGED" in ran.stderr
-        ssh.pin(dict(zip(ips, host_keys, strict=True)), 2222)
+        ssh.pin(dict(zip(ips, host_keys, strict=True)), 2222, users)
 
         # Passwords are not even offered.
         import paramiko
@@ -150,7 +159,7 @@ def test_sshd_down_wrong_key_and_wrong_host_key_are_refused_before_horovodrun(tm
         transport.close()
 
         # sshd down on one host: named, with its reason, before anything runs.
-        session.call(up[1]["id"], "cmlcluster.horovod.sshd:stop")
-        with pytest.raises(CmlClusterError, match=rf"(?s)1 of 2 Horovod hosts.*\n  {ips[1]}:2222: cannot connect"):
+        session.call(up[1]["id"], "cmlcluster.ssh.sshd:stop")
+        with pytest.raises(CmlClusterError, match=rf"(?s)1 of 2 Horovod hosts.*\n  root@{ips[1]}:2222: cannot connect"):
             check_hosts(ips, 2222, ssh.identity_file, ssh.known_hosts)
         ssh.close()

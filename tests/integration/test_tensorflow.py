@@ -178,7 +178,7 @@ def test_min_workers_carries_on_without_a_worker_that_never_starts(session, tmp_
     (tmp_path / "sitecustomize.py").write_text(
         "import os, time\nif os.environ.get('CMLCLUSTER_ENGINE_ID') == '1':\n    time.sleep(3600)\n"
     )
-    with pytest.warns(UserWarning, match="going on with 1 of 2 workers"):
+    with pytest.warns(UserWarning, match="goes on with 1 of 2 workers"):
         cluster = start_cluster(
             n_workers=2,
             cpu=1,

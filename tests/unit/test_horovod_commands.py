@@ -8,6 +8,7 @@ import pytest
 
 from cmlcluster.errors import ConfigError
 from cmlcluster.horovod import commands
+from cmlcluster.ssh.config import known_hosts_text, ssh_config_text
 
 
 def test_horovodrun_argv_for_several_layouts():
@@ -56,11 +57,11 @@ def test_mpirun_argv_uses_the_workers_ssh_port_and_nics():
 
 def test_hostfile_ssh_config_and_known_hosts_text():
     assert commands.hostfile_text([("10.0.0.2", 4), ("10.0.0.3", 2)]) == "10.0.0.2 slots=4\n10.0.0.3 slots=2\n"
-    config = commands.ssh_config_text(["10.0.0.2"], 2222, "/s/id_ed25519", "/s/known_hosts")
+    config = ssh_config_text({"10.0.0.2": "alice"}, 2222, "/s/id_ed25519", "/s/known_hosts")
     assert config.splitlines() == [
         "Host 10.0.0.2",
         "    Port 2222",
-        "    User root",
+        "    User alice",
         "    IdentityFile /s/id_ed25519",
         "    IdentitiesOnly yes",
         "    UserKnownHostsFile /s/known_hosts",
@@ -68,9 +69,9 @@ def test_hostfile_ssh_config_and_known_hosts_text():
         "    PasswordAuthentication no",
         "    BatchMode yes",
     ]
-    known = commands.known_hosts_text({"10.0.0.2": "ssh-ed25519 AAAAC3Nz worker-comment"}, 2222)
+    known = known_hosts_text({"10.0.0.2": "ssh-ed25519 AAAAC3Nz worker-comment"}, 2222)
     assert known == "[10.0.0.2]:2222 ssh-ed25519 AAAAC3Nz\n"
-    assert commands.known_hosts_text({"h": "ssh-ed25519 AAAA"}, 22) == "h ssh-ed25519 AAAA\n"
+    assert known_hosts_text({"h": "ssh-ed25519 AAAA"}, 22) == "h ssh-ed25519 AAAA\n"
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,8 @@ def test_hostfile_ssh_config_and_known_hosts_text():
         (lambda: commands.horovodrun_argv(1, [("a", 1)], []), "command=\\[\\]"),
         (lambda: commands.horovodrun_argv(1, [("a", 1)], ["p"], ssh_port=0), "ssh_port=0"),
         (lambda: commands.horovodrun_argv(1, [("a", 1)], ["p"], start_timeout=0), "start_timeout=0"),
-        (lambda: commands.known_hosts_text({"a": "not a key"}), "not an OpenSSH public key"),
+        (lambda: known_hosts_text({"a": "not a key"}, 22), "not an OpenSSH public key"),
+        (lambda: ssh_config_text({"a": "bad user"}, 22, "/k", "/kh"), "user 'bad user'"),
     ],
 )
 def test_bad_input_names_the_value(call, names):
@@ -96,7 +98,7 @@ def test_bad_input_names_the_value(call, names):
 def test_session_keys_are_fresh_ed25519_keys_paramiko_reads(tmp_path):
     import paramiko
 
-    from cmlcluster.horovod.keys import SessionSSH
+    from cmlcluster.ssh.keys import SessionSSH
 
     first, second = SessionSSH.create(str(tmp_path)), SessionSSH.create(str(tmp_path))
     try:

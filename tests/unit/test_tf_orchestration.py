@@ -38,7 +38,7 @@ def test_parameter_servers_come_first_and_never_get_gpus():
 def test_carries_on_with_the_workers_that_started_and_says_so():
     # engine 0: the ps; 1 and 2: workers, of which 2 never comes up.
     with fake_session(FakeWorker(), FakeWorker(), FakeWorker(registers=False)) as s:
-        with pytest.warns(UserWarning, match=r"going on with 1 of 2 workers \(min_workers=1\)"):
+        with pytest.warns(UserWarning, match=r"TensorFlow cluster goes on with 2 of 3 workers"):
             cluster = start_cluster(
                 n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, min_workers=1, timeout_seconds=0.5, session=s
             )
@@ -49,7 +49,7 @@ def test_carries_on_with_the_workers_that_started_and_says_so():
 def test_below_min_workers_it_fails_with_the_reasons_and_stops_everything():
     plan = (FakeWorker(), FakeWorker(registers=False), FakeWorker(dies_after=0.05, death_code=3))
     with fake_session(*plan) as s:
-        with pytest.raises(CmlClusterError, match=r"only 0 of 2 workers started") as caught:
+        with pytest.raises(CmlClusterError, match=r"only 0 of 2 worker tasks started, fewer than 1") as caught:
             start_cluster(
                 n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, min_workers=1, timeout_seconds=1, session=s
             )
@@ -61,7 +61,7 @@ def test_below_min_workers_it_fails_with_the_reasons_and_stops_everything():
 
 def test_a_missing_parameter_server_is_fatal():
     with fake_session(FakeWorker(launch_error="no room")) as s:
-        with pytest.raises(CmlClusterError, match=r"(?s)1 of 1 parameter servers did not start.*no room"):
+        with pytest.raises(CmlClusterError, match=r"(?s)1 of 1 ps tasks did not start.*no room"):
             start_cluster(n_workers=1, n_ps=1, cpu=1, memory=1, servers=False, timeout_seconds=1, session=s)
         assert statuses(s) == ["stopped"]  # the worker that did start
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import commands
+from .config import known_hosts_text, ssh_config_text
 
 
 def new_ed25519(comment: str = "") -> tuple[str, str]:
@@ -60,12 +60,12 @@ class SessionSSH:
         ssh._write_wrapper()
         return ssh
 
-    def pin(self, host_keys: Mapping[str, str], port: int) -> None:
-        """Record the workers' host keys ({ip: public key line}) and an ssh config for them."""
+    def pin(self, host_keys: Mapping[str, str], port: int, users: Mapping[str, str]) -> None:
+        """Record the hosts' keys ({host: public key line}) and an ssh config logging in as {host: user}."""
         with open(self.known_hosts, "w") as f:
-            f.write(commands.known_hosts_text(host_keys, port))
+            f.write(known_hosts_text(host_keys, port))
         with open(self.config, "w") as f:
-            f.write(commands.ssh_config_text(list(host_keys), port, self.identity_file, self.known_hosts))
+            f.write(ssh_config_text(users, port, self.identity_file, self.known_hosts))
 
     def _write_wrapper(self) -> None:
         # horovodrun runs `ssh -o StrictHostKeyChecking=no ...`, and options given on the command

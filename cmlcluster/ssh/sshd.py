@@ -3,12 +3,14 @@
 Key-only (no passwords, no keyboard-interactive), a host key made for this worker
 at start (its public half goes back to the session, which pins it), everything in
 a private folder. sshd is a child of the worker's agent, in its process group, so
-it ends with the worker.
+it ends with the worker. It runs as the worker's user, root or not: a non-root sshd
+lets in only its own user, which is all a session needs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import shutil
 import signal
@@ -17,6 +19,7 @@ import subprocess
 import tempfile
 import time
 
+from .. import agent
 from .keys import new_ed25519
 
 SSHD = "/usr/sbin/sshd"
@@ -24,8 +27,12 @@ _running: subprocess.Popen[bytes] | None = None
 _home: str | None = None  # sshd's private folder (in the worker's own temp folder)
 
 
-def start(authorized_key: str, port: int = 2222) -> str:
-    """Start sshd on `port` admitting `authorized_key`; return this worker's host public key."""
+def start(authorized_key: str, port: int = 2222) -> dict[str, str]:
+    """Start sshd on `port` admitting `authorized_key`.
+
+    Returns this worker's host public key, the user to log in as, and the working folder
+    that commands run through this sshd start in (see cmlcluster.horovod.rank).
+    """
     global _running, _home
     if _running is not None and _running.poll() is None:
         raise RuntimeError(f"sshd already runs in this worker (pid {_running.pid})")
@@ -55,12 +62,15 @@ def start(authorized_key: str, port: int = 2222) -> str:
             "X11Forwarding no\n"
             "AllowAgentForwarding no\n"
             "PermitUserEnvironment no\n"
+            # Ranks started through this sshd run where the worker runs and find what was shipped to it.
+            f'SetEnv "CMLCLUSTER_WORKDIR={os.getcwd()}" "CMLCLUSTER_FILES={agent.files_folder()}"\n'
             "LogLevel ERROR\n"
         )
-    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation folder
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # root's sshd drops privileges there
     _running = subprocess.Popen([sshd, "-D", "-e", "-f", config])  # output joins the worker's
     _wait_listening(port, _running)
-    return host_public
+    return {"host_key": host_public, "user": getpass.getuser(), "workdir": os.getcwd()}
 
 
 def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float = 10) -> None:

@@ -1,0 +1,88 @@
+"""Files that travel to workers: a script, a %%horovod cell, or the working folder, as a tar.gz.
+
+Workers that do not see the session's files at the same paths (SSH hosts, containers without the
+working folder mounted, pods) receive what a program needs as data over the control plane, and
+unpack it in a folder of their own. Archives are built in memory, so their size is capped; past
+the cap the error names the size and the ways out.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from collections.abc import Mapping
+
+from .errors import ConfigError
+
+DEFAULT_LIMIT_MB = 50.0  # per archive; CMLCLUSTER_SHIP_LIMIT_MB changes it
+
+
+def limit_bytes() -> int:
+    raw = os.environ.get("CMLCLUSTER_SHIP_LIMIT_MB", "")
+    try:
+        mb = float(raw) if raw else DEFAULT_LIMIT_MB
+    except ValueError:
+        raise ConfigError(f"CMLCLUSTER_SHIP_LIMIT_MB={raw!r}: give a number of megabytes, e.g. 200") from None
+    return int(mb * 1024 * 1024)
+
+
+def pack(files: Mapping[str, str], folder: str | None = None) -> bytes:
+    """A tar.gz of {name in the archive: path on this machine}, and of everything under `folder`."""
+    if folder is not None:
+        _check_folder_size(folder)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        if folder is not None:
+            tar.add(folder, arcname=".")
+        for name, path in files.items():
+            tar.add(path, arcname=name, recursive=False)
+    return _checked(buffer.getvalue(), ", ".join([*([folder] if folder else []), *files.values()]))
+
+
+def pack_text(name: str, text: str) -> bytes:
+    """A tar.gz holding one file made from text (a notebook cell, say)."""
+    data = text.encode()
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), 0o644
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _check_folder_size(folder: str) -> None:
+    """Refuse a folder past the limit before reading it all into memory."""
+    limit = limit_bytes()
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                total += os.path.getsize(path)
+        if total > limit:
+            break
+    if total > limit:
+        raise ConfigError(
+            f"the working folder {folder} holds more than {limit / 2**20:g} MB, too much to ship to every worker "
+            "over the control plane; ship less (run from a smaller folder), put data where the workers read it "
+            "(a shared volume, object storage), or raise CMLCLUSTER_SHIP_LIMIT_MB"
+        )
+
+
+def _checked(archive: bytes, what: str) -> bytes:
+    limit = limit_bytes()
+    if len(archive) > limit:
+        raise ConfigError(
+            f"{what}: {len(archive) / 2**20:.1f} MB compressed, more than the {limit / 2**20:g} MB that is shipped "
+            "to workers; put large files where the workers read them, or raise CMLCLUSTER_SHIP_LIMIT_MB"
+        )
+    return archive
+
+
+def unpack(archive: bytes, folder: str) -> str:
+    """Runs in a worker: unpack into `folder` (made if missing); nothing may land outside it."""
+    os.makedirs(folder, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        tar.extractall(folder, filter="data")  # refuses absolute paths, "..", links out of the folder
+    return folder
