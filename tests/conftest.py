@@ -2,8 +2,10 @@
 temp folders.
 
 Tests that take the `backend` fixture (or a `session` built on it) run once per backend: on local
-processes, and on Docker containers made from the test image (scripts/docker_engine.sh), which
-run this machine's own Python through read-only bind mounts.
+processes; on Docker containers made from the test image (scripts/docker_engine.sh), which
+run this machine's own Python through read-only bind mounts; and on three SSH hosts (containers
+with their own IPs running key-only sshd, logged into as a non-root user, that do NOT see the
+tests' folders: see sshhosts.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ import psutil
 import pytest
 
 DOCKER_TEST_IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
-BACKENDS = ("local", "docker")
+BACKENDS = ("local", "docker", "ssh")
+SSH_SLOTS = 4  # per test host
 
-LEAK_PATTERNS = ("cmlcluster.agent", "cmlcluster._controller", "ipyparallel.controller", "ipyparallel.engine")
+LEAK_PATTERNS = (
+    "cmlcluster.agent",
+    "cmlcluster._controller",
+    "cmlcluster.backends.ssh_remote",
+    "ipyparallel.controller",
+    "ipyparallel.engine",
+)
 
 
 def cmlcluster_processes() -> list[psutil.Process]:
@@ -51,8 +60,30 @@ def wait_gone():
     return alive_after
 
 
+@pytest.fixture(scope="session")
+def ssh_hosts():
+    """Three SSH hosts for the whole run (they start in about a second; nothing of a test stays on them)."""
+    from sshhosts import start_hosts
+
+    with start_hosts(3) as hosts:
+        yield hosts
+
+
+def ssh_backend(hosts, slots: int = SSH_SLOTS, **options):
+    from cmlcluster.backends.ssh import SSHBackend
+
+    return SSHBackend(
+        [f"{h.ip}:{slots}" for h in hosts.hosts],
+        user=hosts.user,
+        identity=hosts.identity_file,
+        known_hosts=hosts.known_hosts,
+        python=hosts.python,
+        **options,
+    )
+
+
 def backend_for(name: str, shared: str):
-    """The backend a parametrized test runs on; `shared` is a folder workers must see at the same path."""
+    """The backend a parametrized test runs on (docker: `shared` is a folder workers see at the same path)."""
     if name == "docker":
         from cmlcluster.backends.docker import DockerBackend
 
@@ -62,6 +93,8 @@ def backend_for(name: str, shared: str):
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, tmp_path_factory):
+    if request.param == "ssh":
+        return ssh_backend(request.getfixturevalue("ssh_hosts"))
     return backend_for(request.param, str(tmp_path_factory.getbasetemp()))
 
 

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from .. import agent
+from .._proc import descendants
 from .keys import new_ed25519
 
 SSHD = "/usr/sbin/sshd"
@@ -95,21 +96,7 @@ def end_sessions() -> int:
     """
     if _running is None or _running.poll() is not None:
         return 0
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    doomed, todo = [], list(children.get(_running.pid, []))
-    while todo:
-        pid = todo.pop()
-        doomed.append(pid)
-        todo += children.get(pid, [])
+    doomed = descendants(_running.pid)
     for pid in doomed:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,382 @@
+"""Workers on a list of hosts reached over SSH: machines you already have, as in an MPI machinefile.
+
+    cdsw.use_backend("ssh", hosts=["10.0.0.5", "10.0.0.6:2"], user="alice", identity="~/.ssh/id_ed25519")
+    cdsw.use_backend("ssh", hostfile="machinefile")     # "host slots=N" or "host:N" lines
+
+Each worker is one `ssh host python -m cmlcluster.backends.ssh_remote` process here. Over that
+connection's stdin the remote side receives the worker's environment (so nothing secret is on
+a command line) and, later, the order to stop; it runs the agent as a process group of its own
+in a private folder, and ends everything the worker started when told to, when the connection
+drops, or when the session dies (then the agent's heartbeat watchdog does it too). Output comes
+back through ssh into the session's folder, like a local worker's.
+
+OpenSSH's client does the connecting, so the user's keys, agent and ssh config work as they do
+in a terminal. Host keys are checked against known_hosts: an unknown or changed key is refused,
+unless trust_on_first_use=True is asked for by name. A host that stops answering is noticed by
+ssh's keepalives within about 3 s; its workers fail with that reason, the others carry on.
+
+Workers are placed on the host with the most free slots that has the GPUs they ask for; a
+launch that cannot fit is refused before anything starts. Before the first worker starts, every
+host is checked at once: login, the interpreter, and cmlcluster's version there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .. import __version__
+from .._proc import signal_group
+from ..errors import BackendError, ConfigError
+from ..workers import Resources, WorkerSpec
+from .base import Backend, Capabilities, SessionContext, log_tail
+
+REMOTE = "cmlcluster.backends.ssh_remote"
+LOST_HOST_EXIT = 255  # what ssh exits with when the connection fails or drops
+KEEPALIVE_SECONDS = 1  # ssh asks the host every second when it is quiet...
+KEEPALIVE_MISSES = 3  # ...and gives up after this many unanswered
+CONNECT_TIMEOUT = 10
+PREFLIGHT_TIMEOUT = 30.0
+HOST_LINE = re.compile(r"^(?P<host>[^\s:#]+|\[[^\]]+\])(?::(?P<colon>\d+))?(?:\s+slots\s*=\s*(?P<slots>\d+))?$")
+
+
+@dataclass
+class Host:
+    """One machine: where to log in, how many workers it takes (slots), and its GPU ids."""
+
+    address: str
+    slots: int
+    gpus: list[str] = field(default_factory=list)
+    free_slots: int = 0
+    free_gpus: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free_slots = self.slots
+        self.free_gpus = list(self.gpus)
+
+
+def parse_hosts(hosts: Sequence[str] | None = None, hostfile: str | None = None) -> list[tuple[str, int]]:
+    """[(host, slots)] from "host[:slots]" entries (horovodrun's -H) or a machinefile ("host slots=N")."""
+    if (hosts is None) == (hostfile is None):
+        raise ConfigError('give hosts=["10.0.0.5", "10.0.0.6:2"] or hostfile="machinefile", one of the two')
+    if hostfile is not None:
+        try:
+            with open(os.path.expanduser(hostfile)) as f:
+                lines = [line.split("#", 1)[0].strip() for line in f]
+        except OSError as e:
+            raise ConfigError(f"hostfile={hostfile!r}: {e.strerror or e}; give a file of 'host slots=N' lines") from None
+        entries = [(line, f"{hostfile}: {line!r}") for line in lines if line]
+    else:
+        if isinstance(hosts, str):
+            hosts = [h for h in hosts.replace(",", " ").split() if h]
+        entries = [(str(h).strip(), f"hosts entry {h!r}") for h in hosts or []]
+    parsed: list[tuple[str, int]] = []
+    for text, where in entries:
+        match = HOST_LINE.match(text)
+        if not match or (match.group("colon") and match.group("slots")):
+            raise ConfigError(f"{where}: write 'host', 'host:slots' or 'host slots=N'")
+        slots = int(match.group("colon") or match.group("slots") or 1)
+        if slots < 1:
+            raise ConfigError(f"{where}: a host needs 1 or more slots")
+        host = match.group("host").strip("[]")
+        if host in (h for h, _ in parsed):
+            raise ConfigError(f"{where}: host {host!r} is listed twice; give it once with all its slots")
+        parsed.append((host, slots))
+    if not parsed:
+        raise ConfigError(f"no hosts in {'hostfile=' + repr(hostfile) if hostfile else 'hosts='}; list at least one")
+    return parsed
+
+
+@dataclass(eq=False)
+class SSHHandle:
+    process: asyncio.subprocess.Process
+    host: Host
+    gpus: list[str]
+    log_path: str
+    released: bool = False
+
+
+class SSHBackend(Backend):
+    """Options:
+
+    hosts / hostfile: where workers run (see parse_hosts); one worker per slot.
+    user: the login name on the hosts (default: ssh's, from your ssh config or your own name).
+    port: sshd's port on the hosts (22).
+    identity: a private key file to log in with; default: your ssh agent and keys, as ssh finds
+        them. Never copied anywhere.
+    known_hosts: the known_hosts file that pins the hosts' keys (default: ssh's own). An unknown
+        or changed key is refused.
+    trust_on_first_use: accept (and record in known_hosts) the key of a host seen for the first
+        time; a changed key is still refused. Off unless asked for.
+    python: the interpreter on the hosts, with cmlcluster installed ("python3").
+    gpus: {host: [GPU ids]} for hosts with GPUs.
+    controller_ip: the session's address as the hosts reach it (default: this machine's address
+        on its route to the first host).
+    ssh_options: extra "-o Name=value" options for ssh, e.g. ["ProxyJump=bastion"].
+    """
+
+    name = "ssh"
+
+    def __init__(
+        self,
+        hosts: Sequence[str] | None = None,
+        *,
+        hostfile: str | None = None,
+        user: str | None = None,
+        port: int = 22,
+        identity: str | None = None,
+        known_hosts: str | None = None,
+        trust_on_first_use: bool = False,
+        python: str = "python3",
+        gpus: Mapping[str, Sequence[str]] | None = None,
+        controller_ip: str | None = None,
+        ssh_options: Sequence[str] = (),
+    ):
+        parsed = parse_hosts(hosts, hostfile)
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ConfigError(f"port={port!r}: give the TCP port sshd listens on, on the hosts (22)")
+        for name, path in (("identity", identity), ("known_hosts", known_hosts)):
+            if path is not None and not os.path.isfile(os.path.expanduser(path)):
+                raise ConfigError(f"{name}={path!r}: no such file")
+        unknown = sorted(set(gpus or {}) - {h for h, _ in parsed})
+        if unknown:
+            raise ConfigError(f"gpus= names {unknown}, which are not among the hosts; use the names given in hosts")
+        self.hosts = [Host(h, slots, [str(g) for g in (gpus or {}).get(h, ())]) for h, slots in parsed]
+        self.user = user
+        self.port = port
+        self.identity = os.path.expanduser(identity) if identity else None
+        self.known_hosts = os.path.expanduser(known_hosts) if known_hosts else None
+        self.trust_on_first_use = trust_on_first_use
+        self.python = python
+        self.ssh_options = list(ssh_options)
+        self._controller_ip = controller_ip
+        self._checked = False
+
+    # ---------------------------------------------------------------- what it is
+
+    def capabilities(self) -> Capabilities:
+        # Workers on one host share its address; nothing of the session's disk is theirs.
+        return Capabilities(own_address=False, session_host=False, python=self.python, shared_paths=())
+
+    def controller_ip(self) -> str:
+        if self._controller_ip is None:
+            self._controller_ip = _route_address(self.hosts[0].address)
+        return self._controller_ip
+
+    def ssh_argv(self, host: str, *command: str) -> list[str]:
+        """The ssh command line that runs `command` on `host` (options first: ssh keeps the first value)."""
+        argv = ["ssh", "-T", "-o", "BatchMode=yes", "-p", str(self.port)]
+        argv += ["-o", f"StrictHostKeyChecking={'accept-new' if self.trust_on_first_use else 'yes'}"]
+        argv += ["-o", f"ServerAliveInterval={KEEPALIVE_SECONDS}", "-o", f"ServerAliveCountMax={KEEPALIVE_MISSES}"]
+        argv += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
+        if self.known_hosts:
+            argv += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
+        if self.identity:
+            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
+        for option in self.ssh_options:
+            argv += ["-o", option]
+        if self.user:
+            argv += ["-l", self.user]
+        # ssh hands the command to the login shell there: one quoted word each.
+        return [*argv, host, "--", " ".join(_quote(word) for word in command)]
+
+    # ---------------------------------------------------------------- before anything starts
+
+    def check(self, n: int, resources: Resources) -> None:
+        self._place(n, resources)  # raises when they do not fit
+
+    def _place(self, n: int, resources: Resources) -> list[Host]:
+        """Hosts for n workers (most free slots first, with the GPUs asked for), without taking them."""
+        free = {id(h): (h.free_slots, len(h.free_gpus)) for h in self.hosts}
+        chosen: list[Host] = []
+        for _ in range(n):
+            fitting = [h for h in self.hosts if free[id(h)][0] >= 1 and free[id(h)][1] >= resources.nvidia_gpu]
+            if not fitting:
+                listing = ", ".join(f"{h.address}: {h.free_slots} slots, {len(h.free_gpus)} GPUs" for h in self.hosts)
+                gpus = f" with {resources.nvidia_gpu} GPUs each" if resources.nvidia_gpu else ""
+                raise ConfigError(
+                    f"n={n} workers{gpus} do not fit on the hosts (free now: {listing}); "
+                    "ask for fewer workers or GPUs, stop workers that hold slots, or add hosts"
+                )
+            host = max(fitting, key=lambda h: free[id(h)][0])
+            slots, gpus_free = free[id(host)]
+            free[id(host)] = (slots - 1, gpus_free - resources.nvidia_gpu)
+            chosen.append(host)
+        return chosen
+
+    def attach(self, context: SessionContext) -> None:
+        super().attach(context)
+        if not self._checked:
+            self.preflight()
+            self._checked = True
+
+    def preflight(self) -> None:
+        """Log in to every host at once; check its Python and cmlcluster's version; one error lists all."""
+        probe = "import sys, cmlcluster; print('cmlcluster', cmlcluster.__version__, sys.version.split()[0])"
+
+        def check(host: Host) -> str | None:
+            import subprocess
+
+            try:
+                ran = subprocess.run(
+                    self.ssh_argv(host.address, self.python, "-c", probe),
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=PREFLIGHT_TIMEOUT,
+                )
+            except subprocess.TimeoutExpired:
+                return f"no answer within {PREFLIGHT_TIMEOUT:g} s"
+            except FileNotFoundError:
+                return "the ssh client is missing here: apt-get install openssh-client"
+            return self._explain_preflight(ran.returncode, ran.stdout, ran.stderr)
+
+        with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
+            problems = {h.address: p for h, p in zip(self.hosts, pool.map(check, self.hosts), strict=True) if p}
+        if problems:
+            listing = "\n".join(f"  {host}: {why}" for host, why in problems.items())
+            raise ConfigError(f"{len(problems)} of {len(self.hosts)} SSH hosts cannot run workers:\n{listing}")
+
+    def _explain_preflight(self, code: int, out: str, err: str) -> str | None:
+        found = re.search(r"^cmlcluster (\S+) (\S+)$", out, re.MULTILINE)
+        if code == 0 and found:
+            if found.group(1) != __version__:
+                return (
+                    f"it has cmlcluster {found.group(1)}, this session {__version__}; install the same version "
+                    f"there: {self.python} -m pip install 'cmlcluster=={__version__}'"
+                )
+            return None
+        last = (err.strip().splitlines() or [f"exit code {code}"])[-1]
+        if "Host key verification failed" in err or "REMOTE HOST IDENTIFICATION HAS CHANGED" in err:
+            where = self.known_hosts or "~/.ssh/known_hosts"
+            return (
+                f"its host key is unknown or not the one in {where} (refused). Add the host's key there after "
+                "checking it (ssh-keyscan, then compare fingerprints), or pass trust_on_first_use=True for a "
+                "host seen for the first time"
+            )
+        if "Permission denied" in err:
+            return f"login refused ({last}); pass user= and identity=, or load the key into your ssh agent"
+        if "No module named" in err and "cmlcluster" in err:
+            return (
+                f"cmlcluster is not installed for {self.python} there; install it on every host: "
+                f"{self.python} -m pip install 'cmlcluster=={__version__}' (or pass python= for an "
+                "interpreter that has it)"
+            )
+        if code == 127 or "not found" in err:
+            return f"{self.python} is not there ({last}); pass python= with the interpreter's path on the hosts"
+        return f"ssh failed: {last}"
+
+    # ---------------------------------------------------------------- workers
+
+    async def start(self, spec: WorkerSpec) -> SSHHandle:
+        [host] = self._place(1, spec.resources)
+        host.free_slots -= 1
+        gpus, host.free_gpus = host.free_gpus[: spec.resources.nvidia_gpu], host.free_gpus[spec.resources.nvidia_gpu :]
+        env = dict(spec.env)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # zero GPUs means none visible, not all of them
+        log_dir = os.path.join(self.context.session_dir, "workers")
+        os.makedirs(log_dir, exist_ok=True)
+        log_path = os.path.join(log_dir, f"{spec.worker_id}.log")
+        request = {
+            "worker_id": spec.worker_id,
+            "argv": list(spec.argv),
+            "env": env,
+            "cpu": spec.resources.cpu,
+            "memory": spec.resources.memory,
+        }
+        try:
+            with open(log_path, "wb") as log:
+                process = await asyncio.create_subprocess_exec(
+                    *self.ssh_argv(host.address, self.python, "-m", REMOTE),
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,  # the notebook's Ctrl-C is not the worker's
+                )
+        except OSError as e:
+            self._give_back(host, gpus)
+            raise BackendError(f"could not start ssh for worker {spec.worker_id} on {host.address}: {e}") from e
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(request).encode() + b"\n")
+        # The pipe stays open: closing it (or this process dying) tells the host to stop the worker.
+        return SSHHandle(process=process, host=host, gpus=gpus, log_path=log_path)
+
+    def _give_back(self, host: Host, gpus: list[str]) -> None:
+        host.free_slots += 1
+        host.free_gpus += [g for g in gpus if g not in host.free_gpus]
+        host.free_gpus.sort(key=host.gpus.index)
+
+    async def poll(self, handle: SSHHandle) -> int | None:
+        return _exit_code(handle.process.returncode)
+
+    async def wait(self, handle: SSHHandle) -> int:
+        code = await handle.process.wait()
+        self._release(handle)
+        return int(_exit_code(code) or 0)
+
+    def _release(self, handle: SSHHandle) -> None:
+        if not handle.released:
+            handle.released = True
+            self._give_back(handle.host, handle.gpus)
+
+    async def stop(self, handle: SSHHandle, grace: float = 5.0) -> None:
+        process = handle.process
+        if process.returncode is None:
+            stdin = process.stdin
+            if stdin is not None and not stdin.is_closing():
+                with contextlib.suppress(OSError, RuntimeError):
+                    stdin.write(f"stop {grace:g}\n".encode())
+                stdin.close()
+            try:
+                # The host ends the worker and ssh exits; an unreachable host never answers.
+                await asyncio.wait_for(process.wait(), grace + CONNECT_TIMEOUT)
+            except asyncio.TimeoutError:
+                signal_group(process.pid, signal.SIGKILL)
+        await process.wait()
+        self._release(handle)
+
+    def output(self, handle: SSHHandle) -> str:
+        return log_tail(handle.log_path)
+
+    def exit_reason(self, handle: SSHHandle) -> str | None:
+        if handle.process.returncode != LOST_HOST_EXIT:
+            return None
+        lines = [line for line in log_tail(handle.log_path, 4096).splitlines() if line.strip()]
+        ssh_says = next(
+            (line for line in reversed(lines) if re.search(r"Timeout|Connection|closed|refused|route", line)), ""
+        )
+        return f"lost the SSH connection to {handle.host.address}" + (f": {ssh_says.strip()}" if ssh_says else "")
+
+
+def _exit_code(code: int | None) -> int | None:
+    """The remote side exits with 128+N when signal N killed the agent; the contract says -N."""
+    if code is not None and 128 < code < 128 + 65:
+        return 128 - code
+    return code
+
+
+def _quote(text: str) -> str:
+    """One shell word: ssh hands the command to the login shell on the host."""
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def _route_address(host: str) -> str:
+    """This machine's address on its route to `host` (no packet is sent)."""
+    try:
+        address = socket.getaddrinfo(host, 22, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            return str(probe.getsockname()[0])
+    except OSError as e:
+        raise ConfigError(
+            f"cannot find this machine's address towards {host} ({e}); pass controller_ip= (an address of "
+            "this machine the hosts can reach)"
+        ) from None
