@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import sys
 import tempfile
 import time
 
@@ -80,6 +81,31 @@ def ssh_backend(hosts, slots: int = SSH_SLOTS, **options):
         python=hosts.python,
         **options,
     )
+
+
+@pytest.fixture
+def worker_startup_hook(request, tmp_path):
+    """hook(backend, code) -> env: workers launched with that env run `code` when their Python starts.
+
+    A sitecustomize.py on PYTHONPATH: in a folder the workers see (the tests' folder, mounted in
+    containers), or written on every SSH host, which sees none of the session's files.
+    """
+    on_hosts = []
+
+    def hook(backend, code: str) -> dict[str, str]:
+        if getattr(backend, "name", backend) != "ssh":
+            (tmp_path / "sitecustomize.py").write_text(code)
+            return {"PYTHONPATH": str(tmp_path)}
+        folder = f"/tmp/hook-{tmp_path.name}"
+        write = f"import os; os.makedirs({folder!r}); open({folder!r} + '/sitecustomize.py', 'w').write({code!r})"
+        for host in request.getfixturevalue("ssh_hosts").hosts:
+            assert host.exec(sys.executable, "-c", write, user="alice").returncode == 0
+            on_hosts.append((host, folder))
+        return {"PYTHONPATH": folder}
+
+    yield hook
+    for host, folder in on_hosts:
+        host.exec("rm", "-rf", folder)
 
 
 def backend_for(name: str, shared: str):

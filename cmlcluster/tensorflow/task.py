@@ -23,6 +23,9 @@ _server: Any = None
 
 def _check_port_free(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As gRPC binds: connections of an earlier server on this port, closing (TIME_WAIT) on a
+        # host that outlives its workers (an SSH host), must not count as "in use".
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
         except OSError as e:

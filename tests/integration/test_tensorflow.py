@@ -173,10 +173,10 @@ def test_a_raising_worker_script_names_the_worker_and_leaves_nothing(session, tm
     # (the autouse fixture fails the test if any worker process is left)
 
 
-def test_min_workers_carries_on_without_a_worker_that_never_starts(session, tmp_path):
+def test_min_workers_carries_on_without_a_worker_that_never_starts(session, worker_startup_hook):
     # Engine 1, the second worker, hangs before it can register.
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('CMLCLUSTER_ENGINE_ID') == '1':\n    time.sleep(3600)\n"
+    env = worker_startup_hook(
+        session.backend, "import os, time\nif os.environ.get('CMLCLUSTER_ENGINE_ID') == '1':\n    time.sleep(3600)\n"
     )
     with pytest.warns(UserWarning, match="goes on with 1 of 2 workers"):
         cluster = start_cluster(
@@ -186,7 +186,7 @@ def test_min_workers_carries_on_without_a_worker_that_never_starts(session, tmp_
             servers=False,
             min_workers=1,
             timeout_seconds=20,
-            env={"PYTHONPATH": str(tmp_path)},
+            env=env,
             session=session,
         )
     with cluster:

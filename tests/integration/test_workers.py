@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import ipyparallel as ipp
 import psutil
@@ -37,8 +38,10 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     ips = [w["ip_address"] for w in running["workers"]]
     if session.backend.name == "local":
         assert set(ips) == {"127.0.0.1"}
-    else:  # containers: an address of their own each
+    elif session.backend.name == "docker":  # containers: an address of their own each
         assert len(set(ips)) == 3 and "127.0.0.1" not in ips
+    else:  # SSH hosts: placed on the hosts with the most free slots, so one each
+        assert sorted(ips) == sorted(h.address for h in session.backend.hosts)
 
     # Every worker is a live process of its own, and runs code sent over the control plane.
     view = session.client[:]
@@ -46,8 +49,10 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     hostnames = view.apply_sync(socket.gethostname)
     if session.backend.name == "local":
         assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
-    else:  # pids are the containers' own; each is a host of its own
+    elif session.backend.name == "docker":  # pids are the containers' own; each is a host of its own
         assert hostnames == [f"worker-{w['id']}" for w in workers]
+    else:
+        assert len(set(hostnames)) == 3
     env = view.apply_sync(
         ipp.interactive(lambda: {k: v for k, v in __import__("os").environ.items() if k.startswith(("CDSW", "CML_"))})
     )
@@ -95,7 +100,10 @@ def test_script_runs_as_main(session, tmp_path, monkeypatch):
     [w] = session.launch_workers(1, cpu=1, memory=1, script="job.py")
     result = session.await_workers([w], timeout_seconds=60)
     assert [r["status"] for r in result["workers"]] == ["succeeded"]
-    assert session.output(w) == f"main of {tmp_path / 'job.py'}"
+    if session.backend.capabilities().sees(str(tmp_path)):
+        assert session.output(w) == f"main of {tmp_path / 'job.py'}"
+    else:  # shipped: a copy in the worker's own folder on its host
+        assert session.output(w).startswith("main of /") and session.output(w).endswith("/work/job.py")
 
 
 def test_raising_code_fails_with_exit_code_and_traceback_tail(session):
@@ -127,10 +135,15 @@ def test_crashing_worker_process_fails_with_its_exit_code(session):
     assert "before its program finished" in failure["message"]
 
 
-def test_never_ready_worker_times_out(session, tmp_path):
+def test_never_ready_worker_times_out(session, worker_startup_hook):
     # A real hang before the engine can register: a sitecustomize that never returns.
-    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(3600)\n")
-    [w] = session.launch_workers(1, cpu=1, memory=1, env={"PYTHONPATH": str(tmp_path)})
+    env = worker_startup_hook(session.backend, "import time\nprint('hook: hanging', flush=True)\ntime.sleep(3600)\n")
+    [w] = session.launch_workers(1, cpu=1, memory=1, env=env)
+    # The hook ran (the worker started its Python) and hangs there.
+    deadline = time.monotonic() + 30
+    while "hook: hanging" not in session.backend.output(session._workers[w["id"]].handle):
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.1)
     result = session.await_workers([w], wait_for_completion=False, timeout_seconds=3)
     assert result["workers"] == []
     assert [f["status"] for f in result["failures"]] == ["timedout"]
