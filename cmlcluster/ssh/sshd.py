@@ -63,8 +63,7 @@ def start(authorized_key: str, port: int = 2222) -> dict[str, str]:
             "X11Forwarding no\n"
             "AllowAgentForwarding no\n"
             "PermitUserEnvironment no\n"
-            # Ranks started through this sshd run where the worker runs and find what was shipped to it.
-            f'SetEnv "CMLCLUSTER_WORKDIR={os.getcwd()}" "CMLCLUSTER_FILES={agent.files_folder()}"\n'
+            f"SetEnv {_session_env()}\n"
             "LogLevel ERROR\n"
         )
     if os.geteuid() == 0:
@@ -72,6 +71,14 @@ def start(authorized_key: str, port: int = 2222) -> dict[str, str]:
     _running = subprocess.Popen([sshd, "-D", "-e", "-f", config])  # output joins the worker's
     _wait_listening(port, _running)
     return {"host_key": host_public, "user": getpass.getuser(), "workdir": os.getcwd()}
+
+
+def _session_env() -> str:
+    """SetEnv's words: logins through this sshd (ranks) run where the worker runs, find what was
+    shipped to it, keep their temp files in its folder, and see its GPUs."""
+    env = {"CMLCLUSTER_WORKDIR": os.getcwd(), "CMLCLUSTER_FILES": agent.files_folder()}
+    env.update({k: os.environ[k] for k in ("TMPDIR", "CUDA_VISIBLE_DEVICES") if k in os.environ})
+    return " ".join(f'"{name}={value}"' for name, value in env.items())
 
 
 def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float = 10) -> None:

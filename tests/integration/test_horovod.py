@@ -1,14 +1,17 @@
-"""Real Horovod: %horovod in a real IPython shell on two Docker containers over SSH (port 2222) and
-on local processes; failing ranks; hosts whose sshd is down; keys and host keys that must not pass."""
+"""Real Horovod: %horovod in a real IPython shell on two Docker containers and on two SSH hosts (sshd
+on port 2222 in a worker per host), and on local processes; scripts and cells shipped to hosts that
+do not see them; failing ranks; hosts whose sshd is down; keys and host keys that must not pass."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE
+from conftest import DOCKER_TEST_IMAGE, ssh_backend
 
 import cmlcluster
 from cmlcluster import CmlClusterError, Session
@@ -55,8 +58,17 @@ def check_allreduce(result, n_hosts):
     assert all(float(last) < float(first) for first, last in losses)
 
 
-def test_horovod_magic_on_two_containers_over_ssh(shell, tmp_path_factory, capsys):
-    cmlcluster.use_backend(docker_backend(tmp_path_factory))
+def horovod_backend(name, request, tmp_path_factory):
+    if name == "docker":
+        return docker_backend(tmp_path_factory)
+    if name == "ssh":
+        return ssh_backend(request.getfixturevalue("ssh_hosts"))
+    return name
+
+
+@pytest.mark.parametrize("backend_name", ["docker", "ssh"])
+def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_path_factory, capsys):
+    cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
     result = shell.run_line_magic("horovod", f"-np 2 {EXAMPLE} --epochs 2")
     check_allreduce(result, n_hosts=2)
     assert len({h for h, _ in result.hosts}) == 2 and {s for _, s in result.hosts} == {1}
@@ -71,16 +83,37 @@ def test_horovod_magic_on_two_containers_over_ssh(shell, tmp_path_factory, capsy
     assert not Path(identity).exists() and not Path(identity).parent.exists()
 
 
-def test_horovod_cell_magic_on_local_processes(shell, capsys):
-    cmlcluster.use_backend("local")
+@pytest.mark.parametrize("backend_name", ["docker", "ssh"])
+def test_a_script_outside_the_working_folder_reaches_every_host(backend_name, shell, request, tmp_path_factory):
+    # As a new user does: a script in the system's temp folder, which the workers do not see.
+    folder = tempfile.mkdtemp(prefix="hvd-script-")
+    try:
+        script = Path(folder) / "train.py"
+        script.write_text(EXAMPLE.read_text())
+        cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
+        result = shell.run_line_magic("horovod", f"-np 2 {script} --epochs 1")
+    finally:
+        shutil.rmtree(folder)
+    assert result.ok, result.message
+    # Shipped: every rank ran a copy in its worker's folder, found by name.
+    assert result.argv[-4:] == ["cmlcluster.horovod.rank", "train.py", "--epochs", "1"]
+
+
+@pytest.mark.parametrize("backend_name", ["local", "ssh"])
+def test_horovod_cell_magic(backend_name, shell, request, tmp_path_factory):
+    cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
     result = shell.run_cell_magic(
         "horovod",
         "-np 2",
         EXAMPLE.read_text().replace("options = parser.parse_args()", "options = parser.parse_args([])"),
     )
-    check_allreduce(result, n_hosts=1)
-    assert "-p" not in result.argv and result.hosts == [("localhost", 2)]
-    assert list(Path.cwd().glob(".cmlcluster-horovod-cell-*")) == []
+    if backend_name == "local":
+        check_allreduce(result, n_hosts=1)
+        assert "-p" not in result.argv and result.hosts == [("localhost", 2)]
+    else:  # the cell travelled to two hosts that see none of the session's files
+        check_allreduce(result, n_hosts=2)
+        assert result.argv[-1] == "horovod_cell.py"
+    assert not Path(result.argv[-1]).parent.exists() or result.argv[-1] == "horovod_cell.py"
 
 
 FAILING = """
