@@ -70,17 +70,36 @@ def ssh_hosts():
         yield hosts
 
 
+def leftovers_on(hosts) -> dict[str, list[str]]:
+    """{host ip: processes and cmlcluster temp folders on it} for hosts with anything left."""
+    found = {}
+    for host in hosts.hosts:
+        left = host.processes() + host.exec("sh", "-c", "ls -d /tmp/cmlcluster-* 2>/dev/null").stdout.split()
+        if left:
+            found[host.ip] = left
+    return found
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_ssh_hosts(request):
+    """After a test on the SSH hosts: not a process nor a temp folder of it on any of them."""
+    yield
+    if "ssh" not in request.node.name and "ssh_hosts" not in request.fixturenames:
+        return
+    hosts = request.getfixturevalue("ssh_hosts")
+    deadline = time.monotonic() + 15
+    left = leftovers_on(hosts)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = leftovers_on(hosts)
+    assert not left, f"left on the SSH hosts: {left}"
+
+
 def ssh_backend(hosts, slots: int = SSH_SLOTS, **options):
     from cmlcluster.backends.ssh import SSHBackend
 
-    return SSHBackend(
-        [f"{h.ip}:{slots}" for h in hosts.hosts],
-        user=hosts.user,
-        identity=hosts.identity_file,
-        known_hosts=hosts.known_hosts,
-        python=hosts.python,
-        **options,
-    )
+    login = {"user": hosts.user, "identity": hosts.identity_file, "known_hosts": hosts.known_hosts}
+    return SSHBackend([f"{h.ip}:{slots}" for h in hosts.hosts], python=hosts.python, **{**login, **options})
 
 
 @pytest.fixture

@@ -1,0 +1,217 @@
+"""The SSH-hosts backend on real hosts: containers with IPs of their own running key-only sshd, logged
+into as a non-root user, that see none of the session's files (sshhosts.py). The shared worker-API,
+TensorFlow and Horovod tests run on them too (conftest.py's `backend` fixture); these are the
+SSH-only ones: placement, host keys, preflight, a host that drops, the environment rule, and a
+killed session. After each, conftest checks every host for a process or temp folder left."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import leftovers_on, ssh_backend
+from sshhosts import start_hosts
+
+from cmlcluster import ConfigError, Session
+from cmlcluster.backends.ssh import SSHBackend, parse_hosts
+
+pytestmark = pytest.mark.integration
+
+
+def up(session, n, **kwargs):
+    workers = session.launch_workers(n, cpu=0.2, memory=0.5, **kwargs)
+    ready = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
+    assert ready["failures"] == [], ready["failures"]
+    return ready["workers"]
+
+
+def test_workers_fill_hosts_by_free_slots_as_a_non_root_user_and_too_many_are_refused(ssh_hosts):
+    with Session(ssh_backend(ssh_hosts, slots=2), echo=False) as s:
+        workers = up(s, 5)
+        per_host = Counter(w["ip_address"] for w in workers)
+        assert sorted(per_host.values()) == [1, 2, 2] and set(per_host) == {h.ip for h in ssh_hosts.hosts}
+        assert {s.call(w, "getpass:getuser") for w in workers} == {"alice"}
+        # Workers that share a host are processes of their own there.
+        assert len({(w["ip_address"], s.call(w, "os:getpid")) for w in workers}) == 5
+
+        with pytest.raises(ConfigError, match=r"n=2 workers do not fit on the hosts \(free now: .*: 1 slots") as no:
+            s.launch_workers(2, cpu=0.2, memory=0.5)
+        assert "0 slots" in str(no.value)
+        with pytest.raises(ConfigError, match=r"n=1 workers with 1 GPUs each do not fit"):
+            s.launch_workers(1, cpu=0.2, memory=0.5, nvidia_gpu=1)
+        assert len(s.list_workers()) == 5  # nothing more started
+
+
+def test_only_env_and_cmlclusters_own_variables_reach_a_worker_on_another_machine(ssh_hosts, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "notebook-secret")
+    with Session(ssh_backend(ssh_hosts), echo=False) as s:
+        [w] = up(s, 1, env={"MODEL": "resnet"})
+        assert s.call(w, "os:getenv", "MODEL") == "resnet"
+        assert s.call(w, "os:getenv", "AWS_SECRET_ACCESS_KEY") is None
+        # The controller's key never reaches user code: it left the environment before any ran.
+        assert s.call(w, "os:getenv", "CMLCLUSTER_CONNECTION") is None
+        # On the session's own machine, workers inherit the session's environment (documented).
+    with Session("local", echo=False) as s:
+        [w] = up(s, 1)
+        assert s.call(w, "os:getenv", "AWS_SECRET_ACCESS_KEY") == "notebook-secret"
+
+
+def test_gpu_ids_per_host_go_to_the_workers_that_asked(ssh_hosts):
+    first = ssh_hosts.hosts[0].ip
+    with Session(ssh_backend(ssh_hosts, gpus={first: ["0", "1"]}), echo=False) as s:
+        workers = up(s, 2, nvidia_gpu=1)
+        assert {w["ip_address"] for w in workers} == {first}  # the only host with GPUs
+        seen = sorted(s.call(w, "os:getenv", "CUDA_VISIBLE_DEVICES") for w in workers)
+        assert seen == ["0", "1"]
+        [plain] = up(s, 1)
+        assert s.call(plain, "os:getenv", "CUDA_VISIBLE_DEVICES") == ""
+
+
+def test_a_host_that_drops_fails_its_workers_within_5_s_and_the_others_carry_on():
+    with start_hosts(2) as hosts:
+        with Session(ssh_backend(hosts, slots=1), echo=False) as s:
+            code = "import time\nfor i in range(40):\n    print('step', i, flush=True)\n    time.sleep(0.25)\n"
+            workers = s.launch_workers(2, cpu=0.2, memory=0.5, code=code)
+            deadline = time.monotonic() + 60
+            while any("step 1" not in s.output(w) for w in workers):
+                assert time.monotonic() < deadline, [s.output(w) for w in workers]
+                time.sleep(0.1)
+            records = {w["id"]: r for w in workers for r in s.list_workers() if r["id"] == w["id"]}
+            victim = next(w for w in workers if records[w["id"]]["ip_address"] == hosts.hosts[0].ip)
+            other = next(w for w in workers if w is not victim)
+            hosts.hosts[0].kill()
+            dropped = time.monotonic()
+            [failure] = s.await_workers([victim], timeout_seconds=30)["failures"]
+            took = time.monotonic() - dropped
+            assert failure["status"] == "failed" and took < 5, (took, failure)
+            assert f"lost the SSH connection to {hosts.hosts[0].ip}" in failure["message"]
+            # The other host's worker was not disturbed: it finishes its program.
+            assert s.await_workers([other], timeout_seconds=60)["failures"] == []
+            assert "step 39" in s.output(other)
+        assert leftovers_on(SimpleNamespace(hosts=hosts.hosts[1:])) == {}  # the dropped one is gone
+
+
+def test_unknown_or_changed_host_keys_are_refused_and_trust_on_first_use_is_asked_for(ssh_hosts, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with Session(ssh_backend(ssh_hosts, known_hosts=str(empty)), echo=False) as s:
+        with pytest.raises(ConfigError, match=r"(?s)3 of 3 SSH hosts cannot run workers.*host key is unknown"):
+            s.launch_workers(1, cpu=0.2, memory=0.5)
+        assert s.list_workers() == []
+
+    # A host presenting another key than the recorded one: refused even with trust-on-first-use.
+    lines = Path(ssh_hosts.known_hosts).read_text().splitlines()
+    other = subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "impostor")], check=True
+    )
+    assert other.returncode == 0
+    impostor = (tmp_path / "impostor.pub").read_text().split()
+    changed = tmp_path / "known_hosts_changed"
+    changed.write_text("\n".join([f"{ssh_hosts.hosts[0].ip} {impostor[0]} {impostor[1]}", *lines[1:]]) + "\n")
+    with Session(ssh_backend(ssh_hosts, known_hosts=str(changed), trust_on_first_use=True), echo=False) as s:
+        with pytest.raises(ConfigError, match=rf"(?s)1 of 3 SSH hosts.*\n  {ssh_hosts.hosts[0].ip}: its host key"):
+            s.launch_workers(1, cpu=0.2, memory=0.5)
+
+    # Asked for by name, a host seen for the first time is trusted, and its key recorded.
+    with Session(ssh_backend(ssh_hosts, known_hosts=str(empty), trust_on_first_use=True), echo=False) as s:
+        up(s, 1)
+    assert len(empty.read_text().splitlines()) == 3
+
+
+def test_a_host_without_cmlcluster_is_refused_before_anything_starts(ssh_hosts):
+    with start_hosts(1, with_cmlcluster=False, network="cmlcluster-hosts-bare") as bare:
+        known = Path(ssh_hosts.known_hosts).read_text() + Path(bare.known_hosts).read_text()
+        both = Path(bare.known_hosts).with_name("both_known_hosts")
+        both.write_text(known)
+        backend = SSHBackend(
+            [ssh_hosts.hosts[0].ip, bare.hosts[0].ip],
+            user="alice",
+            identity=ssh_hosts.identity_file,
+            known_hosts=str(both),
+            python=ssh_hosts.python,
+            ssh_options=[f"IdentityFile={bare.identity_file}"],  # each start_hosts() makes a key of its own
+        )
+        with Session(backend, echo=False) as s:
+            with pytest.raises(ConfigError) as refused:
+                s.launch_workers(1, cpu=0.2, memory=0.5)
+            message = str(refused.value)
+            assert f"  {bare.hosts[0].ip}: " in message
+            assert "cmlcluster is not installed" in message and "pip install" in message
+            assert ssh_hosts.hosts[0].ip not in message.split("\n", 1)[1]
+            assert s.list_workers() == []
+        assert leftovers_on(bare) == {}
+
+
+def test_a_killed_session_leaves_nothing_on_any_host(ssh_hosts):
+    backend = {
+        "hosts": [h.ip for h in ssh_hosts.hosts],
+        "user": ssh_hosts.user,
+        "identity": ssh_hosts.identity_file,
+        "known_hosts": ssh_hosts.known_hosts,
+        "python": ssh_hosts.python,
+    }
+    program = f"""
+import time
+from cmlcluster import Session
+s = Session("ssh", echo=False, **{backend!r})
+workers = s.launch_workers(3, cpu=0.2, memory=0.5, code="import time; time.sleep(600)")
+assert s.await_workers(workers, wait_for_completion=False, timeout_seconds=60)["failures"] == []
+print("ready", flush=True)
+time.sleep(600)
+"""
+    process = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        assert len(leftovers_on(ssh_hosts)) == 3  # a worker on each host
+        process.kill()
+        process.wait()
+        killed = time.monotonic()
+        while leftovers_on(ssh_hosts) and time.monotonic() - killed < 15:
+            time.sleep(0.2)
+        assert leftovers_on(ssh_hosts) == {}
+    finally:
+        process.kill()
+
+
+@pytest.mark.parametrize(
+    ("hosts", "hostfile", "expected"),
+    [
+        (["10.0.0.5", "10.0.0.6:2"], None, [("10.0.0.5", 1), ("10.0.0.6", 2)]),
+        ("10.0.0.5:4,10.0.0.6", None, [("10.0.0.5", 4), ("10.0.0.6", 1)]),
+        (
+            None,
+            "# cluster\nnode1 slots=4\nnode2 slots=2  # spare\n\nnode3\n",
+            [("node1", 4), ("node2", 2), ("node3", 1)],
+        ),
+    ],
+)
+def test_hosts_and_machinefiles_are_read_like_horovodrun_and_mpirun(hosts, hostfile, expected, tmp_path):
+    if hostfile is not None:
+        (tmp_path / "machinefile").write_text(hostfile)
+        assert parse_hosts(hostfile=str(tmp_path / "machinefile")) == expected
+    else:
+        assert parse_hosts(hosts) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"hosts": ["a:0"]}, "'a:0': a host needs 1 or more slots"),
+        ({"hosts": ["a", "a:2"]}, "listed twice"),
+        ({"hosts": ["a slots=2:3"]}, "write 'host', 'host:slots' or 'host slots=N'"),
+        ({"hosts": []}, "no hosts"),
+        ({}, "one of the two"),
+        ({"hostfile": "/no/such/machinefile"}, "hostfile='/no/such/machinefile'"),
+        ({"hosts": ["a"], "port": 0}, "port=0"),
+        ({"hosts": ["a"], "identity": "/no/key"}, "identity='/no/key': no such file"),
+        ({"hosts": ["a"], "gpus": {"b": ["0"]}}, r"gpus= names \['b'\]"),
+    ],
+)
+def test_bad_backend_options_name_the_value(kwargs, names):
+    with pytest.raises(ConfigError, match=names):
+        SSHBackend(**kwargs)
