@@ -72,7 +72,8 @@ def parse_hosts(hosts: Sequence[str] | None = None, hostfile: str | None = None)
             with open(os.path.expanduser(hostfile)) as f:
                 lines = [line.split("#", 1)[0].strip() for line in f]
         except OSError as e:
-            raise ConfigError(f"hostfile={hostfile!r}: {e.strerror or e}; give a file of 'host slots=N' lines") from None
+            why = e.strerror or e
+            raise ConfigError(f"hostfile={hostfile!r}: {why}; give a file of 'host slots=N' lines") from None
         entries = [(line, f"{hostfile}: {line!r}") for line in lines if line]
     else:
         if isinstance(hosts, str):

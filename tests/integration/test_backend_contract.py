@@ -1,0 +1,151 @@
+"""The backend contract (backends/base.py), checked the same way on every registered backend.
+
+Each backend runs the same small programs, called directly through the contract (no session, no
+control plane): a process that lives until stopped, one that exits with a code, one killed by a
+signal, one that prints. The fake plays them from its script; the others run real processes
+(local), containers (docker) and processes on SSH hosts (ssh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+from conftest import DOCKER_TEST_IMAGE, ssh_backend
+
+from cmlcluster.backends import Backend, Capabilities, SessionContext, backend_class, known_backends
+from cmlcluster.backends.fake import FakeBackend, FakeWorker
+from cmlcluster.errors import ConfigError
+from cmlcluster.workers import Resources, WorkerSpec
+
+pytestmark = pytest.mark.integration
+
+PROGRAMS = {
+    "serve": "import time; print('up', flush=True); time.sleep(120)",
+    "exit 3": "print('leaving', flush=True); raise SystemExit(3)",
+    "killed": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+}
+FAKE = {  # the same programs, as the fake plays them
+    "serve": FakeWorker(),
+    "exit 3": FakeWorker(dies_after=0.05, death_code=3),
+    "killed": FakeWorker(dies_after=0.05, death_code=-9),
+}
+
+
+def test_every_registered_backend_is_checked_here():
+    assert set(known_backends()) == {"local", "docker", "ssh", "fake"}
+    for name in known_backends():
+        assert issubclass(backend_class(name), Backend)
+
+
+@pytest.fixture(params=["local", "docker", "ssh", "fake"])
+def contract(request):
+    """(backend, spec(program) -> WorkerSpec), attached to a throwaway session folder."""
+    name = request.param
+    if name == "docker":
+        from cmlcluster.backends.docker import DockerBackend
+
+        backend: Backend = DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True)
+    elif name == "ssh":
+        backend = ssh_backend(request.getfixturevalue("ssh_hosts"))
+    elif name == "fake":
+        plan: list[FakeWorker] = []
+        backend = FakeBackend(lambda i: plan[i])
+    else:
+        backend = backend_class(name)()
+    folder = tempfile.mkdtemp(prefix="cmlcluster-contract-")
+    backend.attach(SessionContext(session_id=f"contract{os.getpid()}", session_dir=folder))
+    counter = iter(range(100))
+
+    def spec(program: str) -> WorkerSpec:
+        if name == "fake":
+            plan.append(FAKE[program])
+        engine_id = next(counter)
+        python = backend.capabilities().python
+        return WorkerSpec(
+            worker_id=f"contract-{engine_id}",
+            engine_id=engine_id,
+            argv=(python, "-c", PROGRAMS[program]),
+            env={"PYTHONUNBUFFERED": "1"},
+            resources=Resources(cpu=0.2, memory=0.5),
+            cwd=os.getcwd(),
+        )
+
+    yield backend, spec
+    asyncio.run(backend.close())
+    backend.detach()
+    shutil.rmtree(folder)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_capabilities_are_declared(contract):
+    backend, _ = contract
+    capabilities = backend.capabilities()
+    assert isinstance(capabilities, Capabilities)
+    assert capabilities.python and all(os.path.isabs(p) for p in capabilities.shared_paths)
+    assert capabilities.sees("/") == ("/" in capabilities.shared_paths)
+    if capabilities.session_host:  # the same machine: it sees the session's files
+        assert capabilities.sees(sys.executable)
+
+
+def test_start_poll_stop_is_idempotent_and_stop_ends_the_process(contract):
+    backend, spec = contract
+
+    async def scenario():
+        handle = await backend.start(spec("serve"))
+        assert await backend.poll(handle) is None
+        waiting = asyncio.ensure_future(backend.wait(handle))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # alive until stopped
+        await backend.stop(handle, grace=2)
+        code = await asyncio.wait_for(waiting, 30)
+        assert code != 0 and await backend.poll(handle) == code
+        await backend.stop(handle, grace=2)  # stopping a stopped worker is a no-op
+        assert await backend.poll(handle) == code
+
+    run(scenario())
+
+
+def test_exit_codes_and_signals(contract):
+    backend, spec = contract
+
+    async def scenario():
+        exited = await backend.start(spec("exit 3"))
+        killed = await backend.start(spec("killed"))
+        codes = await asyncio.wait_for(asyncio.gather(backend.wait(exited), backend.wait(killed)), 60)
+        assert codes == [3, -9]  # killed by signal N reports -N
+        await backend.stop(exited)
+        await backend.stop(killed)
+
+    run(scenario())
+
+
+def test_output_is_kept_for_failure_messages(contract):
+    backend, spec = contract
+    # The fake's programs print through its control plane; its process output is its death notice.
+    expected = "died with code 3" if isinstance(backend, FakeBackend) else "leaving"
+
+    async def scenario():
+        handle = await backend.start(spec("exit 3"))
+        assert await asyncio.wait_for(backend.wait(handle), 60) == 3
+        for _ in range(50):  # output may trail the exit by a moment (a container's log stream)
+            if expected in backend.output(handle):
+                break
+            await asyncio.sleep(0.1)
+        assert expected in backend.output(handle)
+        await backend.stop(handle)
+
+    run(scenario())
+
+
+def test_a_launch_that_can_never_fit_is_refused_before_anything_starts(contract):
+    backend, _ = contract
+    with pytest.raises(ConfigError, match=r"nvidia_gpu=64|do not fit"):
+        backend.check(1000, Resources(cpu=1, memory=1, nvidia_gpu=64))
