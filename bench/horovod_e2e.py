@@ -1,7 +1,7 @@
 """%horovod end to end against the same job done by hand, in one run.
 
-By hand: two containers running sshd (same image, mounts and network as the docker backend
-uses), their IPs read from Docker, a key and host keys made beforehand, then
+By hand: two containers running sshd (same image, mounts, network and CPU/memory limits as the
+docker backend's workers), their IPs read from Docker, a key and host keys made beforehand, then
 `horovodrun -np 2 -H ip1:1,ip2:1 -p 2222 -i key` with the same training script. Ours:
 run_horovod (what %horovod calls) on a fresh session: controller, two worker containers,
 sshd through the agents, host keys pinned and checked, horovodrun, teardown.
@@ -34,12 +34,15 @@ IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "worker_scripts" / "horovod_keras_train.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+CPU, MEMORY_GB = 1, 1  # per worker, on both sides: the same job asks for the same resources
 
 
 def ours(epochs: int) -> float:
     t0 = time.perf_counter()
     with Session(DockerBackend(image=IMAGE, host_python=True), echo=False) as session:
-        result = run_horovod(SCRIPT, ["--epochs", str(epochs)], np=2, session=session, echo=False)
+        result = run_horovod(
+            SCRIPT, ["--epochs", str(epochs)], np=2, cpu=CPU, memory=MEMORY_GB, session=session, echo=False
+        )
     elapsed = time.perf_counter() - t0
     assert result.ok, result.message
     return elapsed
@@ -68,6 +71,7 @@ def by_hand(epochs: int, client: docker.DockerClient) -> float:
                 IMAGE,
                 ["/bin/sh", "-c", f"mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e -f {folder}/sshd_config"],
                 detach=True, auto_remove=True, init=True, network="cmlcluster", volumes=mounts,
+                nano_cpus=int(CPU * 1e9), mem_limit=f"{MEMORY_GB}g",  # what run_horovod's workers get
                 working_dir=str(ROOT), labels={"cmlcluster-bench": "by-hand"},
             )  # fmt: skip
 

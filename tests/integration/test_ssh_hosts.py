@@ -6,6 +6,7 @@ killed session. After each, conftest checks every host for a process or temp fol
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -215,3 +216,27 @@ def test_hosts_and_machinefiles_are_read_like_horovodrun_and_mpirun(hosts, hostf
 def test_bad_backend_options_name_the_value(kwargs, names):
     with pytest.raises(ConfigError, match=names):
         SSHBackend(**kwargs)
+
+
+def test_the_working_folder_travels_on_request_and_is_capped(ssh_hosts, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("x,y\n1,2\n")
+    (tmp_path / "job.py").write_text("print(open('data/train.csv').read().splitlines()[1])\n")
+    with Session(ssh_backend(ssh_hosts), echo=False) as s:
+        [w] = s.launch_workers(1, cpu=0.2, memory=0.5, script="job.py", ship_working_folder=True)
+        assert s.await_workers([w], timeout_seconds=60)["failures"] == []
+        assert s.output(w) == "1,2"
+        # A worker without a program has its copy before it counts as running.
+        [idle] = up(s, 1, ship_working_folder=True)
+        assert sorted(s.call(idle, "os:listdir", ".")) == ["data", "job.py"]
+        # Without asking, only the script travels.
+        [bare] = s.launch_workers(1, cpu=0.2, memory=0.5, script="job.py")
+        [failure] = s.await_workers([bare], timeout_seconds=60)["failures"]
+        assert "No such file or directory: 'data/train.csv'" in failure["message"]
+
+        (tmp_path / "data" / "big.bin").write_bytes(os.urandom(200_000))
+        monkeypatch.setenv("CMLCLUSTER_SHIP_LIMIT_MB", "0.1")
+        with pytest.raises(ConfigError, match=rf"the working folder {tmp_path} holds more than 0.1 MB"):
+            s.launch_workers(1, cpu=0.2, memory=0.5, script="job.py", ship_working_folder=True)
+        assert len(s.list_workers()) == 3  # refused before anything started
