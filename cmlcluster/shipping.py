@@ -64,7 +64,7 @@ def _check_folder_size(folder: str) -> None:
             break
     if total > limit:
         raise ConfigError(
-            f"the working folder {folder} holds more than {limit / 2**20:g} MB, too much to ship to every worker "
+            f"the working folder {folder} holds more than {limit / 2**20:.3g} MB, too much to ship to every worker "
             "over the control plane; ship less (run from a smaller folder), put data where the workers read it "
             "(a shared volume, object storage), or raise CMLCLUSTER_SHIP_LIMIT_MB"
         )
@@ -74,7 +74,7 @@ def _checked(archive: bytes, what: str) -> bytes:
     limit = limit_bytes()
     if len(archive) > limit:
         raise ConfigError(
-            f"{what}: {len(archive) / 2**20:.1f} MB compressed, more than the {limit / 2**20:g} MB that is shipped "
+            f"{what}: {len(archive) / 2**20:.1f} MB compressed, more than the {limit / 2**20:.3g} MB that is shipped "
             "to workers; put large files where the workers read them, or raise CMLCLUSTER_SHIP_LIMIT_MB"
         )
     return archive

@@ -143,7 +143,9 @@ class TFCluster:
                     "cmlcluster: interrupted; the TensorFlow cluster's %d workers were stopped", len(self.tasks)
                 )
             raise
-        self.job.raise_if_failed()  # a task (a parameter server, say) ended: the job names it
+        if self.job.failure is not None:  # a task (a parameter server, say) ended: the job names it
+            self.stop()  # its other workers are on their way out; the error says they are gone
+            self.job.raise_if_failed()
         if done["failures"]:  # none failed, but some were stopped on request or did not finish in time
             self.stop()
             reasons = "\n".join(
