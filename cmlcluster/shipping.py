@@ -84,5 +84,31 @@ def unpack(archive: bytes, folder: str) -> str:
     """Runs in a worker: unpack into `folder` (made if missing); nothing may land outside it."""
     os.makedirs(folder, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
-        tar.extractall(folder, filter="data")  # refuses absolute paths, "..", links out of the folder
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+            tar.extractall(folder, filter="data")  # refuses "..", links out of the folder, devices
+        else:
+            tar.extractall(folder, members=_inside(tar, folder))  # noqa: S202 - each member checked
     return folder
+
+
+def _inside(tar: tarfile.TarFile, folder: str) -> list[tarfile.TarInfo]:
+    """The members of `tar`, checked as tarfile's "data" filter does where Python lacks it."""
+    root = os.path.realpath(folder)
+
+    def within(path: str) -> bool:
+        return path == root or path.startswith(root + os.sep)
+
+    members = []
+    for member in tar.getmembers():
+        member.name = member.name.lstrip("/")  # absolute names land inside the folder, as the filter does
+        target = os.path.realpath(os.path.join(root, member.name))
+        if not within(target):
+            raise tarfile.TarError(f"{member.name!r} would land outside {root}")
+        if member.issym() or member.islnk():
+            base = os.path.dirname(target) if member.issym() else root
+            if os.path.isabs(member.linkname) or not within(os.path.realpath(os.path.join(base, member.linkname))):
+                raise tarfile.TarError(f"{member.name!r} links outside {root}")
+        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+            raise tarfile.TarError(f"{member.name!r} is not a file, folder or link")
+        members.append(member)
+    return members

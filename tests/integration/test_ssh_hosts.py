@@ -240,3 +240,16 @@ def test_the_working_folder_travels_on_request_and_is_capped(ssh_hosts, tmp_path
         with pytest.raises(ConfigError, match=rf"the working folder {tmp_path} holds more than 0.1 MB"):
             s.launch_workers(1, cpu=0.2, memory=0.5, script="job.py", ship_working_folder=True)
         assert len(s.list_workers()) == 3  # refused before anything started
+
+
+def test_tensorflow_tasks_that_share_a_host_get_ports_of_their_own(ssh_hosts):
+    from cmlcluster import start_cluster
+
+    with Session(ssh_backend(ssh_hosts), echo=False) as s:
+        # Four tasks on three hosts: two share one, each server listening (start_cluster waits for it).
+        with start_cluster(n_workers=3, n_ps=1, cpu=0.5, memory=1, coordinator=False, session=s) as cluster:
+            addresses = cluster.cluster_spec["ps"] + cluster.cluster_spec["worker"]
+            by_host = Counter(a.rpartition(":")[0] for a in addresses)
+            assert sorted(by_host.values()) == [1, 1, 2]
+            shared = next(h for h, n in by_host.items() if n == 2)
+            assert sorted(a.rpartition(":")[2] for a in addresses if a.startswith(f"{shared}:")) == ["2323", "2324"]

@@ -64,18 +64,28 @@ def test_the_working_folder_travels_on_request_with_its_scripts_by_relative_name
             s.ship(["pkg/job.py"])
 
 
-def test_nothing_unpacks_outside_the_workers_folder(tmp_path):
-    def archive(name: str) -> bytes:
+@pytest.mark.parametrize("python_has_the_data_filter", [True, False])
+def test_nothing_unpacks_outside_the_workers_folder(tmp_path, monkeypatch, python_has_the_data_filter):
+    if not python_has_the_data_filter:  # Python before 3.11.4 (Debian 12's 3.11.2): our own checks
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+
+    def archive(name: str, link: str = "") -> bytes:
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
             info = tarfile.TarInfo(name)
-            info.size = 1
-            tar.addfile(info, io.BytesIO(b"x"))
+            if link:
+                info.type, info.linkname = tarfile.SYMTYPE, link
+                tar.addfile(info)
+            else:
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"x"))
         return buffer.getvalue()
 
     with pytest.raises(tarfile.TarError):
         unpack(archive("../escape.py"), str(tmp_path / "worker"))
     assert not (tmp_path / "escape.py").exists()
+    with pytest.raises(tarfile.TarError):
+        unpack(archive("link", link="/etc/passwd"), str(tmp_path / "worker"))
     unpack(archive(f"{tmp_path}/absolute.py"), str(tmp_path / "worker"))  # made relative to the folder
     assert not (tmp_path / "absolute.py").exists()
     assert (tmp_path / "worker" / tmp_path.relative_to("/") / "absolute.py").exists()
