@@ -19,7 +19,6 @@ disk; removed from the environment before any user code runs), CDSW_MASTER_IP
 
 from __future__ import annotations
 
-import getpass
 import importlib
 import logging
 import os
@@ -74,8 +73,6 @@ def describe() -> dict[str, Any]:
         "ip_address": os.environ.get("CDSW_IP_ADDRESS"),
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
-        "user": getpass.getuser(),
-        "cwd": os.getcwd(),
     }
 
 

@@ -266,10 +266,12 @@ class SSHCluster:
                 self.session.call_each([(w, f"{SSHD}:end_sessions", ()) for w in self.sshd_workers], timeout=30)
 
     def close(self) -> None:
-        self.job.stop()
-        self.ssh.close()
-        if _reusable.get(self.session.id) is self:
-            del _reusable[self.session.id]
+        try:
+            self.job.stop()
+        finally:
+            self.ssh.close()
+            if _reusable.get(self.session.id) is self:
+                del _reusable[self.session.id]
 
 
 _reusable: dict[str, SSHCluster] = {}
