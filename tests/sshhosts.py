@@ -39,6 +39,7 @@ from typing import Any
 IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 USER = "alice"
 CONTAINER_LABEL = "cmlcluster.testhost"  # not cmlcluster.session: the leak checker counts those
+OWNER_LABEL = "cmlcluster.testhost.pid"  # the test process that started it
 NETWORK_LABEL = "cmlcluster.testhosts"
 SSHD_CONFIG = "/etc/ssh/sshd_config_test"
 HOST_KEY = "/etc/ssh/ssh_host_ed25519_key"
@@ -234,6 +235,7 @@ def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "cml
         _tempdir=tempdir,
     )
     try:
+        _remove_orphans(client)
         hosts._created_network, hosts.gateway = _ensure_network(client, network)
         subprocess.run(
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "cmlcluster-testhosts", "-f", hosts.identity_file],
@@ -248,7 +250,7 @@ def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "cml
             "command": ["/bin/sh", "-c", START_SCRIPT],
             "environment": {"AUTHORIZED_KEY": public_key, "SSHD_CONFIG": SSHD_CONFIG_TEXT},
             "network": network,
-            "labels": {CONTAINER_LABEL: "1"},
+            "labels": {CONTAINER_LABEL: "1", OWNER_LABEL: str(os.getpid())},
             "volumes": host_mounts(with_cmlcluster),
             "init": True,  # signals reach sshd, and orphans are reaped
             "detach": True,
@@ -273,6 +275,15 @@ def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "cml
         hosts.close()
         raise
     return hosts
+
+
+def _remove_orphans(client: Any) -> None:
+    """Remove test hosts whose test process is gone (a run killed before its teardown)."""
+    for container in client.containers.list(all=True, filters={"label": CONTAINER_LABEL}):
+        owner = int(container.labels.get(OWNER_LABEL, "0"))
+        if not owner or not os.path.exists(f"/proc/{owner}"):
+            with contextlib.suppress(Exception):
+                container.remove(force=True)
 
 
 def _ensure_network(client: Any, network: str) -> tuple[bool, str]:

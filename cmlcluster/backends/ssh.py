@@ -66,7 +66,10 @@ class Host:
 def parse_hosts(hosts: Sequence[str] | None = None, hostfile: str | None = None) -> list[tuple[str, int]]:
     """[(host, slots)] from "host[:slots]" entries (horovodrun's -H) or a machinefile ("host slots=N")."""
     if (hosts is None) == (hostfile is None):
-        raise ConfigError('give hosts=["10.0.0.5", "10.0.0.6:2"] or hostfile="machinefile", one of the two')
+        raise ConfigError(
+            'give hosts=["10.0.0.5", "10.0.0.6:2"] or hostfile="machinefile" (or set CMLCLUSTER_SSH_HOSTFILE), '
+            "one of the two"
+        )
     if hostfile is not None:
         try:
             with open(os.path.expanduser(hostfile)) as f:
@@ -108,7 +111,8 @@ class SSHHandle:
 class SSHBackend(Backend):
     """Options:
 
-    hosts / hostfile: where workers run (see parse_hosts); one worker per slot.
+    hosts / hostfile: where workers run (see parse_hosts); one worker per slot. Without either,
+        the hostfile named by CMLCLUSTER_SSH_HOSTFILE.
     user: the login name on the hosts (default: ssh's, from your ssh config or your own name).
     port: sshd's port on the hosts (22).
     identity: a private key file to log in with; default: your ssh agent and keys, as ssh finds
@@ -141,6 +145,8 @@ class SSHBackend(Backend):
         controller_ip: str | None = None,
         ssh_options: Sequence[str] = (),
     ):
+        if hosts is None and hostfile is None:
+            hostfile = os.environ.get("CMLCLUSTER_SSH_HOSTFILE")  # with CMLCLUSTER_BACKEND=ssh: no code at all
         parsed = parse_hosts(hosts, hostfile)
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise ConfigError(f"port={port!r}: give the TCP port sshd listens on, on the hosts (22)")

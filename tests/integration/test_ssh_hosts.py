@@ -213,9 +213,17 @@ def test_hosts_and_machinefiles_are_read_like_horovodrun_and_mpirun(hosts, hostf
         ({"hosts": ["a"], "gpus": {"b": ["0"]}}, r"gpus= names \['b'\]"),
     ],
 )
-def test_bad_backend_options_name_the_value(kwargs, names):
+def test_bad_backend_options_name_the_value(kwargs, names, monkeypatch):
+    monkeypatch.delenv("CMLCLUSTER_SSH_HOSTFILE", raising=False)
     with pytest.raises(ConfigError, match=names):
         SSHBackend(**kwargs)
+
+
+def test_the_environment_can_name_the_machinefile(tmp_path, monkeypatch):
+    (tmp_path / "machinefile").write_text("node1 slots=2\n")
+    monkeypatch.setenv("CMLCLUSTER_SSH_HOSTFILE", str(tmp_path / "machinefile"))
+    backend = SSHBackend(user="alice")  # as use_backend("ssh") or %horovod --backend ssh make it
+    assert [(h.address, h.slots) for h in backend.hosts] == [("node1", 2)]
 
 
 def test_the_working_folder_travels_on_request_and_is_capped(ssh_hosts, tmp_path, monkeypatch):
