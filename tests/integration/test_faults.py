@@ -74,13 +74,17 @@ def agent_pid(worker_id: str) -> int | None:
 
 
 def processes_running(script: Path) -> list[psutil.Process]:
-    """The Python processes running `script` (the ranks; not horovodrun, not the shells that start them)."""
+    """The Python processes running `script` (the ranks; not horovodrun, not the shells that start them).
+
+    A rank is `python script` (horovodrun on this machine) or `python -m cmlcluster.horovod.rank script`
+    (through a worker's sshd).
+    """
+    ways = ([str(script)], ["-m", "cmlcluster.horovod.rank", str(script)])
     return [
         p
         for p in psutil.process_iter(["cmdline"])
-        if len(p.info["cmdline"] or []) >= 2
-        and os.path.basename(p.info["cmdline"][0]).startswith("python")
-        and p.info["cmdline"][1] == str(script)
+        if os.path.basename((p.info["cmdline"] or [""])[0]).startswith("python")
+        and any(p.info["cmdline"][1 : 1 + len(way)] == way for way in ways)
     ]
 
 
