@@ -7,7 +7,6 @@ each (job name + task index) or runs a script in each with its TF_CONFIG.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -236,7 +235,7 @@ def start_cluster(
     job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds)
     with ExitStack() as undo:
         undo.callback(job.stop)
-        tasks = _place(job.members, port, session.backend.capabilities().own_address)
+        tasks = _place(session, job.members, port, session.backend.capabilities().own_address)
         # The coordinator runs here; workers reach this host where they reach the controller.
         chief = specs.join_address(session.controller_ip, _free_local_ports(1)[0]) if coordinator else None
         if servers:
@@ -289,13 +288,25 @@ def run_cluster(
     return None, None
 
 
-def _place(members: Sequence[Member], port: int, own_address: bool) -> list[TaskWorker]:
-    """Give each task an address: its worker's IP, and a port of its own on that IP."""
-    ips = [m.address for m in members]
-    if not own_address and all(ipaddress.ip_address(ip).is_loopback for ip in ips):
-        ports = _free_local_ports(len(ips))  # workers on this host: ask the OS, nothing else may hold them
+def _place(session: Session, members: Sequence[Member], port: int, own_address: bool) -> list[TaskWorker]:
+    """Give each task an address: its worker's IP, and a port of its own on that IP.
+
+    Workers with addresses of their own (containers, pods) all use `port`. Where tasks share a
+    host's address (local processes, SSH hosts), each gets a port picked free on that host: fixed
+    ports there would collide with anything else on the host, and with an earlier cluster's
+    address, which a TensorFlow coordinator that lost that cluster keeps trying to reach.
+    """
+    if own_address:
+        ports = specs.assign_ports([m.address for m in members], port)
     else:
-        ports = specs.assign_ports(ips, port)  # tasks that share a host get consecutive ports from `port`
+        by_address: dict[str, list[int]] = {}
+        for i, m in enumerate(members):
+            by_address.setdefault(m.address, []).append(i)
+        asked = [(members[ids[0]].worker_id, f"{TASK}:free_ports", (len(ids),)) for ids in by_address.values()]
+        ports = [0] * len(members)
+        for ids, free in zip(by_address.values(), session.call_each(asked), strict=True):
+            for i, p in zip(ids, free, strict=True):
+                ports[i] = p
     return [
         TaskWorker(m.role, m.index, specs.join_address(m.address, p), m.worker_id)
         for m, p in zip(members, ports, strict=True)

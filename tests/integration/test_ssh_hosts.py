@@ -260,4 +260,4 @@ def test_tensorflow_tasks_that_share_a_host_get_ports_of_their_own(ssh_hosts):
             by_host = Counter(a.rpartition(":")[0] for a in addresses)
             assert sorted(by_host.values()) == [1, 1, 2]
             shared = next(h for h, n in by_host.items() if n == 2)
-            assert sorted(a.rpartition(":")[2] for a in addresses if a.startswith(f"{shared}:")) == ["2323", "2324"]
+            assert len({a for a in addresses if a.startswith(f"{shared}:")}) == 2  # a free port each, there
