@@ -22,6 +22,7 @@ from ..session import Session, Shipment
 from ..workers import Program, Resources
 from . import coordinator
 from . import spec as specs
+from .task import free_ports
 
 log = logging.getLogger("cmlcluster")
 
@@ -237,7 +238,7 @@ def start_cluster(
         undo.callback(job.stop)
         tasks = _place(session, job.members, port, session.backend.capabilities().own_address)
         # The coordinator runs here; workers reach this host where they reach the controller.
-        chief = specs.join_address(session.controller_ip, _free_local_ports(1)[0]) if coordinator else None
+        chief = specs.join_address(session.controller_ip, free_ports(1)[0]) if coordinator else None
         if servers:
             spec = _spec_of(tasks, chief)
             session.call_each(
@@ -318,15 +319,6 @@ def _spec_of(tasks: Sequence[TaskWorker], chief: str | None = None) -> specs.Clu
     if chief is not None:
         every.append(specs.Task("chief", 0, chief))
     return specs.spec_from_tasks(every)
-
-
-def _free_local_ports(n: int) -> list[int]:
-    """n distinct ports that are free on this host now (all held at once, so no two are the same)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
-        for s in sockets:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def _wait_reachable(tasks: Sequence[TaskWorker], timeout: float) -> None:

@@ -17,8 +17,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import agent
-
 _server: Any = None
 
 
@@ -38,7 +36,10 @@ def _check_port_free(port: int) -> None:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct ports free on this worker's host now (held together while picked, so no two are the same)."""
+    """n distinct ports free on this host now (held together while picked, so no two are the same).
+
+    Called in workers for their tasks, and in the session for its coordinator.
+    """
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
         for s in sockets:
@@ -66,7 +67,9 @@ def start_server(spec: Mapping[str, Sequence[str]], job: str, index: int) -> str
 
 def _load(script: str) -> dict[str, Any]:
     """A script's globals, run as a module that is not __main__; a module name works too."""
-    path = agent.script_path(script)  # shipped scripts arrive under a relative name
+    from ..agent import script_path  # in the worker, where the agent runs
+
+    path = script_path(script)  # shipped scripts arrive under a relative name
     if os.path.isfile(path):
         return runpy.run_path(path, run_name="__cmlcluster_task__")
     return vars(importlib.import_module(script))
@@ -86,8 +89,10 @@ def run_cml_script(script: str, spec: Mapping[str, Sequence[str]], task_index: i
 
 def run_script(script: str, tf_config: Mapping[str, Any], args: Sequence[str] = ()) -> None:
     """Run a script as __main__ with this task's TF_CONFIG, as `TF_CONFIG=... python script args` would."""
+    from ..agent import script_path
+
     os.environ["TF_CONFIG"] = json.dumps(tf_config)
-    path = agent.script_path(script)
+    path = script_path(script)
     sys.argv = [path, *args]
     if os.path.isfile(path):
         runpy.run_path(path, run_name="__main__")
