@@ -5,6 +5,7 @@ workers = cdsw.launch_workers(n=2, cpu=1, memory=1, code="print('hello')")
 cdsw.await_workers(workers)
 """
 
+from . import ui as _ui  # noqa: F401  (registers the views every session shows itself with)
 from .api import (
     await_workers,
     client,
@@ -16,8 +17,10 @@ from .api import (
     use_backend,
 )
 from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
+from .events import Event
 from .horovod import HorovodError, HorovodResult, run_horovod
-from .session import Event, Session
+from .progress import keras_callback, report
+from .session import Session
 from .tensorflow import TFCluster, run_cluster, start_cluster
 from .workers import Program
 
@@ -46,9 +49,11 @@ __all__ = [
     "await_workers",
     "client",
     "get_session",
+    "keras_callback",
     "launch_workers",
     "list_workers",
     "load_ipython_extension",
+    "report",
     "run_cluster",
     "run_horovod",
     "start_cluster",

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import CmlClusterError, WorkerError
+from .events import JobChanged, WorkerStatus
 from .workers import FAILED, TAIL_LINES, Resources
 
 if TYPE_CHECKING:
-    from .session import Event, Session
+    from .events import Event
+    from .session import Session
 
 log = logging.getLogger("cmlcluster")
 
@@ -128,6 +130,7 @@ class Job:
         self.failed = threading.Event()
         self._finished = False
         self._unsubscribe = session.subscribe(self._on_event)
+        session.publish(JobChanged(name, "started", tuple(self.members)))
         # A member may have ended before the job began watching.
         for record in session.list_workers():
             if record["id"] in self._by_id:
@@ -141,7 +144,7 @@ class Job:
         return self._by_id[worker_id]
 
     def _on_event(self, event: Event) -> None:
-        if event.kind == "status" and event.worker["id"] in self._by_id:
+        if isinstance(event, WorkerStatus) and event.worker["id"] in self._by_id:
             self._check(event.worker)
 
     def _check(self, record: dict[str, Any]) -> None:
@@ -157,6 +160,7 @@ class Job:
             "cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, self.failure, len(others)
         )
         self.session.stop_workers_soon(*others, grace=FAILED_JOB_STOP_GRACE)
+        self.session.publish(JobChanged(self.name, "failed", tuple(self.members), (self.failure,)))
         self.failed.set()
         if self._on_failure is not None:
             self._on_failure(self.failure)
@@ -182,8 +186,13 @@ class Job:
     def finish(self) -> None:
         """The job is over (done, or being stopped on purpose): members ending now do not fail it."""
         with self._lock:
+            if self._finished:
+                return
             self._finished = True
+            failed = self.failure is not None
         self._unsubscribe()
+        if not failed:
+            self.session.publish(JobChanged(self.name, "finished", tuple(self.members)))
 
 
 def _tail(session: Session, worker_id: str) -> str:

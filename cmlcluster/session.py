@@ -27,6 +27,8 @@ from ._aio import LoopThread
 from .backends import Backend, SessionContext, make_backend
 from .control import ControlPlane, IPyParallelControl
 from .errors import BackendError, CmlClusterError, ConfigError, WorkerError
+from .events import Event, EventBus, LaunchFailed, OutputLine, Subscriber, WorkerStatus
+from .progress import output_event
 from .workers import (
     FAILED,
     RUNNING,
@@ -61,21 +63,20 @@ class Shipment:
         return Program(files=self.files, files_in_cwd=self.in_cwd, **fields)
 
 
-@dataclass(frozen=True)
-class Event:
-    """A change the UI may draw: a worker's new status, or a line of its output."""
-
-    kind: str  # "status" | "output"
-    worker: dict[str, Any]
-    stream: str = ""
-    text: str = ""
-
-
-Subscriber = Callable[[Event], None]
-
 T = TypeVar("T")
 
+DRAIN_TIMEOUT = 1.0  # how long a sync call waits for subscribers to show what happened during it
+
 _live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+# Called with every new session that shows itself (echo=True): the UI layer registers here, so
+# that the session never chooses or imports a UI (cmlcluster.ui.attach).
+viewers: list[Callable[[Session], None]] = []
+
+
+def live_sessions() -> list[Session]:
+    """The sessions of this process that are open."""
+    return [s for s in list(_live_sessions) if not s.closed]
 
 
 @atexit.register
@@ -95,6 +96,8 @@ class Session:
     """
 
     def __init__(self, backend: str | Backend = "local", *, echo: bool = True, **backend_options: Any):
+        """echo: show the session (its workers, their output, training progress) with the UI
+        registered in `viewers`: widgets in a notebook, progress bars or text in a terminal."""
         self.id = secrets.token_hex(3)
         self.backend = make_backend(backend, **backend_options)
         self._loop = LoopThread(name=f"cmlcluster-{self.id}")
@@ -105,16 +108,17 @@ class Session:
         self._by_engine: dict[int, Worker] = {}
         self._next_engine_id = 0
         self._waiters: list[asyncio.Future[None]] = []
-        self._subscribers: list[Subscriber] = []
+        self._events = EventBus(f"cmlcluster-{self.id}")
+        self._on_show: list[Callable[[], None]] = []
+        self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI layer
         self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_watchers: dict[str, asyncio.Task[None]] = {}
         self._partial: dict[tuple[str, str], str] = {}
         self.closed = False
-        if echo:
-            from .ui.text import OutputPrinter
-
-            self.subscribe(OutputPrinter())
         _live_sessions.add(self)
+        if echo:
+            for attach in list(viewers):
+                attach(self)
 
     # ---------------------------------------------------------------- sync API
 
@@ -149,7 +153,8 @@ class Session:
                 files_in_cwd=shipment.in_cwd,
             )
         resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
-        return self._loop.run(self._launch(n, resources, kernel, program, dict(env or {}), cwd))
+        self.show()
+        return self._run(self._launch(n, resources, kernel, program, dict(env or {}), cwd))
 
     def ship(self, scripts: Iterable[str] = (), *, working_folder: bool = False) -> Shipment:
         """What must travel so that workers can run these scripts (and, if asked, see the working folder).
@@ -193,7 +198,7 @@ class Session:
         """
         if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or timeout_seconds < 0:
             raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give seconds >= 0 (0 waits without a limit)")
-        return self._loop.run(self._await(list(ids), wait_for_completion, float(timeout_seconds), fail_fast))
+        return self._run(self._await(list(ids), wait_for_completion, float(timeout_seconds), fail_fast))
 
     def list_workers(self) -> list[dict[str, Any]]:
         return self._read(lambda: [w.to_dict() for w in self._workers.values()])
@@ -202,7 +207,7 @@ class Session:
         """Stop these workers (all of the session's when none are named), in parallel."""
         if self.closed:
             return []
-        return self._loop.run(self._stop([self._resolve(i) for i in ids] if ids else list(self._workers.values())))
+        return self._run(self._stop([self._resolve(i) for i in ids] if ids else list(self._workers.values())))
 
     def stop_workers_soon(self, *ids: str | Mapping[str, Any], grace: float = STOP_GRACE) -> None:
         """Begin stopping these workers (TERM, KILL after `grace` s) and return at once.
@@ -222,7 +227,7 @@ class Session:
         """
         self._check_open()
         targets = [self._resolve(ref) for ref in workers]
-        return self._loop.run(self._run_later(targets, program))
+        return self._run(self._run_later(targets, program))
 
     def call(self, worker: str | Mapping[str, Any], target: str, *args: Any, timeout: float | None = None) -> Any:
         """Call "module:function"(*args) inside a running worker and return what it returns.
@@ -251,7 +256,7 @@ class Session:
                     raise result
             return results
 
-        return self._loop.run(all_calls())
+        return self._run(all_calls())
 
     def output(self, worker: str | Mapping[str, Any]) -> str:
         """The worker's output so far (the last lines of it)."""
@@ -274,9 +279,33 @@ class Session:
         return self._control.client if self._control is not None else None
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Call `callback(event)` on every change, from the session's thread; returns an unsubscribe function."""
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+        """Call `callback(event)` with every event from now on (cmlcluster.events), in order, on a
+        thread of the subscriber's own; returns the function that unsubscribes it."""
+        return self._events.subscribe(callback)
+
+    def publish(self, event: Event) -> None:
+        """Tell the subscribers (a framework's job events, a coordinator's progress). Any thread."""
+        if not self.closed:
+            self._events.publish(event)
+
+    def on_show(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` in the caller's thread whenever a call starts workers (launch_workers, and
+        the frameworks through it), so that a UI can show itself where that call was made."""
+        self._on_show.append(callback)
+
+    def show(self) -> None:
+        """Let the UI show this session here (in a notebook: in the cell now running)."""
+        for callback in list(self._on_show):
+            try:
+                callback()
+            except Exception:
+                log.exception("cmlcluster: showing session %s failed", self.id)
+
+    def _ipython_display_(self) -> None:
+        if self._on_show:
+            self.show()
+        else:
+            print(repr(self))  # shown without a UI (echo=False)
 
     def close(self) -> None:
         """Stop every worker, the controller and the session's loop; remove the session's files."""
@@ -288,6 +317,7 @@ class Session:
             self._loop.run(self._close(), timeout=60)
         finally:
             self._loop.stop()
+            self._events.close()
 
     def __enter__(self) -> Session:
         return self
@@ -304,6 +334,13 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise CmlClusterError(f"session {self.id} is closed; start a new one")
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a core coroutine for a sync caller; what it caused is shown before the call returns."""
+        try:
+            return self._loop.run(coro)
+        finally:
+            self._events.drain(DRAIN_TIMEOUT)
 
     def _read(self, read: Callable[[], T]) -> T:
         """Read the records on the loop thread, where they change, so a reader never sees half a change."""
@@ -412,9 +449,11 @@ class Session:
             del self._workers[worker.id]
             del self._by_engine[worker.engine_id]
             # CML's shape for a worker that could not be launched: no "id", a "message".
-            return {"status": FAILED, "message": f"could not launch worker {worker.id}: {e}"}
+            message = f"could not launch worker {worker.id}: {e}"
+            self._events.publish(LaunchFailed(message))
+            return {"status": FAILED, "message": message}
         self._exit_watchers[worker.id] = self._spawn(self._watch_exit(worker))
-        self._emit("status", worker)
+        self._changed(worker)
         return worker.to_dict()
 
     async def _watch_exit(self, worker: Worker) -> None:
@@ -431,7 +470,7 @@ class Session:
                 f"{f' ({reason})' if reason else ''}{self._tail_for_message(worker)}",
             )
         if changed:
-            self._emit("status", worker)
+            self._changed(worker)
 
     @staticmethod
     def _exit_moment(worker: Worker) -> str:
@@ -478,7 +517,7 @@ class Session:
                 )
             except Exception as e:
                 if worker.finish(FAILED, message=f"worker {worker.id} could not unpack the files shipped to it: {e}"):
-                    self._emit("status", worker)
+                    self._changed(worker)
                     await self.backend.stop(worker.handle, STOP_GRACE)
                 return
             if worker.finished:
@@ -486,7 +525,7 @@ class Session:
         worker.ip_address = info.ip_address
         worker.status = RUNNING
         worker.running_at = time.time()
-        self._emit("status", worker)
+        self._changed(worker)
         if not worker.program.empty:  # else it serves the control plane until stopped or given a program
             await self._run_program(worker)
 
@@ -502,7 +541,7 @@ class Session:
         )
         if worker.finish(FAILED, exit_code=code, message=message):
             log.warning("cmlcluster: %s", message)
-            self._emit("status", worker)
+            self._changed(worker)
             await self.backend.stop(worker.handle, STOP_GRACE)
 
     async def _run_later(self, workers: list[Worker], program: Program) -> list[dict[str, Any]]:
@@ -546,7 +585,7 @@ class Session:
                 # Let the backend report the exit first; its exit code says more.
                 await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
             if worker.finish(FAILED, message=f"worker {worker.id} failed: {e}"):
-                self._emit("status", worker)
+                self._changed(worker)
                 await self.backend.stop(worker.handle, STOP_GRACE)
             return
         self._flush_partial(worker)
@@ -559,14 +598,14 @@ class Session:
                 message=f"worker {worker.id} exited with code {code}{self._tail_for_message(worker)}",
             )
         if changed:
-            self._emit("status", worker)
+            self._changed(worker)
         # Like a CML worker, it ends when its program does.
         await self.backend.stop(worker.handle, STOP_GRACE)
 
     async def _on_lost_contact(self, worker: Worker) -> None:
         await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
         if worker.finish(FAILED, message=f"worker {worker.id} lost contact with the controller (no heartbeat)"):
-            self._emit("status", worker)
+            self._changed(worker)
             await self.backend.stop(worker.handle, STOP_GRACE)
 
     def _on_output(self, worker: Worker, stream: str, text: str) -> None:
@@ -585,22 +624,18 @@ class Session:
 
     def _output_line(self, worker: Worker, stream: str, line: str) -> None:
         line = line.rstrip("\r")
-        worker.output.append(line)
-        self._emit("output", worker, stream, line)
+        event = output_event(worker.id, stream, line)
+        if isinstance(event, OutputLine):  # else a report(), not output
+            worker.output.append(line)
+        self._events.publish(event)
 
-    def _emit(self, kind: str, worker: Worker, stream: str = "", text: str = "") -> None:
+    def _changed(self, worker: Worker) -> None:
+        """A worker's status changed: wake the waiters, tell the subscribers."""
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        if not self._subscribers:
-            return
-        event = Event(kind=kind, worker=worker.to_dict(), stream=stream, text=text)
-        for callback in list(self._subscribers):
-            try:
-                callback(event)
-            except Exception:
-                log.exception("cmlcluster: a subscriber failed on %s", event)
+        self._events.publish(WorkerStatus(worker.to_dict()))
 
     async def _next_change(self, timeout: float | None) -> None:
         waiter = asyncio.get_running_loop().create_future()

@@ -83,10 +83,12 @@ def leftovers_on(hosts) -> dict[str, list[str]]:
 @pytest.fixture(autouse=True)
 def nothing_left_on_ssh_hosts(request):
     """After a test on the SSH hosts: not a process nor a temp folder of it on any of them."""
-    yield
-    if "ssh" not in request.node.name and "ssh_hosts" not in request.fixturenames:
+    # Tests that use the hosts: by fixture, or parametrized over backends ("[ssh]", "[ssh-...]").
+    if "ssh_hosts" not in request.fixturenames and "[ssh" not in request.node.name:
+        yield
         return
     hosts = request.getfixturevalue("ssh_hosts")
+    yield
     deadline = time.monotonic() + 15
     left = leftovers_on(hosts)
     while left and time.monotonic() < deadline:

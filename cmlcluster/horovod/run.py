@@ -31,7 +31,9 @@ from .. import _lifeline
 from .._proc import signal_group
 from ..backends import Backend
 from ..errors import CmlClusterError, ConfigError
+from ..events import OutputLine
 from ..jobs import Job, JobFailure, Role, launch_job
+from ..progress import output_event
 from ..session import Session, Shipment
 from ..ssh.keys import SessionSSH
 from ..ssh.preflight import Login, check_logins
@@ -151,6 +153,9 @@ def run_horovod(
     if session is None:
         session = _session_for(backend, reuse)
     cluster: SSHCluster | None = None
+    view = session if echo else None
+    if view is not None:
+        view.show()
     try:
         capabilities = session.backend.capabilities()
         if capabilities.session_host and not capabilities.own_address:
@@ -164,7 +169,7 @@ def run_horovod(
                 start_timeout=start_timeout,
                 horovodrun=horovodrun,
             )
-            return _execute(argv, hosts, {**os.environ, **(env or {})}, echo, check)
+            return _execute(argv, hosts, {**os.environ, **(env or {})}, view, check)
         shipment = session.ship([script], working_folder=ship_working_folder)
         cluster = _ssh_cluster(session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment)
         # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
@@ -179,7 +184,7 @@ def run_horovod(
             network_interfaces=capabilities.interfaces,
             horovodrun=horovodrun,
         )
-        return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh, env), echo, check, cluster.job)
+        return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh, env), view, check, cluster.job)
     except KeyboardInterrupt:
         kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
         log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
@@ -324,7 +329,12 @@ def _send(session: Session, worker_ids: Sequence[str], shipment: Shipment) -> No
 
 
 def _execute(
-    argv: list[str], hosts: list[tuple[str, int]], env: dict[str, str], echo: bool, check: bool, job: Job | None = None
+    argv: list[str],
+    hosts: list[tuple[str, int]],
+    env: dict[str, str],
+    view: Session | None,
+    check: bool,
+    job: Job | None = None,
 ) -> HorovodResult:
     result = HorovodResult(exit_code=-1, hosts=hosts, argv=argv, duration=0.0)
     started = time.monotonic()
@@ -339,7 +349,7 @@ def _execute(
         text=True,
         start_new_session=True,
     )
-    reader = threading.Thread(target=_read_output, args=(process, result, echo), daemon=True)
+    reader = threading.Thread(target=_read_output, args=(process, result, view), daemon=True)
     reader.start()
     try:
         while process.poll() is None:
@@ -364,30 +374,33 @@ def _execute(
             result.failed_rank = int(first[-1])
         elif result.rank_exit_codes:
             result.failed_rank = min(result.rank_exit_codes)
-    if echo and not result.ok:
+    if view is not None and not result.ok:
         print(f"[horovod] {result.message}", file=sys.stderr, flush=True)
     if check and not result.ok:
         raise HorovodError(result)
     return result
 
 
-def _read_output(process: subprocess.Popen[str], result: HorovodResult, echo: bool) -> None:
+def _read_output(process: subprocess.Popen[str], result: HorovodResult, view: Session | None) -> None:
+    """Collect horovodrun's output into `result`; publish it (ranks' reports as Progress) to `view`."""
     assert process.stdout is not None
     for raw in process.stdout:
         line = raw.rstrip("\n")
         match = RANK_LINE.match(line)
         if match:
             rank, stream, text = int(match.group(1)), match.group(2), match.group(3)
-            result.output.setdefault(rank, []).append(text)
-            if echo:
-                print(f"[rank {rank}] {text}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+            event = output_event(f"rank {rank}", stream, text)
+            if isinstance(event, OutputLine):
+                result.output.setdefault(rank, []).append(text)
+            if view is not None:
+                view.publish(event)
             continue
         exited = PROCESS_EXIT.match(line)
         if exited:
             result.rank_exit_codes[int(exited.group(1))] = int(exited.group(2))
         result.driver_output.append(line)
-        if echo:
-            print(f"[horovodrun] {line}", flush=True)
+        if view is not None:
+            view.publish(OutputLine("horovodrun", "stdout", line))
 
 
 def _stop(process: subprocess.Popen[str], grace: float = 5.0) -> None:

@@ -190,6 +190,9 @@ class TFCluster:
             # What TensorFlow raised in this process (UnavailableError, say) follows from this.
             raise JobFailed(self.job.name, self.failure) from exc
 
+    def _ipython_display_(self) -> None:
+        self.session._ipython_display_()  # the session's widget: the cluster's rows are in it
+
     def __repr__(self) -> str:
         state = "stopped" if self.stopped else "running"
         return f"<TFCluster {state} ps={len(self.ps)} worker={len(self.workers)} {self.cluster_spec}>"

@@ -1,0 +1,201 @@
+"""What a session tells its onlookers (a UI, a job, a log), and how it gets to them.
+
+Events are small frozen records. A session publishes them from its loop thread; each
+subscriber gets them in order on a thread of its own, so a slow or failing subscriber
+never stalls the session: publishing only appends to a queue. When a subscriber falls
+far behind, output lines (the only events that can come in floods) are dropped for it,
+and it is told how many with a LinesDropped event; every other event is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+log = logging.getLogger("cmlcluster")
+
+MAX_BACKLOG = 10_000  # events queued for one subscriber before its output lines are dropped
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: ClassVar[str] = "event"
+
+
+@dataclass(frozen=True)
+class WorkerStatus(Event):
+    """A worker's record (CML's dict) after a change of status."""
+
+    kind: ClassVar[str] = "status"
+    worker: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OutputLine(Event):
+    """One line a worker (or a Horovod rank, or horovodrun) printed."""
+
+    kind: ClassVar[str] = "output"
+    source: str  # a worker id, "rank 3", "horovodrun"
+    stream: str  # "stdout" | "stderr"
+    text: str
+
+
+@dataclass(frozen=True)
+class LaunchFailed(Event):
+    """A worker that could not be launched (CML's dict without an id)."""
+
+    kind: ClassVar[str] = "launch_failed"
+    message: str
+
+
+@dataclass(frozen=True)
+class JobChanged(Event):
+    """A job (a TensorFlow cluster, a Horovod run) started, finished or failed."""
+
+    kind: ClassVar[str] = "job"
+    job: str  # its name: "TensorFlow cluster", "Horovod run"
+    state: str  # "started" | "finished" | "failed"
+    members: tuple[Any, ...] = ()  # jobs.Member, one per worker (role and index)
+    failures: tuple[Any, ...] = ()  # jobs.JobFailure, when it failed
+
+
+@dataclass(frozen=True)
+class Progress(Event):
+    """A training step reported by cmlcluster.report() (or the Keras callback)."""
+
+    kind: ClassVar[str] = "progress"
+    task: str  # "worker 0", "rank 1", "coordinator", or a worker id
+    step: float
+    total: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class LinesDropped(Event):
+    """This subscriber fell behind and missed `count` output lines."""
+
+    kind: ClassVar[str] = "lines_dropped"
+    count: int
+
+
+Subscriber = Callable[[Event], None]
+
+
+class _Subscription:
+    """One subscriber's queue and the thread that feeds it."""
+
+    def __init__(self, callback: Subscriber, name: str):
+        self.callback = callback
+        self._queue: deque[Event | None] = deque()
+        self._ready = threading.Condition()
+        self._published = 0
+        self._handled = 0
+        self._dropped = 0
+        self.thread = threading.Thread(target=self._deliver, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, event: Event | None) -> None:
+        with self._ready:
+            if isinstance(event, OutputLine) and len(self._queue) >= MAX_BACKLOG:
+                self._dropped += 1
+                return
+            if self._dropped and len(self._queue) < MAX_BACKLOG:
+                self._queue.append(LinesDropped(self._dropped))
+                self._published += 1
+                self._dropped = 0
+            self._queue.append(event)
+            self._published += 1
+            self._ready.notify()
+
+    def wait_handled(self, deadline: float) -> None:
+        """Wait until what was queued before this call has been handled, or the deadline."""
+        with self._ready:
+            target = self._published
+            while self._handled < target and self.thread.is_alive():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._ready.wait(remaining)
+
+    def _deliver(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                event = self._queue.popleft()
+            if event is None:
+                with self._ready:
+                    self._handled += 1
+                    self._ready.notify_all()
+                return
+            try:
+                self.callback(event)
+            except Exception:
+                log.exception("cmlcluster: a subscriber (%r) failed on %s", self.callback, event)
+            with self._ready:
+                self._handled += 1
+                self._ready.notify_all()
+
+
+class EventBus:
+    """Fan-out of a session's events to its subscribers, a delivery thread each."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._subscriptions: list[_Subscription] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Deliver every event from now on to `callback`; returns the function that ends that."""
+        subscription = _Subscription(callback, f"{self._name}-events-{len(self._subscriptions)}")
+        with self._lock:
+            self._subscriptions.append(subscription)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if subscription not in self._subscriptions:
+                    return
+                self._subscriptions.remove(subscription)
+            subscription.put(None)  # what was queued before is still delivered
+
+        return unsubscribe
+
+    def publish(self, event: Event) -> None:
+        """Queue `event` for every subscriber; never blocks on one. Any thread."""
+        with self._lock:
+            subscriptions = list(self._subscriptions)
+        for subscription in subscriptions:
+            subscription.put(event)
+
+    def drain(self, timeout: float) -> None:
+        """Wait (at most `timeout` s in all) until subscribers have handled what was published so far.
+
+        The sync API calls this before returning, so that what a worker printed before
+        await_workers returned is on screen by then. A subscriber calling back into the
+        session from its delivery thread does not wait for itself.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            subscriptions = list(self._subscriptions)
+        me = threading.current_thread()
+        for subscription in subscriptions:
+            if subscription.thread is not me:
+                subscription.wait_handled(deadline)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Deliver what is queued (for at most `timeout` s), then end every delivery thread."""
+        with self._lock:
+            subscriptions, self._subscriptions = self._subscriptions, []
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for subscription in subscriptions:
+            subscription.put(None)
+        for subscription in subscriptions:
+            if subscription.thread is not me:
+                subscription.thread.join(max(0.0, deadline - time.monotonic()))

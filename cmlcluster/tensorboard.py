@@ -1,0 +1,434 @@
+"""TensorBoard for a session: ``TensorBoard.start("./distributed-mnist")``.
+
+Like Cloudera's ``cdsw_tensorflow_utils.tensorboard(logdir)``: a TensorBoard
+server on the training's log folder, as a child of this process, shown in the
+notebook as a link.
+
+- It listens on 127.0.0.1 only (never ``--bind_all``): whoever reaches it can
+  read every log under `logdir`, so it is reached through this machine, or
+  through the notebook server's jupyter-server-proxy (see `browser_url`).
+- It runs in a process group of its own under a lifeline (_lifeline.py): when
+  this process ends, however it ends (kill -9 included), the group is killed.
+- Its output goes to a log file, never to the notebook: in `session_dir` when
+  given (kept; the session removes its folder), else a private temp file removed
+  by `stop()`.
+
+It runs until `stop()`, the end of a ``with`` block, or the end of this Python
+process (the module holds a reference to every running TensorBoard, so dropping
+yours does not kill it by garbage collection).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import html
+import http.client
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from . import _lifeline
+from ._proc import descendants, signal_group
+from .errors import CmlClusterError, ConfigError
+
+__all__ = ["DEFAULT_PORT", "TensorBoard"]
+
+DEFAULT_PORT = 6006  # TensorBoard's own default, taken when free
+HOST = "127.0.0.1"
+RELOAD_INTERVAL = 5  # seconds between TensorBoard's scans of the logdir
+STOP_GRACE = 5.0  # seconds between TERM and KILL
+BIND_ATTEMPTS = 5  # free ports tried when another process takes the one picked first
+POLL_INTERVAL = 0.2
+LOG_LINES = 20  # quoted in errors
+
+# TensorBoard prints these (tensorboard/program.py); the first only once it holds the port.
+_SERVING = "at http://{host}:{port}/"
+_PORT_IN_USE = "could not bind to port"
+
+_running: set[TensorBoard] = set()
+_atexit_lock = threading.Lock()
+_atexit_registered = False
+
+
+class TensorBoard:
+    """A TensorBoard server on `logdir`, reached at `url` (http://127.0.0.1:PORT/).
+
+    Made by `TensorBoard.start`, never directly. `poll()` is None while the server
+    runs and its exit code after (the lifeline's: 0 after a clean TERM, -9 after a
+    KILL); `stop()` is idempotent.
+    """
+
+    def __init__(self, *, logdir: str, port: int, process: subprocess.Popen[bytes], log_path: str, own_log: bool):
+        self._logdir = logdir
+        self._port = port
+        self._process = process  # the lifeline; its pid is the process group's id
+        self._log_path = log_path
+        self._own_log = own_log  # a private temp file: removed by stop()
+        self._pid = process.pid  # TensorBoard's own pid once it answers
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- start
+
+    @classmethod
+    def start(
+        cls,
+        logdir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        session_dir: str | None = None,
+        timeout: float = 60,
+    ) -> TensorBoard:
+        """Start TensorBoard on `logdir` and return once it answers HTTP.
+
+        logdir: the folder training writes its event files to (TensorBoard walks it
+            recursively). It need not exist yet: TensorBoard shows it once written.
+            A URL such as gs://bucket/logs is passed as it is.
+        port: the port on 127.0.0.1; None takes 6006 if free, else a free port.
+        session_dir: a folder for TensorBoard's log file (a session's folder); None
+            writes it to a private temp file that `stop()` removes.
+        timeout: seconds to wait for TensorBoard to answer (it imports TensorFlow
+            first: a few seconds).
+
+        Raises ConfigError for a bad argument or a missing tensorboard package
+        (before anything starts), CmlClusterError when TensorBoard exits or does not
+        answer in time (quoting its log; whatever started is stopped first).
+        """
+        logdir = _check_logdir(logdir)
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ConfigError(f"port={port!r} is not a TCP port: pass an int from 1 to 65535, or None to pick one")
+        if session_dir is not None and not (isinstance(session_dir, str) and os.path.isdir(session_dir)):
+            raise ConfigError(f"session_dir={session_dir!r} is not an existing folder: pass one, or None")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout={timeout!r} must be a number of seconds above 0")
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                f"TensorBoard is not installed in this Python ({sys.executable}): "
+                "pip install tensorboard (or pip install 'cmlcluster[tensorflow]'), then restart the kernel"
+            )
+        if port is not None and not _port_free(port):
+            raise CmlClusterError(
+                f"port {port} on {HOST} is in use (another TensorBoard?): pass another port, or port=None to pick one"
+            )
+
+        if session_dir is not None:
+            fd, log_path = tempfile.mkstemp(prefix="tensorboard-", suffix=".log", dir=session_dir)
+        else:
+            # The cmlcluster- prefix puts it among the temp folders the test suite checks for leaks.
+            fd, log_path = tempfile.mkstemp(prefix="cmlcluster-tensorboard-", suffix=".log")
+        deadline = time.monotonic() + timeout
+        chosen = port
+        try:
+            for attempt in range(1, BIND_ATTEMPTS + 1):
+                if chosen is None:
+                    chosen = DEFAULT_PORT if attempt == 1 and _port_free(DEFAULT_PORT) else _free_port()
+                log_from = os.fstat(fd).st_size  # this attempt's output starts here
+                board = cls(
+                    logdir=logdir,
+                    port=chosen,
+                    process=_launch(logdir, chosen, fd),
+                    log_path=log_path,
+                    own_log=session_dir is None,
+                )
+                _keep(board)
+                try:
+                    if board._wait_ready(deadline, log_from):
+                        return board
+                except BaseException:
+                    board.stop()  # also removes a private log: the error quotes it first
+                    raise
+                # Another process took the port between our check and TensorBoard's bind.
+                board._stop(remove_log=False)
+                if port is not None:
+                    raise CmlClusterError(
+                        f"TensorBoard could not bind to port {port} on {HOST}: it is in use; "
+                        "pass another port, or port=None to pick one"
+                    )
+                chosen = None
+            raise CmlClusterError(
+                f"TensorBoard found no free port on {HOST} in {BIND_ATTEMPTS} tries (other processes took each first)"
+                + _quote_log(log_path, 0, shown=session_dir is not None)
+            )
+        except BaseException:
+            if session_dir is None:
+                with contextlib.suppress(OSError):
+                    os.remove(log_path)
+            raise
+        finally:
+            os.close(fd)
+
+    def _wait_ready(self, deadline: float, log_from: int) -> bool:
+        """True once TensorBoard holds the port and answers GET / (False: the port was taken first).
+
+        It counts as ready only when its own log says it holds the port: another
+        server answering on a port it failed to bind (a TensorBoard started at the
+        same moment, both finding 6006 free) must not pass for it.
+        """
+        serving = _SERVING.format(host=HOST, port=self._port)
+        while True:
+            code = self._process.poll()
+            text = _read_from(self._log_path, log_from)
+            if code is not None:
+                if _PORT_IN_USE in text:
+                    return False
+                raise CmlClusterError(
+                    f"TensorBoard on {self._logdir!r} exited with code {code} before answering on {self.url}"
+                    + _quote_log(self._log_path, log_from, shown=not self._own_log)
+                    + _hint(text)
+                )
+            if serving in text and _answers(self._port, timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                self._pid = _child_pid(self._process.pid) or self._process.pid
+                return True
+            if time.monotonic() > deadline:
+                raise CmlClusterError(
+                    f"TensorBoard on {self._logdir!r} did not answer on {self.url} in time "
+                    "(pass a larger timeout= if this machine is busy)"
+                    + _quote_log(self._log_path, log_from, shown=not self._own_log)
+                )
+            time.sleep(POLL_INTERVAL)
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def url(self) -> str:
+        """http://127.0.0.1:PORT/: reachable from this machine only."""
+        return f"http://{HOST}:{self._port}/"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def logdir(self) -> str:
+        """The absolute folder (or URL) TensorBoard reads."""
+        return self._logdir
+
+    @property
+    def pid(self) -> int:
+        """TensorBoard's own process; its group (it, its data server, the lifeline) is led by the lifeline."""
+        return self._pid
+
+    @property
+    def log_path(self) -> str:
+        """TensorBoard's output (a private temp file is gone after `stop()`)."""
+        return self._log_path
+
+    @property
+    def browser_url(self) -> str:
+        """The URL a browser opens: through the notebook server when it can proxy, else `url`.
+
+        - $TENSORBOARD_PROXY_URL, TensorBoard's own setting (its %PORT% replaced),
+          as Jupyter's docker-stacks images set it;
+        - else, where jupyter-server-proxy is installed, ``{prefix}proxy/{port}/``
+          with the prefix from $JUPYTERHUB_SERVICE_PREFIX ("/" without JupyterHub).
+          That form strips the prefix before TensorBoard sees the request, and
+          TensorBoard's page loads everything by relative URL, so it works with no
+          --path_prefix; the trailing slash is needed for those relative URLs.
+        """
+        template = os.environ.get("TENSORBOARD_PROXY_URL")
+        if template:
+            return template.replace("%PORT%", str(self._port))
+        if importlib.util.find_spec("jupyter_server_proxy") is not None:
+            prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX") or "/"
+            if not prefix.endswith("/"):
+                prefix += "/"
+            return f"{prefix}proxy/{self._port}/"
+        return self.url
+
+    # ------------------------------------------------------------- lifecycle
+
+    def poll(self) -> int | None:
+        """None while running, else the exit code (see the class docstring)."""
+        return self._process.poll()
+
+    def stop(self) -> None:
+        """TERM TensorBoard, KILL its whole group after 5 s, wait, remove the private log. Idempotent."""
+        self._stop(remove_log=self._own_log)
+
+    def _stop(self, remove_log: bool) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                _end_group(self._process)
+                _running.discard(self)
+        if remove_log:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._log_path)
+
+    def __enter__(self) -> TensorBoard:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._stopped else "running" if self.poll() is None else f"exited {self.poll()}"
+        return f"<TensorBoard {self.url} logdir={self._logdir!r} pid={self._pid} {state}>"
+
+    def _repr_html_(self) -> str:
+        logdir = html.escape(self._logdir)
+        if self._stopped or self.poll() is not None:
+            return f"<span>TensorBoard on <code>{logdir}</code> (stopped)</span>"
+        url = html.escape(self.browser_url, quote=True)
+        return f'<a href="{url}" target="_blank" rel="noopener">TensorBoard</a> on <code>{logdir}</code>'
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _check_logdir(logdir: Any) -> str:
+    if isinstance(logdir, os.PathLike):
+        logdir = os.fspath(logdir)
+    if not isinstance(logdir, str) or not logdir.strip():
+        raise ConfigError(
+            f"logdir={logdir!r} is not a folder name: pass the folder your training writes its logs to, "
+            "e.g. TensorBoard.start('./logs')"
+        )
+    if "://" in logdir:  # gs://, s3://, hdfs://: TensorBoard reads those itself
+        return logdir
+    path = os.path.abspath(os.path.expanduser(logdir))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"logdir={logdir!r} is a file, not a folder: pass the folder that holds the event files")
+    return path
+
+
+def _launch(logdir: str, port: int, log_fd: int) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        f"--logdir={logdir}",
+        f"--host={HOST}",
+        f"--port={port}",
+        f"--reload_interval={RELOAD_INTERVAL}",
+    ]
+    # Its own process group under a lifeline: stdin is a pipe whose only write end
+    # this process holds (non-inheritable), so when this process ends, the group is killed.
+    return subprocess.Popen(
+        [sys.executable, _lifeline.__file__, "--", *argv],
+        stdin=subprocess.PIPE,
+        stdout=log_fd,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    """TERM TensorBoard (it then removes its own temp files), KILL what is left of the group after the grace, reap."""
+    pgid = process.pid
+    if process.returncode is None:
+        # To the lifeline only, which passes it on once: TensorBoard takes a second TERM
+        # as the order to die at once, skipping its cleanup (so no TERM to the whole group).
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+    # Wait without reaping: while the leader is unreaped its pid (the group id) cannot be reused, so
+    # the KILL below reaches only what is left of this group (TensorBoard's data server, say).
+    deadline = time.monotonic() + STOP_GRACE
+    while time.monotonic() < deadline and not _exited(process.pid):
+        time.sleep(0.05)
+    signal_group(pgid, signal.SIGKILL)
+    process.wait()
+    assert process.stdin is not None
+    process.stdin.close()
+
+
+def _exited(pid: int) -> bool:
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped
+        return True
+
+
+def _child_pid(parent: int) -> int | None:
+    """The direct child of `parent` (the lifeline runs one: TensorBoard)."""
+    for pid in descendants(parent):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rpartition(")")[2].split()[1]) == parent:
+                    return pid
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def _port_free(port: int) -> bool:
+    """Whether TensorBoard could bind `port` on 127.0.0.1 now (as it does: SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now; another process may take it before TensorBoard does (start retries)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(port: int, timeout: float) -> bool:
+    """GET / on 127.0.0.1:port returns 200 and a TensorBoard page (http.client: no proxy from the environment)."""
+    connection = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        connection.request("GET", "/")
+        response = connection.getresponse()
+        return response.status == 200 and b"tensorboard" in response.read().lower()
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _quote_log(path: str, offset: int, shown: bool) -> str:
+    """The last lines TensorBoard wrote since `offset`; the path only when the file is kept (`shown`)."""
+    where = f" ({path})" if shown else ""
+    lines = _read_from(path, offset).splitlines()[-LOG_LINES:]
+    if not lines:
+        return f"; its log{where} is empty"
+    return f". Last lines of its log{where}:\n" + "\n".join("    " + line for line in lines)
+
+
+def _hint(text: str) -> str:
+    if "No module named 'tensorboard" in text:
+        return f"\nTensorBoard is not importable in {sys.executable}: pip install tensorboard"
+    if "Permission denied" in text:
+        return "\nTensorBoard cannot read the logdir: check its permissions"
+    return ""
+
+
+def _keep(board: TensorBoard) -> None:
+    """Hold a reference until stop(), and stop what is left when Python exits normally."""
+    global _atexit_registered
+    with _atexit_lock:
+        if not _atexit_registered:
+            atexit.register(_stop_all)
+            _atexit_registered = True
+        _running.add(board)
+
+
+def _stop_all() -> None:
+    for board in list(_running):
+        board.stop()

@@ -1,0 +1,287 @@
+"""A session in a notebook: a live ipywidgets view of its workers, their output and training.
+
+Events only change the view's state (under a lock, on the session's delivery thread);
+a render thread copies the state into the widgets at most RENDER_HZ times a second,
+so a worker printing a flood costs the front end ten small updates a second. The loss
+curves are bqplot marks: bqplot is a native ipywidgets library (no extension build,
+works in JupyterLab 4 and Notebook 7) whose traits update in place, one point at a time.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+import traceback
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as w
+
+from ..events import Event, JobChanged, LaunchFailed, LinesDropped, OutputLine, Progress, WorkerStatus
+from ..progress import describe
+from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
+from . import _ipython
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+RENDER_HZ = 10  # at most this many widget updates a second
+OUTPUT_LINES = 200  # lines kept per source for the output panel
+CURVE_POINTS = 500  # points kept per loss curve (older ones thinned out)
+COLOURS = {
+    "scheduling": "#9e9e9e",
+    RUNNING: "#1e88e5",
+    SUCCEEDED: "#43a047",
+    FAILED: "#e53935",
+    STOPPED: "#757575",
+}
+
+
+class WidgetView:
+    """The widget of one session; `widget` is what is displayed (and displayed again)."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._lock = threading.Lock()
+        self._dirty = threading.Event()
+        self._rows: dict[str, dict[str, Any]] = {}  # worker id -> record
+        self._running_since: dict[str, float] = {}
+        self._labels: dict[str, str] = {}  # worker id -> "worker 0"
+        self._progress: dict[str, Progress] = {}  # task -> latest
+        self._curves: dict[str, tuple[list[float], list[float]]] = {}  # task -> (steps, losses)
+        self._output: dict[str, deque[str]] = {}  # source -> last lines
+        self._notes: list[str] = []
+        self._shown_in: object = None
+        self.updates = 0  # renders that changed the widgets (the bench and tests read it)
+
+        self.title = w.HTML()
+        self.up = w.IntProgress(value=0, min=0, max=1, description="workers up", bar_style="info")
+        self.table = w.HTML()
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger")
+        self.stop_button.on_click(self._guarded(self._on_stop))
+        self.source = w.Dropdown(description="output", options=[])
+        self.source.observe(self._guarded(lambda _: self._dirty.set()), names="value")
+        self.output = w.HTML()
+        self.errors = w.Output()  # exceptions in callbacks land here, shown under the widget
+        self.training = w.VBox()
+        self.task_bars: dict[str, w.FloatProgress] = {}
+        self.task_metrics: dict[str, w.HTML] = {}
+        self.plot, self._scales = _new_plot()
+        self.lines: dict[str, Any] = {}  # task -> its bqplot Lines
+        self.widget = w.VBox(
+            [
+                w.HBox([self.title, self.stop_button]),
+                self.up,
+                self.table,
+                self.training,
+                *([self.plot] if self.plot is not None else []),
+                self.source,
+                self.output,
+                self.errors,
+            ],
+            layout=w.Layout(width="100%"),
+        )
+        self.widget.add_class("cmlcluster-session")
+        self._render()
+        session.subscribe(self._guarded(self._on_event))
+        session.on_show(self.show)
+        threading.Thread(target=self._render_loop, name=f"cmlcluster-{session.id}-widget", daemon=True).start()
+
+    # ---------------------------------------------------------------- showing
+
+    def show(self) -> None:
+        """Display the widget in the cell now running, once per cell."""
+        from IPython.display import display
+
+        shell = _ipython()
+        header = getattr(shell, "parent_header", None) or {}
+        cell = header.get("header", {}).get("msg_id") or getattr(shell, "execution_count", None)
+        if cell is not None and cell == self._shown_in:
+            return
+        self._shown_in = cell
+        display(self.widget)
+
+    # ---------------------------------------------------------------- events
+
+    def _guarded(self, callback: Any) -> Any:
+        """`callback`, with its exceptions shown in the widget's error area instead of lost."""
+
+        def guarded(*args: Any) -> Any:
+            try:
+                return callback(*args)
+            except Exception:
+                self.errors.append_stderr(traceback.format_exc())
+                return None
+
+        return guarded
+
+    def _on_event(self, event: Event) -> None:
+        with self._lock:
+            if isinstance(event, WorkerStatus):
+                record = event.worker
+                self._rows[record["id"]] = record
+                if record["status"] == RUNNING:
+                    self._running_since.setdefault(record["id"], time.time())
+            elif isinstance(event, OutputLine):
+                lines = self._output.setdefault(event.source, deque(maxlen=OUTPUT_LINES))
+                lines.append(event.text)
+            elif isinstance(event, Progress):
+                self._on_progress(event)
+            elif isinstance(event, JobChanged):
+                if event.state == "started":
+                    for member in event.members:
+                        self._labels[member.worker_id] = f"{member.role} {member.index}"
+                elif event.state == "failed":
+                    self._notes += [f"{event.job} failed: {failure}" for failure in event.failures]
+            elif isinstance(event, LaunchFailed):
+                self._notes.append(event.message)
+            elif isinstance(event, LinesDropped):
+                self._notes.append(f"{event.count} output lines not shown (the display fell behind)")
+        self._dirty.set()
+
+    def _on_progress(self, progress: Progress) -> None:
+        self._progress[progress.task] = progress
+        loss = progress.metrics.get("loss", next(iter(progress.metrics.values()), None))
+        if loss is None:
+            return
+        steps, losses = self._curves.setdefault(progress.task, ([], []))
+        steps.append(progress.step)
+        losses.append(loss)
+        if len(steps) > CURVE_POINTS:  # keep the shape, drop every other old point
+            del steps[: CURVE_POINTS // 2 : 2], losses[: CURVE_POINTS // 2 : 2]
+
+    def _on_stop(self, _button: Any) -> None:
+        with self._lock:
+            live = [i for i, r in self._rows.items() if r["status"] not in (SUCCEEDED, FAILED, STOPPED)]
+        if live:
+            self.session.stop_workers_soon(*live)
+
+    # ---------------------------------------------------------------- rendering
+
+    def _render_loop(self) -> None:
+        while not self.session.closed:
+            # Woken by a change, or each second while workers run (their uptime moves).
+            changed = self._dirty.wait(timeout=1.0)
+            if not changed and not self._running_since:
+                continue
+            self._dirty.clear()
+            try:
+                self._render()
+            except Exception:
+                self.errors.append_stderr(traceback.format_exc())
+            time.sleep(1 / RENDER_HZ)
+        self._render()  # the final state: stopped rows
+
+    def _render(self) -> None:
+        with self._lock:
+            rows = [dict(r) for r in self._rows.values()]
+            labels = dict(self._labels)
+            since = dict(self._running_since)
+            progress = dict(self._progress)
+            curves = {task: (list(s), list(v)) for task, (s, v) in self._curves.items()}
+            sources = list(self._output)
+            selected = self.source.value or (sources[0] if sources else None)
+            output = list(self._output.get(selected, ())) if selected else []
+            notes = list(self._notes)
+        now = time.time()
+        up = sum(1 for r in rows if r["status"] != "scheduling")
+        session = self.session
+        state = "closed" if session.closed else f"{up} of {len(rows)} workers up"
+        self.title.value = f"<b>cmlcluster session {session.id}</b> on <code>{session.backend.name}</code>: {state}"
+        self.up.max = max(len(rows), 1)
+        self.up.value = up
+        self.up.bar_style = "danger" if any(r["status"] == FAILED for r in rows) else "info"
+        self.table.value = _table(rows, labels, since, now) + "".join(
+            f'<div class="cmlcluster-note" style="color:{COLOURS[FAILED]}">{html.escape(n)}</div>' for n in notes
+        )
+        self.stop_button.disabled = session.closed or not any(
+            r["status"] not in (SUCCEEDED, FAILED, STOPPED) for r in rows
+        )
+        self._render_training(progress, labels)
+        if self.plot is not None:
+            self._render_curves(curves)
+        names = [(labels.get(s, s), s) for s in sources]
+        if names != list(self.source.options):
+            self.source.options = names
+            if selected in sources:
+                self.source.value = selected
+        self.output.value = f'<pre class="cmlcluster-output">{html.escape(chr(10).join(output))}</pre>'
+        self.updates += 1
+
+    def _render_curves(self, curves: dict[str, tuple[list[float], list[float]]]) -> None:
+        import bqplot
+
+        for task, (steps, losses) in curves.items():
+            line = self.lines.get(task)
+            if line is None:
+                palette = bqplot.CATEGORY10
+                line = self.lines[task] = bqplot.Lines(
+                    x=[],
+                    y=[],
+                    scales=self._scales,
+                    labels=[task],
+                    display_legend=True,
+                    colors=[palette[len(self.lines) % len(palette)]],
+                )
+                self.plot.marks = [*self.plot.marks, line]
+            if len(line.x) != len(steps) or (steps and line.x[-1] != steps[-1]):
+                with line.hold_sync():
+                    line.x, line.y = steps, losses
+
+    def _render_training(self, progress: dict[str, Progress], labels: dict[str, str]) -> None:
+        for task, report in progress.items():
+            bar = self.task_bars.get(task)
+            if bar is None:
+                bar = self.task_bars[task] = w.FloatProgress(min=0, description=labels.get(task, task))
+                self.task_metrics[task] = w.HTML()
+                self.training.children = (*self.training.children, w.HBox([bar, self.task_metrics[task]]))
+            bar.max = report.total or max(report.step, 1)
+            bar.value = min(report.step, bar.max)
+            bar.bar_style = "success" if report.total and report.step >= report.total else ""
+            self.task_metrics[task].value = html.escape(describe(report))
+
+
+def _table(rows: list[dict[str, Any]], labels: dict[str, str], since: dict[str, float], now: float) -> str:
+    head = "".join(f"<th>{h}</th>" for h in ("worker", "status", "host", "address", "GPUs", "up for", "exit", "reason"))
+    body = []
+    for r in rows:
+        started = since.get(r["id"])
+        uptime = "" if started is None or r["status"] != RUNNING else f"{now - started:.0f} s"
+        name = labels.get(r["id"], r["id"])
+        exit_code = "" if r.get("exit_code") is None else str(r["exit_code"])
+        reason = r.get("message", "") if r["status"] == FAILED else ""
+        cells = [
+            html.escape(name),
+            f'<span style="color:{COLOURS.get(r["status"], "inherit")}">&#9679; {r["status"]}</span>',
+            html.escape(r.get("hostname") or ""),
+            html.escape(r.get("ip_address") or ""),
+            str(r.get("nvidia_gpu") or ""),
+            uptime,
+            exit_code,
+            f'<span title="{html.escape(reason)}">{html.escape(reason.splitlines()[0] if reason else "")}</span>',
+        ]
+        body.append(
+            f'<tr data-worker="{html.escape(r["id"])}" data-status="{r["status"]}">'
+            + "".join(f"<td>{c}</td>" for c in cells)
+            + "</tr>"
+        )
+    return f'<table class="cmlcluster-workers"><tr>{head}</tr>{"".join(body)}</table>'
+
+
+def _new_plot() -> tuple[Any, dict[str, Any]]:
+    """A bqplot figure for the loss curves and its scales, or (None, {}) without bqplot."""
+    try:
+        import bqplot
+    except ImportError:
+        return None, {}
+    x, y = bqplot.LinearScale(), bqplot.LinearScale()
+    figure = bqplot.Figure(
+        marks=[],
+        axes=[bqplot.Axis(scale=x, label="step"), bqplot.Axis(scale=y, side="left", label="loss")],
+        title="loss",
+        layout=w.Layout(width="100%", height="300px"),
+        legend_location="top-right",
+    )
+    figure.add_class("cmlcluster-loss")
+    return figure, {"x": x, "y": y}

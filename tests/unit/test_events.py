@@ -1,0 +1,109 @@
+"""The event bus: order, isolation of slow and failing subscribers, dropping under floods."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from cmlcluster import events
+from cmlcluster.events import EventBus, LinesDropped, OutputLine, WorkerStatus
+
+
+def line(i: int) -> OutputLine:
+    return OutputLine("w-0", "stdout", str(i))
+
+
+def test_each_subscriber_gets_every_event_in_order():
+    bus = EventBus("test")
+    first, second = [], []
+    bus.subscribe(first.append)
+    bus.subscribe(second.append)
+    for i in range(1000):
+        bus.publish(line(i))
+    bus.drain(5)
+    assert [e.text for e in first] == [str(i) for i in range(1000)]
+    assert first == second
+    bus.close()
+
+
+def test_a_stuck_subscriber_never_stalls_publishing_nor_the_others():
+    bus = EventBus("test")
+    release = threading.Event()
+    fast = []
+    bus.subscribe(lambda e: release.wait())
+    bus.subscribe(fast.append)
+    started = time.monotonic()
+    for i in range(5000):
+        bus.publish(line(i))
+    publishing = time.monotonic() - started
+    bus.drain(0.5)  # gives up on the stuck one after its timeout
+    assert len(fast) == 5000
+    assert publishing < 2, f"publishing 5000 events took {publishing:.1f} s behind a stuck subscriber"
+    release.set()
+    bus.close()
+
+
+def test_a_failing_subscriber_is_logged_and_keeps_receiving(caplog):
+    bus = EventBus("test")
+    seen = []
+
+    def fails_on_odd(event):
+        seen.append(event.text)
+        if int(event.text) % 2:
+            raise ValueError("subscriber bug")
+
+    bus.subscribe(fails_on_odd)
+    for i in range(4):
+        bus.publish(line(i))
+    bus.drain(5)
+    assert seen == ["0", "1", "2", "3"]
+    assert len([r for r in caplog.records if "a subscriber" in r.getMessage() and r.exc_info]) == 2
+    bus.close()
+
+
+def test_a_subscriber_far_behind_misses_output_lines_and_is_told_how_many(monkeypatch):
+    monkeypatch.setattr(events, "MAX_BACKLOG", 100)
+    bus = EventBus("test")
+    release = threading.Event()
+    got = []
+
+    def slow(event):
+        release.wait()
+        got.append(event)
+
+    bus.subscribe(slow)
+    for i in range(300):
+        bus.publish(line(i))
+    status = WorkerStatus({"id": "w-0", "status": "running"})
+    bus.publish(status)  # never dropped
+    release.set()
+    bus.drain(5)
+    bus.publish(line(300))
+    bus.drain(5)
+    kept = [e for e in got if isinstance(e, OutputLine)]
+    dropped = [e for e in got if isinstance(e, LinesDropped)]
+    assert status in got
+    assert len(kept) + sum(d.count for d in dropped) == 301
+    assert dropped and dropped[0].count == 300 - 100
+    bus.close()
+
+
+def test_unsubscribe_delivers_what_was_queued_then_nothing_more():
+    bus = EventBus("test")
+    got = []
+    unsubscribe = bus.subscribe(got.append)
+    bus.publish(line(0))
+    unsubscribe()
+    bus.publish(line(1))
+    time.sleep(0.2)
+    assert [e.text for e in got] == ["0"]
+    bus.close()
+
+
+def test_close_ends_every_delivery_thread():
+    bus = EventBus("closing")
+    for _ in range(3):
+        bus.subscribe(lambda e: None)
+    bus.publish(line(0))
+    bus.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("closing-events")]

@@ -1,0 +1,131 @@
+"""The views on the fake backend: the widget's trait values and the terminal's lines follow events."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from cmlcluster import Session
+from cmlcluster.backends.fake import FakeBackend, FakeWorker
+from cmlcluster.events import JobChanged, Progress
+from cmlcluster.jobs import Member
+from cmlcluster.ui.terminal import TerminalView
+from cmlcluster.ui.widget import WidgetView
+
+
+def fake_session(*plan: FakeWorker) -> Session:
+    return Session(FakeBackend(list(plan)), echo=False)
+
+
+def statuses(view: WidgetView) -> dict[str, str]:
+    return dict(re.findall(r'data-worker="([^"]+)" data-status="([^"]+)"', view.table.value))
+
+
+def settled(view: WidgetView, check, timeout: float = 5.0):
+    """Wait for the render thread to draw a state where check() holds."""
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert check(), view.table.value
+
+
+def test_rows_statuses_and_the_up_bar_follow_the_workers():
+    with fake_session(FakeWorker(start_delay=0.3, run_time=0.3), FakeWorker(start_delay=0.3, exit_code=3)) as s:
+        view = WidgetView(s)
+        ok, bad = s.launch_workers(2, cpu=1, memory=1, code="pass")
+        settled(view, lambda: statuses(view) == {ok["id"]: "scheduling", bad["id"]: "scheduling"})
+        assert view.up.value == 0 and view.up.max == 2
+        s.await_workers([ok, bad], timeout_seconds=10)
+        settled(view, lambda: statuses(view) == {ok["id"]: "succeeded", bad["id"]: "failed"})
+        assert view.up.value == 2
+        assert view.up.bar_style == "danger"
+        row = re.search(rf'<tr data-worker="{bad["id"]}".*?</tr>', view.table.value).group(0)
+        assert "<td>3</td>" in row and "exited with code 3" in row  # exit code and reason
+        assert "10.0.0.2" in row
+
+
+def test_job_roles_name_the_rows_and_the_output_sources():
+    with fake_session(FakeWorker(output=("hello from ps",))) as s:
+        view = WidgetView(s)
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        s.publish(JobChanged("TensorFlow cluster", "started", (Member(w["id"], "ps", 0),)))
+        s.await_workers([w], timeout_seconds=10)
+        settled(view, lambda: "<td>ps 0</td>" in view.table.value)
+        settled(view, lambda: view.source.options == (("ps 0", w["id"]),))
+        settled(view, lambda: "hello from ps" in view.output.value)
+
+
+def test_stop_button_stops_the_workers_behind_the_widget():
+    with fake_session() as s:
+        view = WidgetView(s)
+        idle = s.launch_workers(2, cpu=1, memory=1)
+        s.await_workers(idle, wait_for_completion=False, timeout_seconds=10)
+        settled(view, lambda: not view.stop_button.disabled)
+        view.stop_button.click()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and {w["status"] for w in s.list_workers()} != {"stopped"}:
+            time.sleep(0.05)
+        assert {w["status"] for w in s.list_workers()} == {"stopped"}
+        settled(view, lambda: set(statuses(view).values()) == {"stopped"})
+        settled(view, lambda: view.stop_button.disabled)
+
+
+def test_reports_draw_a_progress_bar_metrics_and_a_loss_curve_per_task():
+    with fake_session() as s:
+        view = WidgetView(s)
+        for step in range(1, 11):
+            s.publish(Progress("worker 0", step, 10, {"loss": 1.0 / step, "accuracy": step / 10}))
+            s.publish(Progress("worker 1", step, 10, {"loss": 2.0 / step}))
+        settled(view, lambda: "worker 1" in view.lines and len(view.lines["worker 1"].y) == 10)
+        assert list(view.lines["worker 0"].x) == list(range(1, 11))
+        assert list(view.lines["worker 0"].y) == pytest.approx([1.0 / i for i in range(1, 11)])
+        assert view.task_bars["worker 0"].value == 10 and view.task_bars["worker 0"].max == 10
+        assert view.task_bars["worker 0"].bar_style == "success"
+        assert "loss=0.1" in view.task_metrics["worker 0"].value and "accuracy=1" in view.task_metrics["worker 0"].value
+
+
+def test_updates_stay_capped_while_a_worker_floods_its_output():
+    flood = tuple(f"line {i}" for i in range(100_000))
+    with fake_session(FakeWorker(output=flood)) as s:
+        view = WidgetView(s)
+        before = view.updates
+        started = time.monotonic()
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        s.await_workers([w], timeout_seconds=60)
+        settled(view, lambda: "line 99999" in view.output.value, timeout=30)
+        elapsed = time.monotonic() - started
+        rate = (view.updates - before) / elapsed
+        assert rate <= 11, f"{view.updates - before} widget updates in {elapsed:.1f} s"
+        assert view.output.value.count("\n") == 199  # the panel keeps the last 200 lines
+
+
+def test_an_exception_in_a_widget_callback_is_shown_in_the_widget(monkeypatch):
+    with fake_session() as s:
+        view = WidgetView(s)
+
+        def broken(progress):
+            raise RuntimeError("drawing failed")
+
+        monkeypatch.setattr(view, "_on_progress", broken)
+        s.publish(Progress("worker 0", 1, 2, {"loss": 1.0}))
+        settled(view, lambda: any("drawing failed" in o.get("text", "") for o in view.errors.outputs))
+
+
+def test_terminal_view_prints_status_output_and_throttled_progress(capsys):
+    with fake_session(FakeWorker(output=("hello",), exit_code=2)) as s:
+        TerminalView(s)
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        s.await_workers([w], timeout_seconds=10)
+        for step in range(1, 101):
+            s.publish(Progress("rank 0", step, 100, {"loss": 1.0 / step}))
+        s.stop_workers()
+    out, err = capsys.readouterr()
+    assert f"[{w['id']}] running on fake-0 (10.0.0.1)" in out
+    assert f"[{w['id']}] hello" in out
+    assert f"[{w['id']}] failed: worker {w['id']} exited with code 2" in err
+    progress = [line for line in out.splitlines() if line.startswith("[rank 0] step")]
+    assert progress[0] == "[rank 0] step 1/100 loss=1"
+    assert progress[-1] == "[rank 0] step 100/100 loss=0.01"
+    assert len(progress) <= 3  # throttled: first, last, perhaps one between
