@@ -1,73 +1,152 @@
-"""Command line: ``cmlcluster demo`` runs the main job on the local default;
-``cmlcluster cleanup`` removes containers left by sessions that no longer run."""
+"""cmlcluster on the command line; the progress shows as in a notebook (tqdm bars on a terminal).
+
+cmlcluster demo          the main job: parameter-server training on local workers
+cmlcluster run-cluster   a TensorFlow cluster whose worker tasks run a script
+cmlcluster horovod       a script under horovodrun on fresh workers
+cmlcluster list          the sessions running on this machine, and their workers
+cmlcluster cleanup       end what sessions that no longer run left behind
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from collections.abc import Sequence
 
-DEMO_CODE = """\
-import os, socket, time
-total = sum(i * i for i in range(2_000_000))
-print(f"worker {os.environ['CDSW_ENGINE_ID']} on {socket.gethostname()} "
-      f"({os.environ['CDSW_IP_ADDRESS']}, pid {os.getpid()}) computed {total}")
-"""
-
-
-def _table(workers: list[dict]) -> str:
-    rows = [("id", "status", "ip_address", "exit_code", "duration")]
-    rows += [(w["id"], w["status"], w["ip_address"], str(w["exit_code"]), str(w["duration"])) for w in workers]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
-
-
-def demo(workers: int, backend: str, timeout: float) -> int:
-    from .session import Session
-
-    with Session(backend) as session:
-        print(f"session {session.id}: launching {workers} workers on the {backend!r} backend")
-        launched = session.launch_workers(workers, cpu=0.5, memory=0.5, code=DEMO_CODE)
-        running = session.await_workers(launched, wait_for_completion=False, timeout_seconds=timeout)
-        print(_table(running["workers"] + running["failures"]))
-        done = session.await_workers(launched, wait_for_completion=True, timeout_seconds=timeout)
-        print(_table(done["workers"] + done["failures"]))
-        for failure in done["failures"]:
-            print(f"FAILED {failure.get('id', '(not launched)')}: {failure.get('message')}", file=sys.stderr)
-        session.stop_workers()
-        print(f"stopped; {len(done['workers'])} of {workers} workers succeeded")
-        return 0 if not done["failures"] else 1
+from .errors import CmlClusterError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cmlcluster", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser(
-        "demo", help="launch a few workers, show their status, addresses and output, stop them"
+    parser = argparse.ArgumentParser(
+        prog="cmlcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    demo_parser.add_argument("-n", "--workers", type=int, default=3)
-    demo_parser.add_argument("--backend", default="local")
-    demo_parser.add_argument("--timeout", type=float, default=120)
-    cleanup_parser = commands.add_parser(
-        "cleanup", help="remove worker containers whose session process is gone (on this host)"
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+
+    demo = commands.add_parser("demo", help="the main job: parameter-server training of a Keras model")
+    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--ps", type=int, default=1, help="parameter servers")
+    demo.add_argument("--epochs", type=int, default=15)
+    demo.add_argument("--backend", default=os.environ.get("CMLCLUSTER_BACKEND", "local"))
+    demo.add_argument("--timeout", type=float, default=120, help="seconds for the workers to start")
+
+    cluster = commands.add_parser(
+        "run-cluster",
+        help="a TensorFlow cluster whose worker tasks run a script",
+        description="Start n parameter servers and workers; every worker task runs SCRIPT: Cloudera's "
+        "run(cluster, server, task_index) by default, or as a program with TF_CONFIG set (--tf-config).",
     )
-    cleanup_parser.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
+    cluster.add_argument("script")
+    cluster.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments (with --tf-config)")
+    cluster.add_argument("--workers", type=int, default=2)
+    cluster.add_argument("--ps", type=int, default=1, help="parameter servers")
+    cluster.add_argument("--cpu", type=float, default=1, help="cores per task")
+    cluster.add_argument("--memory", type=float, default=1, help="GB per task")
+    cluster.add_argument("--gpus", type=int, default=0, help="GPUs per worker task")
+    cluster.add_argument("--tf-config", action="store_true", help="run the script as a program, with TF_CONFIG")
+    cluster.add_argument("--backend", default=os.environ.get("CMLCLUSTER_BACKEND", "local"))
+    cluster.add_argument("--timeout", type=float, default=120, help="seconds for the tasks to start")
+
+    from .horovod import options as horovod_options
+
+    horovod = commands.add_parser("horovod", help="run a script under horovodrun on fresh workers")
+    horovod_options.add_options(horovod)
+    horovod.add_argument("script")
+    horovod.add_argument("args", nargs=argparse.REMAINDER)
+
+    commands.add_parser("list", help="the sessions running on this machine (any backend) and their workers")
+
+    cleanup = commands.add_parser(
+        "cleanup", help="end what sessions that no longer run left: worker processes and containers, folders"
+    )
+    cleanup.add_argument("--dry-run", action="store_true", help="say what would be ended, end nothing")
+
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo(args.workers, args.backend, args.timeout)
-    if args.command == "cleanup":
-        return cleanup(args.dry_run)
-    return 2
+    try:
+        if args.command == "demo":
+            from . import demo as main_job
+
+            return main_job.run(args.workers, args.ps, args.epochs, args.backend, args.timeout)
+        if args.command == "run-cluster":
+            return run_cluster(args)
+        if args.command == "horovod":
+            result = horovod_options.run(args, args.script, args.args, backend=args.backend or None)
+            return result.exit_code
+        if args.command == "list":
+            return list_sessions()
+        return cleanup_sessions(args.dry_run)
+    except CmlClusterError as e:
+        print(f"cmlcluster {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
-def cleanup(dry_run: bool) -> int:
+def run_cluster(args: argparse.Namespace) -> int:
+    from .session import Session
+    from .tensorflow import start_cluster
+
+    with Session(args.backend) as session:
+        # With TF_CONFIG the script starts its own server (MultiWorkerMirrored, or a TF1 script).
+        cluster = start_cluster(
+            args.workers, args.ps, args.cpu, args.memory, args.gpus, session=session,
+            servers=not args.tf_config, coordinator=False, timeout_seconds=args.timeout,
+        )  # fmt: skip
+        with cluster:
+            if args.tf_config:
+                results = cluster.run_script(args.script, args.args)
+            else:
+                results = cluster.run_cml_script(args.script)
+        failed = [r for r in results if r["status"] != "succeeded"]
+        print(f"{len(results) - len(failed)} of {len(results)} worker tasks succeeded")
+        return 1 if failed else 0
+
+
+def list_sessions() -> int:
+    from . import registry
+    from .demo import table
+
+    found = registry.records()
+    if not found:
+        print("no cmlcluster sessions on this machine")
+        return 0
+    for record in found:
+        state = "" if record["alive"] else "  (its process is gone: `cmlcluster cleanup` ends what it left)"
+        age = time.time() - record.get("started", time.time())
+        print(f"session {record['id']}  pid {record['pid']}  {record['backend']}  up {age:.0f} s{state}")
+        workers = record.get("workers", [])
+        if workers:
+            rows = [("worker", "status", "address", "host", "exit_code")]
+            rows += [
+                (w["id"], w["status"], str(w["ip_address"]), w.get("hostname") or "", str(w["exit_code"]))
+                for w in workers
+            ]
+            print("  " + table(rows).replace("\n", "\n  "))
+    return 0
+
+
+def cleanup_sessions(dry_run: bool) -> int:
+    from . import registry
+
+    verb = "would end" if dry_run else "ended"
+    anything = False
+    for record in registry.records():
+        if record["alive"]:
+            continue
+        anything = True
+        done = registry.clean(record, dry_run)
+        print(f"session {record['id']} (pid {record['pid']} is gone): {verb} {', '.join(done) or 'nothing'}")
     from .backends import docker
+    from .errors import ConfigError
 
-    names = docker.cleanup(dry_run=dry_run)
+    try:
+        names = docker.cleanup(dry_run=dry_run)
+    except ConfigError:  # no Docker engine (or SDK) here: no containers to look for
+        names = []
     for name in names:
-        print(f"{'would remove' if dry_run else 'removed'} {name}")
-    if not names:
-        print("nothing to clean up: every cmlcluster container belongs to a running session")
+        anything = True
+        print(f"{verb} container {name}")
+    if not anything:
+        print("nothing to clean up: everything cmlcluster started belongs to a running session")
     return 0
 
 

@@ -20,6 +20,8 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from .horovod import options
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse would exit the kernel
@@ -28,15 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(with_script: bool) -> argparse.ArgumentParser:
     parser = _Parser(prog="%horovod" if with_script else "%%horovod", add_help=False)
-    parser.add_argument("-np", type=int, default=None, help="processes in all")
-    parser.add_argument("-n", "--workers", type=int, default=None)
-    parser.add_argument("--slots", type=int, default=None)
-    parser.add_argument("--cpu", type=float, default=1)
-    parser.add_argument("--memory", type=float, default=1)
-    parser.add_argument("--gpus", type=int, default=0)
-    parser.add_argument("--backend", default=None)
-    parser.add_argument("--start-timeout", type=int, default=60)
-    parser.add_argument("--ssh-port", type=int, default=2222)
+    options.add_options(parser)
     parser.add_argument("--reuse", action="store_true")
     if with_script:
         parser.add_argument("script")
@@ -44,23 +38,8 @@ def _parser(with_script: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def _run(options: argparse.Namespace, script: str, args: list[str]) -> Any:
-    from .horovod import run_horovod
-
-    return run_horovod(
-        script,
-        args,
-        np=options.np,
-        workers=options.workers,
-        slots=options.slots,
-        cpu=options.cpu,
-        memory=options.memory,
-        nvidia_gpu=options.gpus,
-        backend=options.backend,
-        start_timeout=options.start_timeout,
-        ssh_port=options.ssh_port,
-        reuse=options.reuse,
-    )
+def _run(parsed: argparse.Namespace, script: str, args: list[str]) -> Any:
+    return options.run(parsed, script, args, reuse=parsed.reuse)
 
 
 @magics_class
@@ -68,20 +47,20 @@ class ClusterMagics(Magics):
     @line_magic
     def horovod(self, line: str) -> Any:
         """%horovod [options] train.py [args]: run a training script under horovodrun on workers."""
-        options = _parser(with_script=True).parse_args(shlex.split(line))
-        return _run(options, options.script, options.args)
+        parsed = _parser(with_script=True).parse_args(shlex.split(line))
+        return _run(parsed, parsed.script, parsed.args)
 
     @cell_magic("horovod")  # type: ignore[arg-type]  # IPython types the named form poorly
     def horovod_cell(self, line: str, cell: str) -> Any:
         """%%horovod [options]: the cell is the training script."""
-        options = _parser(with_script=False).parse_args(shlex.split(line))
+        parsed = _parser(with_script=False).parse_args(shlex.split(line))
         # A private file, shipped to workers that do not see it like any script; removed afterwards.
         folder = tempfile.mkdtemp(prefix="cmlcluster-cell-")
         path = os.path.join(folder, "horovod_cell.py")
         with open(path, "w") as f:
             f.write(cell)
         try:
-            return _run(options, path, [])
+            return _run(parsed, path, [])
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -122,7 +122,8 @@ def _short(value: float) -> str:
 
 
 def keras_callback(every_seconds: float = 0.5) -> Any:
-    """A Keras callback that reports each epoch, and batches at most every `every_seconds`.
+    """A Keras callback that reports each epoch, and batches at most every `every_seconds`
+    (epochs only under ParameterServerStrategy, which runs batches remotely).
 
     model.fit(..., callbacks=[cmlcluster.keras_callback()]): step counts batches over all
     epochs, total is epochs x steps when Keras knows the steps.
@@ -134,6 +135,12 @@ def keras_callback(every_seconds: float = 0.5) -> Any:
             super().__init__()
             self._epoch = 0
             self._last = 0.0
+
+        def _implements_train_batch_hooks(self) -> bool:
+            # Keras refuses batch hooks under ParameterServerStrategy (its batch logs are remote
+            # values there); report epochs only in that case instead of failing fit().
+            strategy = getattr(self.model, "distribute_strategy", None)
+            return "ParameterServer" not in type(strategy).__name__
 
         def _steps(self) -> int | None:
             steps = (self.params or {}).get("steps")

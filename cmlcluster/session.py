@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from . import shipping
+from . import registry, shipping
 from ._aio import LoopThread
 from .backends import Backend, SessionContext, make_backend
 from .control import ControlPlane, IPyParallelControl
@@ -110,6 +110,7 @@ class Session:
         self._waiters: list[asyncio.Future[None]] = []
         self._events = EventBus(f"cmlcluster-{self.id}")
         self._on_show: list[Callable[[], None]] = []
+        self._record: registry.Recorder | None = None  # for `cmlcluster list` / `cleanup`
         self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI layer
         self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_watchers: dict[str, asyncio.Task[None]] = {}
@@ -263,6 +264,11 @@ class Session:
         w = self._resolve(worker)
         return self._read(lambda: "\n".join(w.output))
 
+    def worker_pid(self, worker: str | Mapping[str, Any]) -> int | None:
+        """The worker's process id on this machine; None when it runs elsewhere (a container, a host)."""
+        w = self._resolve(worker)
+        return w.pid if self.backend.capabilities().session_host else None
+
     @property
     def session_dir(self) -> str | None:
         """The session's private folder (0700), removed at close; None before the first launch."""
@@ -318,6 +324,8 @@ class Session:
         finally:
             self._loop.stop()
             self._events.close()
+            if self._record is not None:
+                self._record.close()
 
     def __enter__(self) -> Session:
         return self
@@ -377,6 +385,7 @@ class Session:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix=f"cmlcluster-{self.id}-")
             os.chmod(self._dir, 0o700)  # holds the controller's keys
+            self._record = registry.Recorder(self)
         if not self._attached:
             self.backend.attach(SessionContext(session_id=self.id, session_dir=self._dir))
             self._attached = True

@@ -2,9 +2,10 @@
 # Install cmlcluster and what it needs into .venv, on a fresh Debian machine (as root) or any
 # machine with Python >= 3.10.
 #
-#   scripts/install.sh          the package: enough for local workers (the main job)
+#   scripts/install.sh          the package: enough for local workers
+#   scripts/install.sh tensorflow   the package and TensorFlow: the main job (cmlcluster demo)
 #   scripts/install.sh dev      everything the test suite uses: TensorFlow, Horovod (built from
-#                               source, cached), Debian's Docker engine and sshd, the test image
+#                               source, cached), Debian's Docker engine, sshd and chromium, the test image
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -22,7 +23,8 @@ command -v python3 >/dev/null 2>&1 || missing+=(python3)
 python3 -c "import venv, ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
 if $dev; then
     # cmake, g++: the Horovod build. openssh-server: sshd in workers. docker.io: the docker backend.
-    for tool in cmake:cmake g++:g++ /usr/sbin/sshd:openssh-server dockerd:docker.io; do
+    # chromium: the browser tests (tests/browser), driven by Playwright; never Playwright's own download.
+    for tool in cmake:cmake g++:g++ /usr/sbin/sshd:openssh-server dockerd:docker.io chromium:chromium; do
         command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
     done
 fi

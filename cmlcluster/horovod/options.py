@@ -1,0 +1,40 @@
+"""The options of a Horovod run, shared by %horovod and `cmlcluster horovod`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import commands
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-np", type=int, default=None, help="processes in all (default: workers x slots)")
+    parser.add_argument("-n", "--workers", type=int, default=None, help="workers (default: enough for -np)")
+    parser.add_argument("--slots", type=int, default=None, help="processes per worker (default: its GPUs, or 1)")
+    parser.add_argument("--cpu", type=float, default=1, help="cores per worker")
+    parser.add_argument("--memory", type=float, default=1, help="GB per worker")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per worker")
+    parser.add_argument("--backend", default=None, help="local, docker, ssh (default: CMLCLUSTER_BACKEND or local)")
+    parser.add_argument("--start-timeout", type=int, default=60, help="seconds for workers and ranks to start")
+    parser.add_argument("--ssh-port", type=int, default=commands.SSH_PORT, help="the workers' sshd port")
+
+
+def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) -> Any:
+    """run_horovod with these options; returns its HorovodResult."""
+    from .run import run_horovod
+
+    return run_horovod(
+        script,
+        args,
+        np=options.np,
+        workers=options.workers,
+        slots=options.slots,
+        cpu=options.cpu,
+        memory=options.memory,
+        nvidia_gpu=options.gpus,
+        backend=options.backend,
+        start_timeout=options.start_timeout,
+        ssh_port=options.ssh_port,
+        **more,
+    )

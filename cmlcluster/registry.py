@@ -1,0 +1,132 @@
+"""Which sessions run on this machine, for ``cmlcluster list`` and ``cmlcluster cleanup``.
+
+Each session with workers keeps a small JSON record (no secrets: ids, statuses,
+addresses, pids) in a folder private to the user, rewritten when a worker's status
+changes and removed when the session closes. A record whose process is gone is
+what a killed session left; cleanup ends what it lists and removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from .events import Event, WorkerStatus
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+def folder() -> str:
+    """Where the records are: CMLCLUSTER_STATE_DIR, else $XDG_RUNTIME_DIR/cmlcluster, else ~/.cache."""
+    path = os.environ.get("CMLCLUSTER_STATE_DIR") or (
+        os.path.join(os.environ["XDG_RUNTIME_DIR"], "cmlcluster")
+        if os.environ.get("XDG_RUNTIME_DIR")
+        else os.path.join(os.path.expanduser("~"), ".cache", "cmlcluster", "sessions")
+    )
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+class Recorder:
+    """Keeps `session`'s record up to date (a subscriber: it never slows the session)."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.path = os.path.join(folder(), f"{session.id}.json")
+        self._workers: dict[str, dict[str, Any]] = {}
+        self._started = time.time()
+        self._write()
+        self._unsubscribe = session.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, WorkerStatus) and not self.session.closed:
+            w = event.worker
+            self._workers[w["id"]] = {k: w.get(k) for k in ("id", "status", "ip_address", "hostname", "exit_code")}
+            self._workers[w["id"]]["pid"] = self.session.worker_pid(w["id"])
+            self._write()
+
+    def _write(self) -> None:
+        record = {
+            "id": self.session.id,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "backend": self.session.backend.name,
+            "started": self._started,
+            "session_dir": self.session.session_dir,
+            "workers": list(self._workers.values()),
+        }
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(record, f)
+        os.replace(temporary, self.path)  # readers never see half a record
+
+    def close(self) -> None:
+        self._unsubscribe()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+
+def records() -> list[dict[str, Any]]:
+    """Every record here, each with "alive": whether its session's process still runs."""
+    found = []
+    for name in sorted(os.listdir(folder())):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(folder(), name)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue  # being replaced, or not ours
+        record["alive"] = record.get("host") == socket.gethostname() and alive(int(record.get("pid", 0)))
+        found.append(record)
+    return found
+
+
+def alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean(record: dict[str, Any], dry_run: bool = False) -> list[str]:
+    """End what a dead session's record lists on this machine (worker processes, its folder); what was done."""
+    done = []
+    for worker in record.get("workers", []):
+        pid = worker.get("pid")
+        if pid and _is_agent(pid):
+            done.append(f"worker {worker['id']} (pid {pid})")
+            if not dry_run:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # local workers lead their process group
+    session_dir = record.get("session_dir")
+    if session_dir and os.path.isdir(session_dir):
+        done.append(f"folder {session_dir}")
+        if not dry_run:
+            import shutil
+
+            shutil.rmtree(session_dir, ignore_errors=True)
+    if not dry_run:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder(), f"{record['id']}.json"))
+    return done
+
+
+def _is_agent(pid: int) -> bool:
+    """Whether pid is still a cmlcluster worker (and not a process that got its pid since)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"cmlcluster.agent" in f.read()
+    except OSError:
+        return False
