@@ -14,6 +14,7 @@ from .api import (
     list_workers,
     stop_session,
     stop_workers,
+    tensorboard,
     use_backend,
 )
 from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
@@ -59,5 +60,6 @@ __all__ = [
     "start_cluster",
     "stop_session",
     "stop_workers",
+    "tensorboard",
     "use_backend",
 ]

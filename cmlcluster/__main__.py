@@ -19,9 +19,7 @@ from .errors import CmlClusterError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="cmlcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="cmlcluster", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
 
     demo = commands.add_parser("demo", help="the main job: parameter-server training of a Keras model")

@@ -90,6 +90,11 @@ def stop_workers(*ids: str | Mapping[str, Any]) -> list[dict[str, Any]]:
     return get_session().stop_workers(*ids) if _default is not None else []
 
 
+def tensorboard(logdir: str, port: int | None = None) -> Any:
+    """TensorBoard on `logdir` for the default session (like cdsw_tensorflow_utils.tensorboard)."""
+    return get_session().tensorboard(logdir, port)
+
+
 def client() -> Any:
     """The ipyparallel Client of the default session's workers (for %px and views)."""
     return get_session().client

@@ -110,6 +110,7 @@ class Session:
         self._waiters: list[asyncio.Future[None]] = []
         self._events = EventBus(f"cmlcluster-{self.id}")
         self._on_show: list[Callable[[], None]] = []
+        self._boards: list[Any] = []  # TensorBoards started for this session, stopped with it
         self._record: registry.Recorder | None = None  # for `cmlcluster list` / `cleanup`
         self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI layer
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -269,6 +270,19 @@ class Session:
         w = self._resolve(worker)
         return w.pid if self.backend.capabilities().session_host else None
 
+    def tensorboard(self, logdir: str, port: int | None = None) -> Any:
+        """Start TensorBoard on `logdir`, on 127.0.0.1 (port 6006 if free), stopped with the session.
+
+        Returns a cmlcluster.tensorboard_server.TensorBoard; in a notebook it shows as a link
+        (through jupyter-server-proxy when installed).
+        """
+        from .tensorboard_server import TensorBoard
+
+        self._check_open()
+        board = TensorBoard.start(logdir, port=port, session_dir=self._dir)
+        self._boards.append(board)
+        return board
+
     @property
     def session_dir(self) -> str | None:
         """The session's private folder (0700), removed at close; None before the first launch."""
@@ -319,6 +333,9 @@ class Session:
             return
         self.closed = True
         _live_sessions.discard(self)
+        for board in self._boards:
+            with contextlib.suppress(Exception):
+                board.stop()
         try:
             self._loop.run(self._close(), timeout=60)
         finally:

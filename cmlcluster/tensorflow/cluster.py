@@ -190,6 +190,10 @@ class TFCluster:
             # What TensorFlow raised in this process (UnavailableError, say) follows from this.
             raise JobFailed(self.job.name, self.failure) from exc
 
+    def tensorboard(self, logdir: str, port: int | None = None) -> Any:
+        """TensorBoard on the cluster's log folder, stopped with the session (see Session.tensorboard)."""
+        return self.session.tensorboard(logdir, port)
+
     def _ipython_display_(self) -> None:
         self.session._ipython_display_()  # the session's widget: the cluster's rows are in it
 

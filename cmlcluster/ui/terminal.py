@@ -74,8 +74,8 @@ class TerminalView:
             self._write(f"[{name}] failed: {worker.get('message') or ''}".rstrip(": "), "stderr")
         elif before is not None or status != "scheduling":
             self._line(f"[{name}] {status}")
-        if self._bars:
-            self._update_up_bar()
+        if self._bars and (status == "scheduling" or self._up_bar is not None):
+            self._update_up_bar()  # while workers come up
 
     def _line(self, text: str) -> None:
         """A status line; with bars the workers bar tells it instead."""
@@ -111,12 +111,13 @@ class TerminalView:
     def _progress_bar(self, task: str, progress: Progress) -> None:
         from tqdm import tqdm
 
+        total = None if progress.total is None else _whole(progress.total)
         bar = self._task_bars.get(task)
         if bar is None:
-            bar = self._task_bars[task] = tqdm(total=progress.total, desc=task, unit="step", file=sys.stderr)
-        if progress.total is not None:
-            bar.total = progress.total
-        bar.n = progress.step
+            bar = self._task_bars[task] = tqdm(total=total, desc=task, unit="step", file=sys.stderr)
+        if total is not None:
+            bar.total = total
+        bar.n = _whole(progress.step)
         bar.set_postfix({k: f"{v:.4g}" for k, v in progress.metrics.items()}, refresh=False)
         bar.refresh()
         if progress.total is not None and progress.step >= progress.total:
@@ -136,3 +137,8 @@ class TerminalView:
                 bar.close()
             self._task_bars.clear()
             self._write(f"[cmlcluster] {event.job} finished")
+
+
+def _whole(number: float) -> float | int:
+    """5.0 as 5, so that a bar reads 5/20 steps."""
+    return int(number) if float(number).is_integer() else number

@@ -1,0 +1,260 @@
+"""The views against real local workers, in a real kernel and in a real terminal, and the CLI."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from jupyter_client.manager import KernelManager
+
+from cmlcluster import Session
+from cmlcluster.ui.widget import WidgetView
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = str(Path(sys.executable).with_name("cmlcluster"))
+
+REPORTING = """
+import time, cmlcluster
+for step in range(1, 21):
+    cmlcluster.report(step, 20, loss=10.0 / step)
+    time.sleep(0.05)
+print("trained")
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for init to reap it."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def statuses(view: WidgetView) -> dict[str, str]:
+    return dict(re.findall(r'data-worker="([^"]+)" data-status="([^"]+)"', view.table.value))
+
+
+def eventually(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert check()
+
+
+def test_widget_follows_real_workers_and_draws_their_reports():
+    with Session("local", echo=False) as s:
+        view = WidgetView(s)
+        workers = s.launch_workers(2, cpu=0.5, memory=0.5, code=REPORTING)
+        result = s.await_workers(workers, timeout_seconds=60)
+        assert result["failures"] == []
+        eventually(lambda: set(statuses(view).values()) == {"succeeded"})
+        assert view.up.value == 2
+        for w in workers:
+            eventually(lambda w=w: len(view.lines.get(w["id"], ()).y if w["id"] in view.lines else ()) == 20)
+            assert view.lines[w["id"]].y[-1] == pytest.approx(0.5)
+            assert view.task_bars[w["id"]].value == 20
+        assert "trained" in view.output.value
+        assert "@cmlcluster-progress" not in view.output.value  # reports are not output
+
+
+def test_widget_updates_stay_capped_while_a_real_worker_prints_100000_lines():
+    with Session("local", echo=False) as s:
+        view = WidgetView(s)
+        before, started = view.updates, time.monotonic()
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="for i in range(100_000): print('line', i)")
+        assert s.await_workers([w], timeout_seconds=120)["failures"] == []
+        eventually(lambda: "line 99999" in view.output.value, timeout=30)
+        elapsed = time.monotonic() - started
+        updates = view.updates - before
+        assert updates / elapsed <= 11, f"{updates} updates in {elapsed:.1f} s"
+
+
+def test_stop_button_ends_real_worker_processes():
+    with Session("local", echo=False) as s:
+        view = WidgetView(s)
+        idle = s.launch_workers(2, cpu=0.5, memory=0.5)
+        s.await_workers(idle, wait_for_completion=False, timeout_seconds=60)
+        pids = [s.worker_pid(w) for w in idle]
+        assert all(alive(p) for p in pids)
+        view.stop_button.click()
+        eventually(lambda: set(statuses(view).values()) == {"stopped"}, timeout=15)
+        eventually(lambda: not any(alive(p) for p in pids))
+
+
+def run_in_terminal(code: str, env: dict[str, str], timeout: float = 120) -> str:
+    """Run `python -c code` on a pseudo-terminal (its stdout and stderr are a tty); return what it wrote."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a terminal program, 120 columns wide (a new pty has none)
+        try:
+            fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+            os.chdir(ROOT)
+            os.execve(sys.executable, [sys.executable, "-c", code], env)
+        finally:
+            os._exit(127)  # never back into pytest in a forked child
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    text = b"".join(chunks).decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    return text
+
+
+TERMINAL_RUN = f"""
+import cmlcluster
+with cmlcluster.Session("local") as s:
+    ws = s.launch_workers(2, cpu=0.5, memory=0.5, code={REPORTING!r})
+    assert not s.await_workers(ws, timeout_seconds=60)["failures"]
+"""
+
+
+def test_a_terminal_shows_tqdm_bars_and_the_output():
+    text = run_in_terminal(TERMINAL_RUN, dict(os.environ))
+    assert re.search(r"workers up: +\d+%\|", text), text  # tqdm's bar while workers come up
+    assert re.search(r"\w+-[01]: 100%\|[^\r\n]*\| 20/20 [^\r\n]*loss=0\.5", text), text  # a bar per task
+    assert "] trained" in text
+
+
+def test_without_a_terminal_the_same_run_prints_text(tmp_path):
+    result = subprocess.run([sys.executable, "-c", TERMINAL_RUN], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "%|" not in result.stdout + result.stderr  # no bars into a pipe
+    assert len(re.findall(r"^\[\w+-[01]\] running on ", result.stdout, re.M)) == 2
+    assert len(re.findall(r"^\[\w+-[01]\] step 20/20 loss=0.5$", result.stdout, re.M)) == 2
+    assert len(re.findall(r"^\[\w+-[01]\] succeeded$", result.stdout, re.M)) == 2
+
+
+@pytest.fixture
+def kernel():
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(ROOT))
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    yield kc
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def execute(kc, code: str) -> list[dict]:
+    outputs: list[dict] = []
+
+    def hook(msg):
+        if msg["msg_type"] in ("stream", "display_data", "error", "execute_result"):
+            outputs.append({"type": msg["msg_type"], **msg["content"]})
+
+    reply = kc.execute_interactive(code, output_hook=hook, timeout=120)
+    errors = [o for o in outputs if o["type"] == "error"]
+    assert reply["content"]["status"] == "ok", errors
+    return outputs
+
+
+def text_of(outputs: list[dict]) -> str:
+    return "".join(o.get("text", "") for o in outputs if o["type"] == "stream")
+
+
+LAUNCH_AND_WAIT = f"""
+import cmlcluster as cdsw
+ws = cdsw.launch_workers(2, cpu=0.5, memory=0.5, code={REPORTING!r})
+result = cdsw.await_workers(ws, timeout_seconds=60)
+assert not result["failures"], result
+"""
+
+
+def test_in_a_kernel_the_widget_shows_once_per_launching_cell_and_follows_the_workers(kernel):
+    outputs = execute(kernel, LAUNCH_AND_WAIT + "cdsw.launch_workers(1, cpu=0.5, memory=0.5, code='pass')\n")
+    widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(widgets) == 1  # two launches in one cell: shown once
+    assert text_of(outputs) == ""  # output and progress are in the widget, not printed
+    state = execute(
+        kernel,
+        "import json, re\nview = cdsw.get_session().view\n"
+        "cdsw.await_workers(cdsw.list_workers(), timeout_seconds=60)\nimport time; time.sleep(1)\n"
+        "print(json.dumps({'rows': re.findall(r'data-status=\"(\\w+)\"', view.table.value),"
+        " 'curves': {t: len(l.y) for t, l in view.lines.items()}, 'model': view.widget.model_id}))",
+    )
+    seen = json.loads(text_of(state))
+    assert seen["rows"] == ["succeeded"] * 3
+    assert sorted(seen["curves"].values()) == [20, 20]
+    assert widgets[0]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] == seen["model"]
+    again = execute(kernel, "cdsw.get_session()")  # display(session) shows the same widget again
+    assert [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for o in again if "data" in o] == [
+        seen["model"]
+    ]
+    execute(kernel, "cdsw.stop_session()")
+
+
+def test_in_a_kernel_without_ipywidgets_the_same_run_prints_text(kernel):
+    execute(kernel, "import sys\nsys.modules['ipywidgets'] = None  # unimportable, as when not installed")
+    outputs = execute(kernel, LAUNCH_AND_WAIT)
+    assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    text = text_of(outputs)
+    assert len(re.findall(r"^\[\w+-[01]\] running on ", text, re.M)) == 2, text
+    assert len(re.findall(r"^\[\w+-[01]\] step 20/20 loss=0.5$", text, re.M)) == 2, text
+    assert len(re.findall(r"^\[\w+-[01]\] trained$", text, re.M)) == 2, text
+    execute(kernel, "cdsw.stop_session()")
+
+
+SESSION_THAT_WAITS = """
+import sys, time, cmlcluster
+s = cmlcluster.Session("local", echo=False)
+ws = s.launch_workers(2, cpu=0.5, memory=0.5)
+s.await_workers(ws, wait_for_completion=False, timeout_seconds=60)
+print(s.id, *[s.worker_pid(w) for w in ws], flush=True)
+time.sleep(600)
+"""
+
+
+def test_cli_list_sees_another_process_session_and_cleanup_ends_what_a_killed_one_left(tmp_path):
+    env = {**os.environ, "CMLCLUSTER_STATE_DIR": str(tmp_path / "state")}
+    other = subprocess.Popen([sys.executable, "-c", SESSION_THAT_WAITS], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        session_id, *pids = other.stdout.readline().split()
+        listed = subprocess.run([CLI, "list"], env=env, capture_output=True, text=True, check=True).stdout
+        assert re.search(rf"^session {session_id}  pid {other.pid}  local  up \d+ s$", listed, re.M), listed
+        assert len(re.findall(rf"^  {session_id}-[01] +running +127\.0\.0\.1 ", listed, re.M)) == 2, listed
+        other.kill()  # as a killed kernel would be: no close(), nothing stopped
+        other.wait()
+        listed = subprocess.run([CLI, "list"], env=env, capture_output=True, text=True, check=True).stdout
+        assert "its process is gone" in listed
+        cleaned = subprocess.run([CLI, "cleanup"], env=env, capture_output=True, text=True, check=True).stdout
+        assert f"session {session_id} (pid {other.pid} is gone): ended worker {session_id}-" in cleaned, cleaned
+        eventually(lambda: not any(alive(int(p)) for p in pids), timeout=5)
+        assert not os.listdir(tmp_path / "state")
+        listed = subprocess.run([CLI, "list"], env=env, capture_output=True, text=True, check=True).stdout
+        assert listed.strip() == "no cmlcluster sessions on this machine"
+    finally:
+        other.kill()
+        for p in pids if "pids" in dir() else []:
+            with __import__("contextlib").suppress(Exception):
+                os.killpg(int(p), signal.SIGKILL)
+
+
+def test_cli_help_names_every_command():
+    text = subprocess.run([CLI, "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("demo", "run-cluster", "horovod", "list", "cleanup"):
+        assert re.search(rf"^    {command}\b", text, re.M), text
+        sub = subprocess.run([CLI, command, "--help"], capture_output=True, text=True, check=True).stdout
+        assert sub.startswith(f"usage: cmlcluster {command}")
