@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run-cluster":
             return run_cluster(args)
         if args.command == "horovod":
-            result = horovod_options.run(args, args.script, args.args, backend=args.backend or None)
+            result = horovod_options.run(args, args.script, args.args)
             return result.exit_code
         if args.command == "list":
             return list_sessions()

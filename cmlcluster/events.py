@@ -3,8 +3,9 @@
 Events are small frozen records. A session publishes them from its loop thread; each
 subscriber gets them in order on a thread of its own, so a slow or failing subscriber
 never stalls the session: publishing only appends to a queue. When a subscriber falls
-far behind, output lines (the only events that can come in floods) are dropped for it,
-and it is told how many with a LinesDropped event; every other event is kept.
+far behind, output lines and progress reports (the events that come in floods) are
+dropped for it: it is told how many lines with a LinesDropped event, and a later report
+supersedes a dropped one. Every other event is kept.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ class Progress(Event):
 
 
 @dataclass(frozen=True)
+class SessionClosed(Event):
+    """The session closed: its workers are stopped; the last event a subscriber gets."""
+
+    kind: ClassVar[str] = "closed"
+    session: str  # its id
+
+
+@dataclass(frozen=True)
 class LinesDropped(Event):
     """This subscriber fell behind and missed `count` output lines."""
 
@@ -102,13 +111,9 @@ class _Subscription:
 
     def put(self, event: Event | None) -> None:
         with self._ready:
-            if isinstance(event, OutputLine) and len(self._queue) >= MAX_BACKLOG:
-                self._dropped += 1
+            if isinstance(event, (OutputLine, Progress)) and len(self._queue) >= MAX_BACKLOG:
+                self._dropped += isinstance(event, OutputLine)
                 return
-            if self._dropped and len(self._queue) < MAX_BACKLOG:
-                self._queue.append(LinesDropped(self._dropped))
-                self._published += 1
-                self._dropped = 0
             self._queue.append(event)
             self._published += 1
             self._ready.notify()
@@ -129,6 +134,12 @@ class _Subscription:
                 while not self._queue:
                     self._ready.wait()
                 event = self._queue.popleft()
+                if self._dropped and event is not None and len(self._queue) < MAX_BACKLOG // 2:
+                    # Caught up enough: say what was missed, before what comes next.
+                    self._queue.appendleft(event)
+                    event = LinesDropped(self._dropped)
+                    self._published += 1
+                    self._dropped = 0
             if event is None:
                 with self._ready:
                     self._handled += 1
@@ -150,11 +161,14 @@ class EventBus:
         self._name = name
         self._subscriptions: list[_Subscription] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Deliver every event from now on to `callback`; returns the function that ends that."""
-        subscription = _Subscription(callback, f"{self._name}-events-{len(self._subscriptions)}")
         with self._lock:
+            if self._closed:
+                return lambda: None  # nothing will ever be published again
+            subscription = _Subscription(callback, f"{self._name}-events-{len(self._subscriptions)}")
             self._subscriptions.append(subscription)
 
         def unsubscribe() -> None:
@@ -192,6 +206,7 @@ class EventBus:
         """Deliver what is queued (for at most `timeout` s), then end every delivery thread."""
         with self._lock:
             subscriptions, self._subscriptions = self._subscriptions, []
+            self._closed = True
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
         for subscription in subscriptions:

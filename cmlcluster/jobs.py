@@ -119,7 +119,7 @@ class Job:
         name: str,
         on_failure: Callable[[JobFailure], None] | None = None,
     ):
-        """on_failure(failure) runs once, on the session's thread, after the other members were told to stop."""
+        """on_failure(failure) runs once, on an event thread, after the other members were told to stop."""
         self.session = session
         self._on_failure = on_failure
         self.name = name
@@ -155,6 +155,7 @@ class Job:
                 return
             member = self._by_id[record["id"]]
             self.failure = JobFailure.of(member, record, _tail(self.session, member.worker_id))
+            callback = self._on_failure  # taken under the lock: on_failure() then sees the failure and leaves it
         others = [m.worker_id for m in self.members if m is not member]
         log.warning(
             "cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, self.failure, len(others)
@@ -162,14 +163,15 @@ class Job:
         self.session.stop_workers_soon(*others, grace=FAILED_JOB_STOP_GRACE)
         self.session.publish(JobChanged(self.name, "failed", tuple(self.members), (self.failure,)))
         self.failed.set()
-        if self._on_failure is not None:
-            self._on_failure(self.failure)
+        if callback is not None:
+            callback(self.failure)
 
     def on_failure(self, callback: Callable[[JobFailure], None]) -> None:
         """Call `callback(failure)` once when the job fails (at once if it already has)."""
         with self._lock:
-            self._on_failure = callback
             failure = self.failure
+            if failure is None:
+                self._on_failure = callback  # _check calls it
         if failure is not None:
             callback(failure)
 

@@ -22,22 +22,26 @@ from .events import OutputLine, Progress
 MARKER = "@cmlcluster-progress "  # a line starting with this (after any prefix) is a report
 
 
-def report(step: float, total: float | None = None, *, task: str | None = None, **metrics: float) -> None:
+def report(
+    step: float, total: float | None = None, *, task: str | None = None, session: Any = None, **metrics: float
+) -> None:
     """Report a training step (`total` steps in all, if known) and its metrics (numbers), e.g. loss=0.3.
 
     task names the reporter in the UI; by default the Horovod rank, the TensorFlow task
-    (from TF_CONFIG), "coordinator" in the session's process, or the worker's id.
+    (from TF_CONFIG), "coordinator" in the session's process, or the worker's id. In the
+    session's process, the report goes to `session`, by default the newest open one.
     """
     progress = make_progress(step, total, task, metrics)
-    from .session import live_sessions  # here: progress is imported by workers that never start one
-
-    sessions = live_sessions()
-    if sessions and not _in_worker():
-        for session in sessions:
-            session.publish(progress)
-        return
     if _in_worker():
         print(MARKER + encode(progress), flush=True)
+        return
+    if session is None:
+        from .session import live_sessions  # here: workers import this module and never start a session
+
+        sessions = live_sessions()
+        session = sessions[-1] if sessions else None
+    if session is not None:
+        session.publish(progress)
     else:
         print(f"{progress.task}: {describe(progress)}", flush=True)
 
@@ -61,8 +65,11 @@ def _number(name: str, value: Any) -> float:
 
 
 def _in_worker() -> bool:
-    """Whether this process's stdout reaches a session: a worker, or a rank horovodrun relays."""
-    return "CDSW_ENGINE_ID" in os.environ or "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+    """Whether this process's stdout reaches a session: a worker (or its children), or a rank horovodrun relays.
+
+    Not CDSW_ENGINE_ID: CML sets it in the notebook's own session too.
+    """
+    return any(name in os.environ for name in ("CMLCLUSTER_ENGINE_ID", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"))
 
 
 def _task_name() -> str:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import shutil
 import signal
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,8 @@ from .events import Event, WorkerStatus
 
 if TYPE_CHECKING:
     from .session import Session
+
+log = logging.getLogger("cmlcluster")
 
 
 def folder() -> str:
@@ -41,15 +46,24 @@ class Recorder:
         self.path = os.path.join(folder(), f"{session.id}.json")
         self._workers: dict[str, dict[str, Any]] = {}
         self._started = time.time()
+        self._lock = threading.Lock()  # a write in flight never recreates the record after close()
+        self._closed = False
         self._write()
         self._unsubscribe = session.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, WorkerStatus) and not self.session.closed:
-            w = event.worker
+        if not isinstance(event, WorkerStatus):
+            return
+        w = event.worker
+        with self._lock:
+            if self._closed:
+                return
             self._workers[w["id"]] = {k: w.get(k) for k in ("id", "status", "ip_address", "hostname", "exit_code")}
             self._workers[w["id"]]["pid"] = self.session.worker_pid(w["id"])
-            self._write()
+            try:
+                self._write()
+            except OSError as e:
+                log.warning("cmlcluster: could not update %s (cmlcluster list will not show it): %s", self.path, e)
 
     def _write(self) -> None:
         record = {
@@ -68,8 +82,10 @@ class Recorder:
 
     def close(self) -> None:
         self._unsubscribe()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)
+        with self._lock:
+            self._closed = True
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
 
 
 def records() -> list[dict[str, Any]]:
@@ -101,32 +117,38 @@ def alive(pid: int) -> bool:
 
 
 def clean(record: dict[str, Any], dry_run: bool = False) -> list[str]:
-    """End what a dead session's record lists on this machine (worker processes, its folder); what was done."""
+    """End what a dead session of this machine left (its worker processes, its folder); says what it did."""
+    if record.get("alive") or record.get("host") != socket.gethostname():
+        return []  # a live session's, or another machine's (a shared home folder): not ours to end
     done = []
+    session_id = str(record["id"])
     for worker in record.get("workers", []):
         pid = worker.get("pid")
-        if pid and _is_agent(pid):
+        if pid and _is_worker_of(pid, session_id):
             done.append(f"worker {worker['id']} (pid {pid})")
             if not dry_run:
-                with contextlib.suppress(ProcessLookupError):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)  # local workers lead their process group
     session_dir = record.get("session_dir")
-    if session_dir and os.path.isdir(session_dir):
-        done.append(f"folder {session_dir}")
-        if not dry_run:
-            import shutil
-
-            shutil.rmtree(session_dir, ignore_errors=True)
+    # Only the session's own folder (cmlcluster-<id>-...), whatever else a record may say.
+    if session_dir and os.path.basename(session_dir).startswith(f"cmlcluster-{session_id}-"):
+        if os.path.isdir(session_dir):
+            done.append(f"folder {session_dir}")
+            if not dry_run:
+                shutil.rmtree(session_dir, ignore_errors=True)
     if not dry_run:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder(), f"{record['id']}.json"))
     return done
 
 
-def _is_agent(pid: int) -> bool:
-    """Whether pid is still a cmlcluster worker (and not a process that got its pid since)."""
+def _is_worker_of(pid: int, session_id: str) -> bool:
+    """Whether pid is still a worker of that session (not a process that got its pid since)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"cmlcluster.agent" in f.read()
+            if b"cmlcluster.agent" not in f.read():
+                return False
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"CDSW_MASTER_ID={session_id}".encode() in f.read().split(b"\0")
     except OSError:
         return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -27,7 +28,7 @@ from ._aio import LoopThread
 from .backends import Backend, SessionContext, make_backend
 from .control import ControlPlane, IPyParallelControl
 from .errors import BackendError, CmlClusterError, ConfigError, WorkerError
-from .events import Event, EventBus, LaunchFailed, OutputLine, Subscriber, WorkerStatus
+from .events import Event, EventBus, LaunchFailed, OutputLine, SessionClosed, Subscriber, WorkerStatus
 from .progress import output_event
 from .workers import (
     FAILED,
@@ -68,6 +69,7 @@ T = TypeVar("T")
 DRAIN_TIMEOUT = 1.0  # how long a sync call waits for subscribers to show what happened during it
 
 _live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+_serials = itertools.count()
 
 # Called with every new session that shows itself (echo=True): the UI layer registers here, so
 # that the session never chooses or imports a UI (cmlcluster.ui.attach).
@@ -75,8 +77,8 @@ viewers: list[Callable[[Session], None]] = []
 
 
 def live_sessions() -> list[Session]:
-    """The sessions of this process that are open."""
-    return [s for s in list(_live_sessions) if not s.closed]
+    """The sessions of this process that are open, oldest first."""
+    return sorted((s for s in list(_live_sessions) if not s.closed), key=lambda s: s._serial)
 
 
 @atexit.register
@@ -99,6 +101,7 @@ class Session:
         """echo: show the session (its workers, their output, training progress) with the UI
         registered in `viewers`: widgets in a notebook, progress bars or text in a terminal."""
         self.id = secrets.token_hex(3)
+        self._serial = next(_serials)
         self.backend = make_backend(backend, **backend_options)
         self._loop = LoopThread(name=f"cmlcluster-{self.id}")
         self._dir: str | None = None
@@ -308,6 +311,10 @@ class Session:
         if not self.closed:
             self._events.publish(event)
 
+    def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
+        """Wait (at most `timeout` s) until subscribers have handled every event so far."""
+        self._events.drain(timeout)
+
     def on_show(self, callback: Callable[[], None]) -> None:
         """Call `callback()` in the caller's thread whenever a call starts workers (launch_workers, and
         the frameworks through it), so that a UI can show itself where that call was made."""
@@ -340,6 +347,7 @@ class Session:
             self._loop.run(self._close(), timeout=60)
         finally:
             self._loop.stop()
+            self._events.publish(SessionClosed(self.id))
             self._events.close()
             if self._record is not None:
                 self._record.close()
@@ -362,6 +370,7 @@ class Session:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a core coroutine for a sync caller; what it caused is shown before the call returns."""
+        self._check_open()
         try:
             return self._loop.run(coro)
         finally:

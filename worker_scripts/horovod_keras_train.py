@@ -53,6 +53,12 @@ callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.Me
 if hvd.rank() == 0:
     os.makedirs(options.checkpoint_dir, exist_ok=True)
     callbacks.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(options.checkpoint_dir, "model-{epoch}.keras")))
+try:
+    import cmlcluster
+
+    callbacks.append(cmlcluster.keras_callback())  # each rank's progress and loss, live in the session
+except ImportError:
+    pass  # run without cmlcluster: no progress reports
 
 history = model.fit(
     dataset, epochs=options.epochs, steps_per_epoch=options.steps_per_epoch, callbacks=callbacks, verbose=0

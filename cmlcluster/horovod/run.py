@@ -151,7 +151,7 @@ def run_horovod(
     horovodrun = _horovodrun()
     owned = session is None and backend is not None and not reuse
     if session is None:
-        session = _session_for(backend, reuse)
+        session = _session_for(backend, reuse, echo)
     cluster: SSHCluster | None = None
     view = session if echo else None
     if view is not None:
@@ -212,7 +212,7 @@ def _remote_driver_env(ssh: SessionSSH, env: Mapping[str, str] | None) -> dict[s
     return driver
 
 
-def _session_for(backend: str | Backend | None, reuse: bool) -> Session:
+def _session_for(backend: str | Backend | None, reuse: bool, echo: bool) -> Session:
     """The default session; or, for backend= without reuse, a session of its own (closed after the run).
 
     Workers kept for reuse live in the default session, so that the next run finds them and
@@ -223,7 +223,7 @@ def _session_for(backend: str | Backend | None, reuse: bool) -> Session:
     if backend is None:
         return get_session()
     if not reuse:
-        return Session(backend)
+        return Session(backend, echo=echo)
     session = get_session()
     same = session.backend is backend or (isinstance(backend, str) and session.backend.name == backend)
     if not same:
@@ -365,6 +365,8 @@ def _execute(
         reader.join(5)
         assert process.stdin is not None
         process.stdin.close()
+        if view is not None:
+            view.drain()  # the ranks' last lines are shown before what follows
     result.worker_failure = job.failure if job is not None else None
     result.exit_code = process.returncode
     result.duration = time.monotonic() - started

@@ -3,6 +3,8 @@
 With bars (tqdm, on a terminal), workers coming up and each task's training are
 progress bars, and output lines are written above them. Without, everything is a
 plain line, and progress is printed at most every PROGRESS_EVERY seconds a task.
+Workers' output goes to the stream it was printed on; cmlcluster's own lines (statuses,
+progress, jobs) go to stderr, so that a script's stdout stays its own.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..events import Event, JobChanged, LaunchFailed, LinesDropped, OutputLine, Progress, WorkerStatus
+from ..events import Event, JobChanged, LaunchFailed, LinesDropped, OutputLine, Progress, SessionClosed, WorkerStatus
 from ..progress import describe
 from ..workers import FAILED, RUNNING
 
@@ -30,6 +32,7 @@ class TerminalView:
         self._lock = threading.Lock()
         self._labels: dict[str, str] = {}  # worker id -> "worker 0" once a job names it
         self._status: dict[str, str] = {}
+        self._up: set[str] = set()  # workers that came up (ran), whatever happened since
         self._last_line: dict[str, float] = {}
         self._up_bar: Any = None
         self._task_bars: dict[str, Any] = {}
@@ -46,11 +49,14 @@ class TerminalView:
             elif isinstance(event, JobChanged):
                 self._on_job(event)
             elif isinstance(event, LaunchFailed):
-                self._write(f"[cmlcluster] {event.message}", "stderr")
+                self._write(f"[cmlcluster] {event.message}")
             elif isinstance(event, LinesDropped):
-                self._write(f"[cmlcluster] {event.count} output lines not shown (the display fell behind)", "stderr")
+                self._write(f"[cmlcluster] {event.count} output lines not shown (the display fell behind)")
+            elif isinstance(event, SessionClosed):
+                self._close_bars()
 
-    def _write(self, line: str, stream: str = "stdout") -> None:
+    def _write(self, line: str, stream: str = "stderr") -> None:
+        """A line on stderr (cmlcluster's own: statuses, progress), or a worker's line on its stream."""
         out: TextIO = sys.stderr if stream == "stderr" else sys.stdout
         if self._bars and (self._up_bar is not None or self._task_bars):
             from tqdm import tqdm
@@ -63,6 +69,8 @@ class TerminalView:
         worker_id, status = worker["id"], worker["status"]
         before = self._status.get(worker_id)
         self._status[worker_id] = status
+        if worker.get("running_at"):
+            self._up.add(worker_id)
         if status == before:
             return
         name = self._labels.get(worker_id, worker_id)
@@ -71,7 +79,7 @@ class TerminalView:
             detail = f" on {where} ({worker['ip_address']})" if where else f" at {worker['ip_address']}"
             self._line(f"[{name}] running{detail}")
         elif status == FAILED:
-            self._write(f"[{name}] failed: {worker.get('message') or ''}".rstrip(": "), "stderr")
+            self._write(f"[{name}] failed: {worker.get('message') or ''}".rstrip(": "))
         elif before is not None or status != "scheduling":
             self._line(f"[{name}] {status}")
         if self._bars and (status == "scheduling" or self._up_bar is not None):
@@ -86,16 +94,16 @@ class TerminalView:
         from tqdm import tqdm
 
         total = len(self._status)
-        up = sum(1 for s in self._status.values() if s != "scheduling")
+        up = len(self._up)
         if self._up_bar is None:
             self._up_bar = tqdm(total=total, desc="workers up", unit="worker", leave=False, file=sys.stderr)
         self._up_bar.total = total
         self._up_bar.n = up
         self._up_bar.refresh()
-        if up == total:
+        if "scheduling" not in self._status.values():  # every worker came up, or will not
             self._up_bar.close()
             self._up_bar = None
-            self._write(f"[cmlcluster] {total} workers up")
+            self._write(f"[cmlcluster] {up} of {total} workers up")
 
     def _on_progress(self, progress: Progress) -> None:
         task = self._labels.get(progress.task, progress.task)
@@ -131,12 +139,16 @@ class TerminalView:
             self._write(f"[cmlcluster] {event.job} started: {len(event.members)} workers")
         elif event.state == "failed":
             for failure in event.failures:
-                self._write(f"[cmlcluster] {event.job} failed: {failure}", "stderr")
+                self._write(f"[cmlcluster] {event.job} failed: {failure}")
         else:
-            for bar in self._task_bars.values():
-                bar.close()
-            self._task_bars.clear()
+            self._close_bars()
             self._write(f"[cmlcluster] {event.job} finished")
+
+    def _close_bars(self) -> None:
+        for bar in [*self._task_bars.values(), *([self._up_bar] if self._up_bar is not None else [])]:
+            bar.close()
+        self._task_bars.clear()
+        self._up_bar = None
 
 
 def _whole(number: float) -> float | int:

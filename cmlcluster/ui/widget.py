@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
-from ..events import Event, JobChanged, LaunchFailed, LinesDropped, OutputLine, Progress, WorkerStatus
+from ..events import (
+    Event,
+    JobChanged,
+    LaunchFailed,
+    LinesDropped,
+    OutputLine,
+    Progress,
+    SessionClosed,
+    WorkerStatus,
+)
 from ..progress import describe
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
 from . import _ipython
@@ -53,6 +62,7 @@ class WidgetView:
         self._output: dict[str, deque[str]] = {}  # source -> last lines
         self._notes: list[str] = []
         self._shown_in: object = None
+        self._closed = threading.Event()  # the session closed: one last render, then the thread ends
         self.updates = 0  # renders that changed the widgets (the bench and tests read it)
 
         self.title = w.HTML()
@@ -123,6 +133,8 @@ class WidgetView:
                 self._rows[record["id"]] = record
                 if record["status"] == RUNNING:
                     self._running_since.setdefault(record["id"], time.time())
+                else:
+                    self._running_since.pop(record["id"], None)  # its uptime no longer moves
             elif isinstance(event, OutputLine):
                 lines = self._output.setdefault(event.source, deque(maxlen=OUTPUT_LINES))
                 lines.append(event.text)
@@ -138,6 +150,8 @@ class WidgetView:
                 self._notes.append(event.message)
             elif isinstance(event, LinesDropped):
                 self._notes.append(f"{event.count} output lines not shown (the display fell behind)")
+            elif isinstance(event, SessionClosed):
+                self._closed.set()
         self._dirty.set()
 
     def _on_progress(self, progress: Progress) -> None:
@@ -160,18 +174,21 @@ class WidgetView:
     # ---------------------------------------------------------------- rendering
 
     def _render_loop(self) -> None:
-        while not self.session.closed:
+        while not self._closed.is_set():
             # Woken by a change, or each second while workers run (their uptime moves).
             changed = self._dirty.wait(timeout=1.0)
             if not changed and not self._running_since:
                 continue
             self._dirty.clear()
-            try:
-                self._render()
-            except Exception:
-                self.errors.append_stderr(traceback.format_exc())
+            self._render_guarded()
             time.sleep(1 / RENDER_HZ)
-        self._render()  # the final state: stopped rows
+        self._render_guarded()  # the final state: stopped rows, "closed"
+
+    def _render_guarded(self) -> None:
+        try:
+            self._render()
+        except Exception:
+            self.errors.append_stderr(traceback.format_exc())
 
     def _render(self) -> None:
         with self._lock:
@@ -185,7 +202,7 @@ class WidgetView:
             output = list(self._output.get(selected, ())) if selected else []
             notes = list(self._notes)
         now = time.time()
-        up = sum(1 for r in rows if r["status"] != "scheduling")
+        up = sum(1 for r in rows if r.get("running_at"))  # came up, whatever happened since
         session = self.session
         state = "closed" if session.closed else f"{up} of {len(rows)} workers up"
         self.title.value = f"<b>cmlcluster session {session.id}</b> on <code>{session.backend.name}</code>: {state}"

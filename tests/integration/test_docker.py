@@ -198,7 +198,7 @@ def test_cleanup_removes_containers_of_dead_sessions_only(client):
         out = subprocess.run(
             [sys.executable, "-m", "cmlcluster", "cleanup"], capture_output=True, text=True, check=True
         ).stdout
-        assert f"removed {orphan.name}" in out
+        assert f"ended container {orphan.name}" in out
         names = [c.name for c in client.containers.list(all=True, filters={"label": "cmlcluster.session=feed00"})]
         assert names == [alive.name]
     finally:

@@ -141,9 +141,11 @@ def test_without_a_terminal_the_same_run_prints_text(tmp_path):
     result = subprocess.run([sys.executable, "-c", TERMINAL_RUN], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "%|" not in result.stdout + result.stderr  # no bars into a pipe
-    assert len(re.findall(r"^\[\w+-[01]\] running on ", result.stdout, re.M)) == 2
-    assert len(re.findall(r"^\[\w+-[01]\] step 20/20 loss=0.5$", result.stdout, re.M)) == 2
-    assert len(re.findall(r"^\[\w+-[01]\] succeeded$", result.stdout, re.M)) == 2
+    # The workers' output on stdout; cmlcluster's own lines on stderr.
+    assert len(re.findall(r"^\[\w+-[01]\] trained$", result.stdout, re.M)) == 2, result.stdout
+    assert len(re.findall(r"^\[\w+-[01]\] running on ", result.stderr, re.M)) == 2, result.stderr
+    assert len(re.findall(r"^\[\w+-[01]\] step 20/20 loss=0.5$", result.stderr, re.M)) == 2
+    assert len(re.findall(r"^\[\w+-[01]\] succeeded$", result.stderr, re.M)) == 2
 
 
 @pytest.fixture
@@ -258,3 +260,43 @@ def test_cli_help_names_every_command():
         assert re.search(rf"^    {command}\b", text, re.M), text
         sub = subprocess.run([CLI, command, "--help"], capture_output=True, text=True, check=True).stdout
         assert sub.startswith(f"usage: cmlcluster {command}")
+
+
+def test_cli_horovod_runs_ranks_with_their_output_and_progress():
+    script = ROOT / "worker_scripts" / "horovod_keras_train.py"
+    result = subprocess.run(
+        [CLI, "horovod", "-np", "2", "--cpu", "0.5", str(script), "--epochs", "2", "--steps-per-epoch", "5"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert re.search(rf"^\[rank {rank}\] rank {rank}: loss [\d.]+ -> [\d.]+$", result.stdout, re.M), result.stdout
+        assert re.search(rf"^\[rank {rank}\] step 10/10 loss=", result.stderr, re.M), result.stderr
+    assert "@cmlcluster-progress" not in result.stdout + result.stderr
+
+
+def test_cli_run_cluster_runs_clouderas_worker_script(tmp_path):
+    result = subprocess.run(
+        [
+            CLI,
+            "run-cluster",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            "--cpu",
+            "0.5",
+            str(ROOT / "worker_scripts" / "tf_ps_train.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "TRAIN_STEPS": "60"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^\[worker 0\] worker 0: done, \d+ steps, final loss [\d.]+$", result.stdout, re.M), result.stdout
+    assert result.stdout.splitlines()[-1] == "2 of 2 worker tasks succeeded"

@@ -107,3 +107,44 @@ def test_close_ends_every_delivery_thread():
     bus.publish(line(0))
     bus.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("closing-events")]
+
+
+def test_report_in_the_sessions_process_goes_to_the_newest_open_session_or_the_one_named(monkeypatch):
+    from cmlcluster import Session, report
+    from cmlcluster.backends.fake import FakeBackend
+    from cmlcluster.events import Progress
+
+    for name in ("CMLCLUSTER_ENGINE_ID", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "TF_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CDSW_ENGINE_ID", "cml-notebook")  # CML sets it in the notebook too: not a worker
+    with Session(FakeBackend([]), echo=False) as older, Session(FakeBackend([]), echo=False) as newer:
+        seen = {older.id: [], newer.id: []}
+        older.subscribe(seen[older.id].append)
+        newer.subscribe(seen[newer.id].append)
+        report(1, 10, loss=0.5)
+        report(2, 10, session=older, loss=0.4)
+        older.drain()
+        newer.drain()
+        assert seen[newer.id] == [Progress("coordinator", 1.0, 10.0, {"loss": 0.5}, seen[newer.id][0].time)]
+        assert [(p.task, p.step) for p in seen[older.id]] == [("coordinator", 2.0)]
+
+
+def test_report_in_a_worker_is_a_marked_line_and_bad_values_are_refused(monkeypatch, capsys):
+    import pytest
+
+    from cmlcluster import ConfigError, report
+    from cmlcluster.progress import decode
+
+    monkeypatch.setenv("CMLCLUSTER_ENGINE_ID", "3")
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {}, "task": {"type": "worker", "index": 1}}')
+    report(3, 9, accuracy=0.75)
+    line = capsys.readouterr().out.strip()
+    progress = decode(f"[1,0]<stdout>:{line}", "w-3")  # as horovodrun would relay it
+    assert (progress.task, progress.step, progress.total, dict(progress.metrics)) == (
+        "worker 1",
+        3,
+        9,
+        {"accuracy": 0.75},
+    )
+    with pytest.raises(ConfigError, match=r"report\(loss='high'\): give a number"):
+        report(1, loss="high")

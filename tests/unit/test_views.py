@@ -122,10 +122,10 @@ def test_terminal_view_prints_status_output_and_throttled_progress(capsys):
             s.publish(Progress("rank 0", step, 100, {"loss": 1.0 / step}))
         s.stop_workers()
     out, err = capsys.readouterr()
-    assert f"[{w['id']}] running on fake-0 (10.0.0.1)" in out
-    assert f"[{w['id']}] hello" in out
+    assert f"[{w['id']}] hello" in out  # the worker's output on its stream, cmlcluster's lines on stderr
+    assert f"[{w['id']}] running on fake-0 (10.0.0.1)" in err
     assert f"[{w['id']}] failed: worker {w['id']} exited with code 2" in err
-    progress = [line for line in out.splitlines() if line.startswith("[rank 0] step")]
+    progress = [line for line in err.splitlines() if line.startswith("[rank 0] step")]
     assert progress[0] == "[rank 0] step 1/100 loss=1"
     assert progress[-1] == "[rank 0] step 100/100 loss=0.01"
     assert len(progress) <= 3  # throttled: first, last, perhaps one between
