@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -141,7 +142,9 @@ class IPyParallelControl(ControlPlane):
         assert self._process is not None and self._loop is not None
         deadline = self._loop.time() + CONTROLLER_START_TIMEOUT
         # ipcontroller writes its connection files once it listens; there is no event to wait on.
-        while not (os.path.exists(client_file) and os.path.exists(self._engine_file)):
+        # A file that exists may not be written yet (open, then write): wait until both parse,
+        # or a worker would be handed an empty connection and look for a file it cannot see.
+        while not (_written(client_file) and _written(self._engine_file)):
             if self._process.poll() is not None:
                 raise ControllerError(
                     f"the ipyparallel controller exited with code {self._process.returncode} "
@@ -272,3 +275,13 @@ def _tail(path: str, lines: int = 20) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
+
+
+def _written(path: str) -> bool:
+    """Whether a connection file is there and whole (it parses as JSON)."""
+    try:
+        with open(path) as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return False
+    return True

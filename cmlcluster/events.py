@@ -130,28 +130,28 @@ class _Subscription:
 
     def _deliver(self) -> None:
         while True:
+            # Everything queued at once: one lock round per batch, not per event (floods come in batches).
             with self._ready:
                 while not self._queue:
                     self._ready.wait()
-                event = self._queue.popleft()
-                if self._dropped and event is not None and len(self._queue) < MAX_BACKLOG // 2:
-                    # Caught up enough: say what was missed, before what comes next.
-                    self._queue.appendleft(event)
-                    event = LinesDropped(self._dropped)
+                batch = list(self._queue)
+                self._queue.clear()
+                if self._dropped:  # caught up: say what was missed, before what comes next
+                    batch.insert(len(batch) - (batch[-1] is None), LinesDropped(self._dropped))
                     self._published += 1
                     self._dropped = 0
-            if event is None:
-                with self._ready:
-                    self._handled += 1
-                    self._ready.notify_all()
-                return
-            try:
-                self.callback(event)
-            except Exception:
-                log.exception("cmlcluster: a subscriber (%r) failed on %s", self.callback, event)
+            for event in batch:
+                if event is None:
+                    break
+                try:
+                    self.callback(event)
+                except Exception:
+                    log.exception("cmlcluster: a subscriber (%r) failed on %s", self.callback, event)
             with self._ready:
-                self._handled += 1
+                self._handled += len(batch)
                 self._ready.notify_all()
+            if None in batch:
+                return
 
 
 class EventBus:

@@ -30,7 +30,7 @@ from ..events import (
 )
 from ..progress import describe
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
-from . import _ipython
+from . import _ipython, in_kernel
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -101,9 +101,11 @@ class WidgetView:
     # ---------------------------------------------------------------- showing
 
     def show(self) -> None:
-        """Display the widget in the cell now running, once per cell."""
+        """Display the widget in the cell now running, once per cell (nowhere outside a kernel)."""
         from IPython.display import display
 
+        if not in_kernel():
+            return
         shell = _ipython()
         header = getattr(shell, "parent_header", None) or {}
         cell = header.get("header", {}).get("msg_id") or getattr(shell, "execution_count", None)
@@ -152,7 +154,8 @@ class WidgetView:
                 self._notes.append(f"{event.count} output lines not shown (the display fell behind)")
             elif isinstance(event, SessionClosed):
                 self._closed.set()
-        self._dirty.set()
+        if not self._dirty.is_set():  # cheap when it is: a flood sets it once per render
+            self._dirty.set()
 
     def _on_progress(self, progress: Progress) -> None:
         self._progress[progress.task] = progress

@@ -84,7 +84,12 @@ def test_kernel_shutdown_stops_workers(kernel, wait_gone):
     assert wait_gone(pids, within=30) == []
 
 
-RUN_CLUSTER_FOREVER = """
+# The tests read the workers' output from the cell's stream: the session shows itself as text there.
+AS_TEXT = "import sys\nsys.modules['ipywidgets'] = None  # unimportable: text output, not the widget\n"
+
+RUN_CLUSTER_FOREVER = (
+    AS_TEXT
+    + """
 import pathlib, tempfile
 import cmlcluster as cdsw
 script = pathlib.Path(tempfile.mkdtemp(dir={shared!r})) / "forever.py"
@@ -92,8 +97,11 @@ script.write_text("def run(cluster, server, task_index):\\n    import time\\n   
                   "    time.sleep(600)\\n")
 cdsw.run_cluster(n_workers=2, n_ps=1, cpu=0.5, memory=1, worker_script=str(script))
 """
+)
 
-HOROVOD_FOREVER = """
+HOROVOD_FOREVER = (
+    AS_TEXT
+    + """
 import pathlib, tempfile
 import cmlcluster as cdsw
 from cmlcluster.backends.docker import DockerBackend
@@ -104,6 +112,7 @@ cdsw.use_backend(DockerBackend(image={image!r}, host_python=True, volumes={{{sha
 %load_ext cmlcluster
 %horovod -np 2 --cpu 0.5 $script
 """
+)
 
 
 def interrupt_once_training(km, kc, code: str, expected: int) -> tuple[dict, str]:

@@ -14,15 +14,27 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
 def execute(name: str) -> list[str]:
-    """Run notebooks/<name> in a fresh kernel from the repository root; return each code cell's text output."""
+    """Run notebooks/<name> in a fresh kernel from the repository root; return each code cell's text output.
+
+    A cell that displayed the session's widget has "<widget>" in its text (what the widget shows is
+    checked through trait values in test_ui.py, and in a browser in tests/browser).
+    """
     notebook = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     texts = []
     for cell in notebook.cells:
         if cell.cell_type == "code":
             texts.append(
-                "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.get("outputs", []))
+                "".join(
+                    "<widget>\n"
+                    if WIDGET in o.get("data", {})
+                    else o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                    for o in cell.get("outputs", [])
+                )
             )
     return texts
 
@@ -47,10 +59,31 @@ def test_horovod_notebook_runs_allreduce_and_cleans_up(backend, monkeypatch):
     monkeypatch.setenv("CMLCLUSTER_DOCKER_IMAGE", DOCKER_TEST_IMAGE)
     monkeypatch.setenv("CMLCLUSTER_DOCKER_HOST_PYTHON", "1")
     _, training, summary, left = execute("horovod.ipynb")
-    assert "[rank 0] rank 0 of size 2" in training and "[rank 1] rank 1 of size 2" in training
-    checksums = re.findall(r"rank \d: weights checksum (\S+)", summary)
+    assert training == "<widget>\n"  # the ranks' output and progress are in the widget
+    assert re.search(r"^rank 0 of size 2 on host \S+: weights checksum", summary, re.M), summary
+    assert re.search(r"^rank 1 of size 2 on host \S+: weights checksum", summary, re.M), summary
+    checksums = re.findall(r"weights checksum (\S+)", summary)
     assert len(checksums) == 2 and checksums[0] == checksums[1], summary
     assert "exit code: 0" in summary
     hosts = re.search(r"hosts: (.*)", summary).group(1)
     assert hosts == "[('localhost', 2)]" if backend == "local" else hosts.count(", 1)") == 2
     assert left.strip() in ("no workers", "['stopped']")
+
+
+def test_worker_api_notebook_runs_cml_calls_unchanged():
+    _, launch, idle, pids, stopped = execute("worker_api.ipynb")
+    assert launch == "<widget>\n['succeeded', 'succeeded'] []\n", launch  # the widget, once, then the result
+    assert idle == "<widget>\nrunning: 2 addresses known: True\n"  # each launching cell shows it
+    assert pids == "worker processes: 2\n"
+    assert stopped == "['stopped', 'succeeded']\n"
+
+
+def test_hyperparameter_search_notebook_spreads_configurations_over_workers():
+    ready, trained, table, plot, stopped = execute("hyperparameter_search.ipynb")
+    assert ready == "<widget>\n3 workers ready\n"
+    assert re.fullmatch(r"12 configurations trained on [23] workers\n", trained), trained
+    best = re.search(r"best: learning_rate=([\d.]+) epochs=(\d+) loss=([\d.]+)", table)
+    assert best and float(best.group(1)) >= 0.2 and best.group(2) == "400" and float(best.group(3)) < 0.01, table
+    assert "learning_rate" in table and "worker" in table  # the DataFrame
+    assert plot == "<widget>\n"  # the bqplot figure
+    assert stopped == "['stopped']\n"

@@ -84,7 +84,8 @@ def test_a_subscriber_far_behind_misses_output_lines_and_is_told_how_many(monkey
     dropped = [e for e in got if isinstance(e, LinesDropped)]
     assert status in got
     assert len(kept) + sum(d.count for d in dropped) == 301
-    assert dropped and dropped[0].count == 300 - 100
+    # The first line may have been taken before the subscriber stalled: 199 or 200 were dropped.
+    assert dropped and sum(d.count for d in dropped) in (199, 200)
     bus.close()
 
 

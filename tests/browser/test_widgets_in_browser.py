@@ -1,0 +1,101 @@
+"""The session widget as a user sees it: the notebooks run in JupyterLab, in headless Chromium."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from browser.jupyterlab import jupyter_lab, open_notebook, write_notebook
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Records every status each worker row shows, as the widget redraws its table.
+RECORD_STATUSES = """() => {
+  window.cmlclusterStatuses = {};
+  const record = () => document.querySelectorAll("table.cmlcluster-workers tr[data-worker]").forEach(row => {
+    const seen = (window.cmlclusterStatuses[row.dataset.worker] ||= []);
+    if (seen[seen.length - 1] !== row.dataset.status) seen.push(row.dataset.status);
+  });
+  new MutationObserver(record).observe(document.body, {subtree: true, childList: true, attributes: true});
+}"""
+
+
+def copy_notebook(name: str, folder: Path) -> None:
+    shutil.copy(ROOT / "notebooks" / name, folder / name)
+
+
+def test_worker_api_notebook_shows_rows_going_from_running_to_succeeded(tmp_path):
+    copy_notebook("worker_api.ipynb", tmp_path)
+    with jupyter_lab(tmp_path) as lab, open_notebook(lab, "worker_api.ipynb", artifact_name="worker_api") as nb:
+        nb.page.evaluate(RECORD_STATUSES)
+        nb.run_all(timeout=300)
+        seen = nb.page.evaluate("() => window.cmlclusterStatuses")
+        finished = {worker: statuses for worker, statuses in seen.items() if "succeeded" in statuses}
+        assert len(finished) == 2, seen  # the two workers with a program
+        for statuses in finished.values():
+            assert statuses.index("running") < statuses.index("succeeded"), seen
+        stopped = [worker for worker, statuses in seen.items() if statuses[-1] == "stopped"]
+        assert len(stopped) == 2, seen  # the idle ones, stopped by the last cell
+        assert nb.page.locator(".cmlcluster-session").count() == 2  # once per launching cell
+        nb.screenshot("done")
+        assert nb.errors() == []
+
+
+def test_parameter_server_notebook_draws_the_loss_curve(tmp_path):
+    copy_notebook("tensorflow_parameter_server.ipynb", tmp_path)
+    with (
+        jupyter_lab(tmp_path) as lab,
+        open_notebook(lab, "tensorflow_parameter_server.ipynb", artifact_name="parameter_server") as nb,
+    ):
+        nb.run_all(timeout=400)
+        paths = nb.page.evaluate(
+            "() => Array.from(document.querySelectorAll('.cmlcluster-loss path')).map(p => p.getAttribute('d') || '')"
+        )
+        assert max((d.count("L") for d in paths), default=0) >= 5, paths  # a line through 10 epochs' losses
+        assert nb.page.locator(".cmlcluster-loss").first.is_visible()
+        nb.page.locator(".cmlcluster-loss").first.scroll_into_view_if_needed()
+        nb.screenshot("loss-curve")
+        assert nb.errors() == []
+
+
+IDLE_CLUSTER = """\
+import cmlcluster as cdsw
+workers = cdsw.launch_workers(2, cpu=0.5, memory=0.5)
+ready = cdsw.await_workers(workers, wait_for_completion=False, timeout_seconds=120)
+print(*[cdsw.get_session().worker_pid(w) for w in ready["workers"]])
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_stop_button_stops_an_idle_cluster(tmp_path):
+    write_notebook(tmp_path, "idle.ipynb", [IDLE_CLUSTER])
+    with jupyter_lab(tmp_path) as lab, open_notebook(lab, "idle.ipynb", artifact_name="stop_button") as nb:
+        nb.run_all(timeout=180)
+        pids = [int(p) for p in nb.stdout(0).split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        rows = nb.page.locator("table.cmlcluster-workers tr[data-worker]")
+        assert rows.count() == 2
+        nb.page.locator(".cmlcluster-session button", has_text="Stop").click()
+        nb.page.wait_for_function(
+            "() => [...document.querySelectorAll('table.cmlcluster-workers tr[data-worker]')]"
+            ".every(row => row.dataset.status === 'stopped')",
+            timeout=30_000,
+        )
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+        nb.screenshot("stopped")
+        assert nb.errors() == []
