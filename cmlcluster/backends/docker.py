@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .. import registry
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
@@ -381,20 +382,10 @@ def cleanup(client: Any = None, *, dry_run: bool = False) -> list[str]:
         if labels.get(f"{LABEL}.host") != host:
             continue
         pid = int(labels.get(f"{LABEL}.pid", "0"))
-        if pid and _alive(pid):
+        if registry.alive(pid):
             continue
         removed.append(container.name)
         if not dry_run:
             with contextlib.suppress(Exception):
                 container.remove(force=True)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
