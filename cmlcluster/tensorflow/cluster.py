@@ -243,7 +243,9 @@ def start_cluster(
     job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds)
     with ExitStack() as undo:
         undo.callback(job.stop)
-        tasks = _place(session, job.members, port, session.backend.capabilities().own_address)
+        # Fixed ports only where no earlier cluster's address can come back to this process (see _place).
+        fixed = session.backend.capabilities().own_address and not coordinator
+        tasks = _place(session, job.members, port if fixed else None)
         # The coordinator runs here; workers reach this host where they reach the controller.
         chief = specs.join_address(session.controller_ip, free_ports(1)[0]) if coordinator else None
         if servers:
@@ -296,15 +298,17 @@ def run_cluster(
     return None, None
 
 
-def _place(session: Session, members: Sequence[Member], port: int, own_address: bool) -> list[TaskWorker]:
+def _place(session: Session, members: Sequence[Member], port: int | None) -> list[TaskWorker]:
     """Give each task an address: its worker's IP, and a port of its own on that IP.
 
-    Workers with addresses of their own (containers, pods) all use `port`. Where tasks share a
-    host's address (local processes, SSH hosts), each gets a port picked free on that host: fixed
-    ports there would collide with anything else on the host, and with an earlier cluster's
-    address, which a TensorFlow coordinator that lost that cluster keeps trying to reach.
+    With `port`, tasks use it (port, port+1, ... for tasks sharing an IP). With None, each gets a
+    port picked free on its worker's host. Fixed ports go wrong where tasks share a host's address
+    (anything else on the host may hold them), and in a cluster this process coordinates: a
+    TensorFlow coordinator that lost an earlier cluster keeps trying to reach its lost task (its
+    preemption handler, in update_server_def), and crashes the process when a new server answers
+    at that address, as a container given the dead one's IP would at a fixed port.
     """
-    if own_address:
+    if port is not None:
         ports = specs.assign_ports([m.address for m in members], port)
     else:
         by_address: dict[str, list[int]] = {}
