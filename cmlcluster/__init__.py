@@ -21,6 +21,7 @@ from .errors import BackendError, CmlClusterError, ConfigError, ControllerError,
 from .events import Event
 from .horovod import HorovodError, HorovodResult, run_horovod
 from .progress import keras_callback, report
+from .pytorch import TorchError, TorchResult, run_torch
 from .session import Session
 from .tensorflow import TFCluster, run_cluster, start_cluster
 from .workers import Program
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: object) -> None:
-    """%load_ext cmlcluster: the %horovod and %%horovod magics."""
+    """%load_ext cmlcluster: the %horovod, %%horovod, %torchrun and %%torchrun magics."""
     from .magics import load_ipython_extension as load
 
     load(ipython)
@@ -46,6 +47,8 @@ __all__ = [
     "Program",
     "Session",
     "TFCluster",
+    "TorchError",
+    "TorchResult",
     "WorkerError",
     "await_workers",
     "client",
@@ -57,6 +60,7 @@ __all__ = [
     "report",
     "run_cluster",
     "run_horovod",
+    "run_torch",
     "start_cluster",
     "stop_session",
     "stop_workers",

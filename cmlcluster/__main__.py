@@ -3,6 +3,7 @@
 cmlcluster demo          the main job: parameter-server training on local workers
 cmlcluster run-cluster   a TensorFlow cluster whose worker tasks run a script
 cmlcluster horovod       a script under horovodrun on fresh workers
+cmlcluster torchrun      a script under torchrun (PyTorch distributed) on fresh workers
 cmlcluster list          the sessions running on this machine, and their workers
 cmlcluster cleanup       end what sessions that no longer run left behind
 """
@@ -53,6 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     horovod.add_argument("script")
     horovod.add_argument("args", nargs=argparse.REMAINDER)
 
+    from .pytorch import options as torch_options
+
+    torchrun = commands.add_parser("torchrun", help="run a script under torchrun on fresh workers")
+    torch_options.add_options(torchrun)
+    torchrun.add_argument("script")
+    torchrun.add_argument("args", nargs=argparse.REMAINDER)
+
     commands.add_parser("list", help="the sessions running on this machine (any backend) and their workers")
 
     cleanup = commands.add_parser(
@@ -71,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "horovod":
             result = horovod_options.run(args, args.script, args.args)
             return result.exit_code
+        if args.command == "torchrun":
+            return torch_options.run(args, args.script, args.args).exit_code
         if args.command == "list":
             return list_sessions()
         return cleanup_sessions(args.dry_run)

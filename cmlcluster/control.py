@@ -238,11 +238,20 @@ class IPyParallelControl(ControlPlane):
 
         future, result = self._apply(engine_id, args, on_iopub)
         try:
-            return await asyncio.wrap_future(result)
-        finally:
-            # The reply can overtake the last output; ipyparallel resolves `output` on the idle message.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.wrap_future(future.output), OUTPUT_DRAIN_TIMEOUT)
+            value = await asyncio.wrap_future(result)
+        except asyncio.CancelledError:
+            raise  # given up on (its worker ended): no output to wait for
+        except BaseException:
+            await self._drain(future)
+            raise
+        await self._drain(future)
+        return value
+
+    @staticmethod
+    async def _drain(future: Any) -> None:
+        # The reply can overtake the last output; ipyparallel resolves `output` on the idle message.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.wrap_future(future.output), OUTPUT_DRAIN_TIMEOUT)
 
     async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
         args = (

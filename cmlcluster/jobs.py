@@ -148,23 +148,29 @@ class Job:
             self._check(event.worker)
 
     def _check(self, record: dict[str, Any]) -> None:
-        if record["status"] != FAILED or self.session.closed:
+        if record["status"] != FAILED or self.session.closed or self.failed.is_set():
             return  # succeeded or stopped on request: the job's owner decides what that means
+        member = self._by_id[record["id"]]
+        self.fail(JobFailure.of(member, record, _tail(self.session, member.worker_id)))
+
+    def fail(self, failure: JobFailure) -> None:
+        """Fail the job (once) and stop every other member at once.
+
+        Called when a member's worker fails, and by a framework that sees a member fail
+        while its worker goes on (a torchrun whose process failed, say).
+        """
         with self._lock:
             if self._finished or self.failure is not None:
                 return
-            member = self._by_id[record["id"]]
-            self.failure = JobFailure.of(member, record, _tail(self.session, member.worker_id))
+            self.failure = failure
             callback = self._on_failure  # taken under the lock: on_failure() then sees the failure and leaves it
-        others = [m.worker_id for m in self.members if m is not member]
-        log.warning(
-            "cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, self.failure, len(others)
-        )
+        others = [m.worker_id for m in self.members if m != failure.member]
+        log.warning("cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, failure, len(others))
         self.session.stop_workers_soon(*others, grace=FAILED_JOB_STOP_GRACE)
-        self.session.publish(JobChanged(self.name, "failed", tuple(self.members), (self.failure,)))
+        self.session.publish(JobChanged(self.name, "failed", tuple(self.members), (failure,)))
         self.failed.set()
         if callback is not None:
-            callback(self.failure)
+            callback(failure)
 
     def on_failure(self, callback: Callable[[JobFailure], None]) -> None:
         """Call `callback(failure)` once when the job fails (at once if it already has)."""

@@ -27,7 +27,7 @@ def report(
 ) -> None:
     """Report a training step (`total` steps in all, if known) and its metrics (numbers), e.g. loss=0.3.
 
-    task names the reporter in the UI; by default the Horovod rank, the TensorFlow task
+    task names the reporter in the UI; by default the Horovod or PyTorch rank, the TensorFlow task
     (from TF_CONFIG), "coordinator" in the session's process, or the worker's id. In the
     session's process, the report goes to `session`, by default the newest open one.
     """
@@ -74,6 +74,8 @@ def _in_worker() -> bool:
 
 def _task_name() -> str:
     rank = os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+    if rank is None and "TORCHELASTIC_RUN_ID" in os.environ:  # a process torchrun started
+        rank = os.environ.get("RANK")
     if rank is not None:
         return f"rank {rank}"
     tf_config = os.environ.get("TF_CONFIG")

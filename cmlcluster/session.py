@@ -593,14 +593,30 @@ class Session:
         control = self._control
         if worker.status != RUNNING or control is None:
             raise WorkerError(f"cannot call {target} on worker {worker.id}: it is {worker.status}", worker.id)
+        call = asyncio.ensure_future(
+            control.call(worker.engine_id, target, args, lambda s, t: self._on_output(worker, s, t))
+        )
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
-            return await asyncio.wait_for(
-                control.call(worker.engine_id, target, args, lambda s, t: self._on_output(worker, s, t)), timeout
-            )
-        except asyncio.TimeoutError:
-            raise WorkerError(
-                f"{target} on worker {worker.id} did not return within {timeout:g} s", worker.id
-            ) from None
+            # Until it returns, the worker ends (the controller would notice only after missed
+            # heartbeats, if ever), or the time is up.
+            while not call.done():
+                if worker.finished:
+                    call.cancel()
+                    raise WorkerError(f"worker {worker.id} was {worker.status} while {target} ran in it", worker.id)
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    call.cancel()
+                    raise WorkerError(f"{target} on worker {worker.id} did not return within {timeout:g} s", worker.id)
+                change = loop.create_future()
+                self._waiters.append(change)
+                await asyncio.wait({call, change}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if not change.done():
+                    self._waiters.remove(change)
+            return call.result()
+        except WorkerError:
+            raise
         except Exception as e:
             detail = getattr(e, "traceback", None) or f"{type(e).__name__}: {e}"
             raise WorkerError(f"{target} failed on worker {worker.id}:\n{detail}", worker.id) from None

@@ -30,6 +30,8 @@ LEAK_PATTERNS = (
     "cmlcluster.backends.ssh_remote",
     "ipyparallel.controller",
     "ipyparallel.engine",
+    "cmlcluster.pytorch.launch",  # torchrun
+    "cmlcluster/pytorch/rank.py",  # the processes it starts
 )
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from ..errors import CmlClusterError, ConfigError
 from ..jobs import Job, JobFailed, JobFailure, Member, Role, launch_job
+from ..ports import free_ports
 from ..session import Session, Shipment
 from ..workers import Program, Resources
 from . import coordinator
 from . import spec as specs
-from .task import free_ports
 
 log = logging.getLogger("cmlcluster")
 
@@ -314,7 +314,7 @@ def _place(session: Session, members: Sequence[Member], port: int | None) -> lis
         by_address: dict[str, list[int]] = {}
         for i, m in enumerate(members):
             by_address.setdefault(m.address, []).append(i)
-        asked = [(members[ids[0]].worker_id, f"{TASK}:free_ports", (len(ids),)) for ids in by_address.values()]
+        asked = [(members[ids[0]].worker_id, "cmlcluster.ports:free_ports", (len(ids),)) for ids in by_address.values()]
         ports = [0] * len(members)
         for ids, free in zip(by_address.values(), session.call_each(asked), strict=True):
             for i, p in zip(ids, free, strict=True):

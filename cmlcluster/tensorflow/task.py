@@ -6,7 +6,6 @@ server, so a cluster ends by stopping its workers.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import importlib
 import json
@@ -33,18 +32,6 @@ def _check_port_free(port: int) -> None:
                     f"port {port} is already in use on {socket.gethostname()}; pass another port= to the cluster"
                 ) from None
             raise
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct ports free on this host now (held together while picked, so no two are the same).
-
-    Called in workers for their tasks, and in the session for its coordinator.
-    """
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
-        for s in sockets:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def start_server(spec: Mapping[str, Sequence[str]], job: str, index: int) -> str:

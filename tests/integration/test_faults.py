@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 from conftest import DOCKER_TEST_IMAGE
+from processes import agent_pid, kill_later, processes_running, wait_until
 
 import cmlcluster
 from cmlcluster import Session, run_cluster
@@ -49,57 +49,6 @@ import horovod.tensorflow as hvd
 hvd.init()
 print(f"rank {hvd.rank()} of {hvd.size()}", flush=True)
 """
-
-
-def wait_until(condition, timeout=120.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def agent_pid(worker_id: str) -> int | None:
-    """The pid (as this host sees it, containers included) of a worker's agent."""
-    for proc in psutil.process_iter(["cmdline"]):
-        if "cmlcluster.agent" in " ".join(proc.info["cmdline"] or []):
-            try:
-                if proc.environ().get("CDSW_ENGINE_ID") == worker_id:
-                    return proc.pid
-            except psutil.Error:
-                continue
-    return None
-
-
-def processes_running(script: Path) -> list[psutil.Process]:
-    """The Python processes running `script` (the ranks; not horovodrun, not the shells that start them).
-
-    A rank is `python script` (horovodrun on this machine) or `python -m cmlcluster.horovod.rank script`
-    (through a worker's sshd).
-    """
-    ways = ([str(script)], ["-m", "cmlcluster.horovod.rank", str(script)])
-    return [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if os.path.basename((p.info["cmdline"] or [""])[0]).startswith("python")
-        and any(p.info["cmdline"][1 : 1 + len(way)] == way for way in ways)
-    ]
-
-
-def kill_later(condition, victim, what):
-    """On a thread: once condition() holds, kill -9 victim()'s pid; returns a dict that gets the time."""
-    killed: dict[str, float] = {}
-
-    def kill():
-        wait_until(condition, what=what)
-        time.sleep(0.5)
-        os.kill(victim(), signal.SIGKILL)
-        killed["at"] = time.monotonic()
-
-    threading.Thread(target=kill, daemon=True).start()
-    return killed
 
 
 def shared_docker_backend(tmp_path_factory):

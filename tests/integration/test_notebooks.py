@@ -87,3 +87,24 @@ def test_hyperparameter_search_notebook_spreads_configurations_over_workers():
     assert "learning_rate" in table and "worker" in table  # the DataFrame
     assert plot == "<widget>\n"  # the bqplot figure
     assert stopped == "['stopped']\n"
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_pytorch_notebook_trains_ddp_on_four_ranks_and_cleans_up(backend, monkeypatch):
+    from conftest import DOCKER_TEST_IMAGE
+
+    monkeypatch.setenv("CMLCLUSTER_BACKEND", backend)
+    monkeypatch.setenv("CMLCLUSTER_DOCKER_IMAGE", DOCKER_TEST_IMAGE)
+    monkeypatch.setenv("CMLCLUSTER_DOCKER_HOST_PYTHON", "1")
+    _, training, summary, function, left = execute("pytorch_ddp.ipynb")
+    assert training == "<widget>\n"  # the ranks' output and the loss curve are in the widget
+    digests = re.findall(r"^rank (\d) of 4 on \S+ \(cpu, gloo\): parameters (\w+)$", summary, re.M)
+    assert [rank for rank, _ in digests] == ["0", "1", "2", "3"], summary
+    assert len({digest for _, digest in digests}) == 1, summary
+    first, last = map(float, re.search(r"epoch 1 loss ([\d.]+) -> epoch 4 loss ([\d.]+)", summary).groups())
+    assert last < first / 5, summary
+    assert "exit code: 0" in summary
+    hosts = re.search(r"nodes: \['([\d.]+)', '([\d.]+)'\]", summary).groups()
+    assert (hosts[0] == hosts[1] == "127.0.0.1") if backend == "local" else hosts[0] != hosts[1]
+    assert function == "sum of ranks: 6.0\n"
+    assert left.strip() == "['stopped']"

@@ -1,0 +1,99 @@
+"""Pure builders for a PyTorch run: how many processes per node, which process-group backend,
+torchrun's argv, and the rank label of a line of torchrun's output. Nothing here runs anything."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConfigError
+
+DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")  # what torch.distributed.init_process_group accepts
+DEFAULT_JOIN_TIMEOUT = 120  # seconds for every node to reach the rendezvous
+# torchrun --tee prefixes each line of a local process with its role and local rank: "[default1]:".
+TEE_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$", re.DOTALL)
+RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$", re.DOTALL)  # how a rank's line reaches the session
+
+
+def nproc_for(nproc_per_node: int | str, nvidia_gpu: int) -> int:
+    """Processes per node: "auto" is one per GPU of the worker, or 1 without GPUs."""
+    if nproc_per_node == "auto":
+        return max(nvidia_gpu, 1)
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ConfigError(f"nproc_per_node={nproc_per_node!r}: give a whole number, 1 or more, or 'auto'")
+    if nvidia_gpu and nproc_per_node > nvidia_gpu:
+        raise ConfigError(
+            f"nproc_per_node={nproc_per_node} with nvidia_gpu={nvidia_gpu}: each process of a GPU job needs a GPU "
+            "of its own; ask for more GPUs per worker, or leave nproc_per_node='auto'"
+        )
+    return nproc_per_node
+
+
+def dist_backend_for(dist_backend: str | None, nvidia_gpu: int) -> str:
+    """NCCL on GPUs, Gloo on CPUs, unless the user names one."""
+    if dist_backend is None:
+        return "nccl" if nvidia_gpu else "gloo"
+    if dist_backend not in DIST_BACKENDS:
+        raise ConfigError(f"dist_backend={dist_backend!r}: give one of {', '.join(DIST_BACKENDS)}, or None for auto")
+    if dist_backend == "nccl" and not nvidia_gpu:
+        raise ConfigError("dist_backend='nccl' needs GPUs: pass nvidia_gpu=N, or use 'gloo' on CPUs")
+    return dist_backend
+
+
+def threads_per_process(cpu: float, nproc: int) -> int:
+    """OMP_NUM_THREADS for each process: the worker's cores shared out (torchrun would say 1)."""
+    return max(1, int(cpu // nproc))
+
+
+def torchrun_args(
+    *,
+    nnodes: int,
+    node_rank: int,
+    nproc_per_node: int,
+    master_addr: str,
+    master_port: int,
+    join_timeout: float,
+    log_dir: str,
+    entry: Sequence[str],
+) -> list[str]:
+    """torchrun's arguments for one node of a static rendezvous at master_addr:master_port.
+
+    Every process's output is teed (so that each line names its process); no restarts: a
+    failed process fails the run, as it fails a Horovod or TensorFlow job.
+    """
+    return [
+        "--nnodes", str(nnodes),
+        "--node-rank", str(node_rank),
+        "--nproc-per-node", str(nproc_per_node),
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--rdzv-conf", f"timeout={int(join_timeout)}",
+        "--max-restarts", "0",
+        "--tee", "3",
+        "--log-dir", log_dir,
+        *entry,
+    ]  # fmt: skip
+
+
+def rank_label(line: str, node_rank: int, nproc_per_node: int) -> tuple[int | None, str]:
+    """(global rank, text) of a teed line; (None, line) for torchrun's own lines.
+
+    A static rendezvous numbers ranks node by node: node_rank x nproc_per_node + local rank.
+    """
+    match = TEE_PREFIX.match(line)
+    if match is None:
+        return None, line
+    return node_rank * nproc_per_node + int(match.group(1)), match.group(2)
+
+
+def parse_rank_line(text: str) -> tuple[int, str] | None:
+    """(rank, text) of a line as the session receives it, "[rank 3] text"; None for other lines."""
+    match = RANK_LINE.match(text)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def check_script_args(args: Any) -> list[str]:
+    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+        raise ConfigError(f"args={args!r}: a script's arguments are a list of strings, e.g. ['--epochs', '3']")
+    return list(args)

@@ -1,0 +1,114 @@
+"""One node of a PyTorch run: torchrun on a worker. Called by the session through the agent.
+
+run() starts ``python -m cmlcluster.pytorch.launch`` (torchrun, see launch.py) under a
+lifeline, so that it dies with the worker however the worker ends; relays every line of its
+output as it comes, a process's lines as ``[rank r] text``; and returns what happened. The
+processes themselves die with torchrun (see rank.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import IO, Any
+
+from .. import _lifeline, agent
+from . import commands
+
+RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # what every process runs
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run this node's torchrun to the end; {"exit_code", "failures" (first first), "value" (rank 0's, pickled)}.
+
+    spec: node_rank, nnodes, nproc_per_node, master_addr, master_port, join_timeout, threads,
+    dist_backend, rank0_only, and either script and args, or call (a pickled (fn, args, kwargs)).
+    """
+    if importlib.util.find_spec("torch") is None:
+        raise RuntimeError(
+            f"PyTorch is not installed in this worker's Python ({sys.executable}); install torch in the "
+            "workers' image or environment (pip install torch)"
+        )
+    folder = tempfile.mkdtemp(prefix="cmlcluster-torch-")
+    try:
+        report = os.path.join(folder, "failures.json")
+        result = os.path.join(folder, "value.pickle")
+        if spec.get("call"):
+            call_file = os.path.join(folder, "call.pickle")
+            with open(call_file, "wb") as f:
+                f.write(spec["call"])
+            entry = [RANK, "--function", call_file, result]
+        else:
+            entry = [RANK, agent.script_path(spec["script"]), *spec["args"]]
+        argv = commands.torchrun_args(
+            nnodes=spec["nnodes"],
+            node_rank=spec["node_rank"],
+            nproc_per_node=spec["nproc_per_node"],
+            master_addr=spec["master_addr"],
+            master_port=spec["master_port"],
+            join_timeout=spec["join_timeout"],
+            log_dir=os.path.join(folder, "logs"),
+            entry=entry,
+        )
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))  # torchrun would say 1
+        env["CMLCLUSTER_DIST_BACKEND"] = spec["dist_backend"]
+        env["PYTHONUNBUFFERED"] = "1"
+        torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *argv]
+        process = subprocess.Popen(
+            [sys.executable, _lifeline.__file__, "--", *torchrun],
+            env=env,
+            stdin=subprocess.PIPE,  # the lifeline: torchrun dies with this worker
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            _relay(process, spec["node_rank"], spec["nproc_per_node"], spec["rank0_only"])
+            code = process.wait()
+        finally:
+            assert process.stdin is not None
+            process.stdin.close()
+        failures: list[dict[str, Any]] = []
+        if os.path.exists(report):
+            with open(report) as f:
+                failures = json.load(f)
+        value = b""
+        if code == 0 and os.path.exists(result):
+            with open(result, "rb") as f:
+                value = f.read()
+        return {"exit_code": code, "failures": failures, "value": value}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _relay(process: subprocess.Popen[bytes], node_rank: int, nproc: int, rank0_only: bool) -> None:
+    """Print torchrun's output line by line as it comes (the engine streams it to the session)."""
+    assert process.stdout is not None and process.stderr is not None
+    targets: dict[IO[bytes], Any] = {process.stdout: sys.stdout, process.stderr: sys.stderr}
+    partial: dict[IO[bytes], bytes] = {pipe: b"" for pipe in targets}
+    with selectors.DefaultSelector() as selector:
+        for pipe in targets:
+            selector.register(pipe, selectors.EVENT_READ)
+        while selector.get_map():
+            for key, _ in selector.select():
+                pipe = process.stdout if key.fileobj is process.stdout else process.stderr
+                chunk = os.read(pipe.fileno(), 65536)
+                if not chunk:
+                    selector.unregister(pipe)
+                    lines = [partial.pop(pipe)] if partial[pipe] else []
+                else:
+                    *lines, partial[pipe] = (partial[pipe] + chunk).split(b"\n")
+                for raw in lines:
+                    rank, text = commands.rank_label(raw.decode(errors="replace"), node_rank, nproc)
+                    if rank is None:
+                        print(text, file=targets[pipe])
+                    elif rank == 0 or not rank0_only:
+                        print(f"[rank {rank}] {text}", file=targets[pipe])
+                targets[pipe].flush()

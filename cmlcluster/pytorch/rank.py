@@ -1,0 +1,94 @@
+"""One process of a PyTorch run, as torchrun starts it on a worker, by path (see die_with_parent):
+
+    python .../cmlcluster/pytorch/rank.py SCRIPT [ARGS...]        runs SCRIPT as ``python SCRIPT ARGS`` would
+    python .../cmlcluster/pytorch/rank.py --function CALL RESULT   calls a pickled (fn, args, kwargs)
+
+A failure leaves its traceback in torchrun's error file (as torch's ``record`` would), so
+that the session can name the failed rank and quote it. Rank 0 pickles the function's return
+value into RESULT. Only the standard library and torch are imported here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import runpy
+import signal
+import sys
+import traceback
+from types import TracebackType
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Die with torchrun (PR_SET_PDEATHSIG), which starts each process in a session of its own, where
+    nothing else would end it if torchrun were killed.
+
+    Armed first thing (this file runs by path, so that no package import comes before it), then
+    checked against torchrun's pid (CMLCLUSTER_TORCHRUN_PID, from launch.py): a torchrun that died
+    before the signal was armed is seen too.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    torchrun = int(os.environ.get("CMLCLUSTER_TORCHRUN_PID") or os.getppid())
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != torchrun:
+        os._exit(1)
+
+
+def run_script(script: str, args: list[str]) -> None:
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_function(call_file: str, result_file: str) -> None:
+    with open(call_file, "rb") as f:
+        fn, args, kwargs = pickle.load(f)  # noqa: S301  # written by this run's node, in a private folder
+    value: Any = fn(*args, **kwargs)
+    if os.environ.get("RANK") == "0":
+        import cloudpickle
+
+        with open(result_file, "wb") as f:
+            cloudpickle.dump(value, f)
+
+
+def user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the user's code on: without this module's frames, nor runpy's."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+        tb = tb.tb_next
+    return tb
+
+
+def main(argv: list[str]) -> None:
+    die_with_parent()
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # run by path: this package's modules are not the user's top-level ones
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    errors = ErrorHandler()
+    errors.initialize()
+    try:
+        if argv[:1] == ["--function"] and len(argv) == 3:
+            run_function(argv[1], argv[2])
+        elif argv and not argv[0].startswith("--"):
+            run_script(argv[0], argv[1:])
+        else:
+            sys.exit("usage: python -m cmlcluster.pytorch.rank SCRIPT [ARGS...] | --function CALL RESULT")
+    except SystemExit:
+        raise
+    except BaseException as e:
+        # As `python script` would show it, and in torchrun's error file for the session: the
+        # exception from the user's code, without this wrapper's frames.
+        e.__traceback__ = user_frames(e.__traceback__)
+        errors.record_exception(e)
+        traceback.print_exception(e)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,240 @@
+"""Real PyTorch: DDP with run_torch on two workers of two processes each (four ranks on two hosts) on
+local processes, Docker containers and SSH hosts; a function's return value; %torchrun and %%torchrun
+in a real IPython shell; a failing rank; a worker killed mid-run; Ctrl-C; ports never blocking."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from processes import agent_pid, kill_later, processes_running, wait_until
+
+import cmlcluster
+from cmlcluster import ConfigError, Session, run_torch
+from cmlcluster.pytorch import TorchError
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "worker_scripts" / "torch_ddp_train.py"
+
+
+def check_ddp(result, world: int, n_hosts: int, epochs: int) -> None:
+    assert result.ok, result.message
+    assert sorted(result.output) == list(range(world))
+    texts = {rank: "\n".join(lines) for rank, lines in result.output.items()}
+    hosts = set()
+    for rank, text in texts.items():
+        placed = re.search(rf"rank {rank} of {world} on (\S+) \(cpu, gloo\)", text)
+        assert placed, text
+        hosts.add(placed.group(1))
+        expected = world * (world - 1) // 2
+        assert f"allreduce {expected} expected {expected}" in text  # the collective is right on every rank
+    assert len(hosts) == n_hosts
+    digests = {re.search(r"parameters (\w+)", text).group(1) for text in texts.values()}
+    assert len(digests) == 1  # every rank applied the same averaged gradients
+    losses = [float(loss) for loss in re.findall(r"epoch \d+ loss ([\d.]+)", texts[0])]
+    assert len(losses) == epochs and losses[-1] < losses[0] / 5, losses
+
+
+def test_ddp_on_two_workers_of_two_processes(session, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    progress = []
+    session.subscribe(lambda e: progress.append(e) if isinstance(e, cmlcluster.events.Progress) else None)
+    result = run_torch(
+        str(EXAMPLE),
+        ["--epochs", "4", "--checkpoint-dir", str(checkpoints)],
+        nnodes=2,
+        nproc_per_node=2,
+        cpu=1,
+        memory=1,
+        session=session,
+        echo=False,
+    )
+    one_host = session.backend.name == "local"
+    check_ddp(result, world=4, n_hosts=1 if one_host else 2, epochs=4)
+    assert result.master.startswith(result.hosts[0] + ":")
+    if session.backend.name != "ssh":  # SSH hosts do not see this folder; containers mount it
+        assert sorted(p.name for p in checkpoints.iterdir()) == [f"epoch{e}.pt" for e in range(1, 5)]
+    # Rank 0's reports reached the session as progress, not as output.
+    session.drain()
+    assert [(p.task, p.step, p.total) for p in progress] == [("rank 0", e, 4) for e in range(1, 5)]
+    assert not any("@cmlcluster-progress" in line for lines in result.output.values() for line in lines)
+    # The run's workers are stopped, and nothing it started runs on.
+    assert {w["status"] for w in session.list_workers()} == {"stopped"}
+    wait_until(lambda: not processes_running(EXAMPLE), 5, "no rank left")
+
+
+def test_a_function_returns_rank_0s_value(tmp_path):
+    def allreduce(scale, offset=0):
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        from cmlcluster.pytorch import init_process_group
+
+        init_process_group()
+        value = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(value)
+        return {"sum": value.item() * scale + offset, "world": int(os.environ["WORLD_SIZE"]), "rank": dist.get_rank()}
+
+    with Session("local", echo=False) as session:
+        result = run_torch(allreduce, (10,), kwargs={"offset": 1}, nproc_per_node=3, session=session, echo=False)
+    assert result.ok, result.message
+    assert result.value == {"sum": 61.0, "world": 3, "rank": 0}
+
+
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "cmlcluster")
+    yield ip
+    cmlcluster.stop_session()
+
+
+def test_torchrun_magics_in_a_real_ipython_shell(shell, capsys):
+    result = shell.run_line_magic("torchrun", f"--nnodes 2 --nproc-per-node 1 {EXAMPLE} --epochs 2")
+    check_ddp(result, world=2, n_hosts=1, epochs=2)
+    out = capsys.readouterr().out
+    assert "[rank 0] rank 0 of 2" in out and "[rank 1] rank 1 of 2" in out  # live, rank by rank
+
+    cell = "import torch.distributed as dist\ndist.init_process_group('gloo')\nprint('hello from', dist.get_rank())\n"
+    result = shell.run_cell_magic("torchrun", "--nproc-per-node 2 --rank0-only", cell)
+    assert result.ok, result.message
+    assert result.output == {0: ["hello from 0"]}  # rank 1 ran, but only rank 0 was shown
+    assert "hello from 1" not in capsys.readouterr().out
+
+
+FAILING = """
+import sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"rank {rank} started", flush=True)
+dist.barrier()
+if rank == int(sys.argv[1]):
+    print(f"failing at {time.time()}", flush=True)
+    raise ValueError(f"the data shard of rank {rank} is corrupt")
+dist.barrier()  # the others wait here for the failed rank
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("backend_name", ["local", "docker"])
+def test_a_failing_rank_is_named_and_every_other_process_stopped(backend_name, tmp_path_factory, tmp_path):
+    from conftest import backend_for
+
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    with Session(backend_for(backend_name, str(tmp_path_factory.getbasetemp())), echo=False) as session:
+        result = run_torch(str(script), ["2"], nnodes=2, nproc_per_node=2, session=session, echo=False)
+        returned = time.time()
+        assert not result.ok
+        failure = result.failure
+        assert (failure.rank, failure.local_rank, failure.node_rank, failure.exit_code) == (2, 0, 1, 1)
+        assert failure.host == result.hosts[1]
+        assert failure.message == "ValueError: the data shard of rank 2 is corrupt"
+        assert 'failing.py", line 10' in failure.traceback and "rank.py" not in failure.traceback
+        assert "rank 2 (local rank 0 on node 1" in result.message and "corrupt" in result.message
+        failed_at = float(re.search(r"failing at ([\d.]+)", "\n".join(result.output[2])).group(1))
+        assert returned - failed_at < 5, returned - failed_at  # the others did not wait in their barrier
+        wait_until(lambda: not processes_running(script), 5, "no rank left")
+        assert sorted(w["status"] for w in session.list_workers()) == ["stopped", "stopped"]
+        with pytest.raises(TorchError, match=r"rank 0 .* corrupt"):
+            run_torch(str(script), ["0"], nproc_per_node=2, session=session, echo=False, check=True)
+
+
+LONG = """
+import time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} training", flush=True)
+dist.barrier()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("backend_name", ["local", "docker"])
+def test_a_worker_killed_mid_run_fails_it_and_stops_the_others(backend_name, tmp_path_factory, tmp_path):
+    from conftest import backend_for
+
+    script = tmp_path / "long.py"
+    script.write_text(LONG)
+    with Session(backend_for(backend_name, str(tmp_path_factory.getbasetemp())), echo=False) as session:
+        killed = kill_later(
+            lambda: len(processes_running(script)) >= 4,
+            lambda: agent_pid(session.list_workers()[1]["id"]),
+            "four ranks",
+        )
+        result = run_torch(str(script), nnodes=2, nproc_per_node=2, session=session, echo=False)
+        took = time.monotonic() - killed["at"]
+        assert not result.ok and result.failure is None
+        failure = result.worker_failure
+        assert failure is not None and failure.exit_code == -9
+        assert (failure.member.role, failure.member.index) == ("node", 1)
+        assert "node task 1" in result.message and "exit code -9" in result.message
+        assert took < 5, took
+        wait_until(lambda: not processes_running(script), 10, "no rank left")
+
+
+INTERRUPTED = """
+import sys
+from cmlcluster import Session, run_torch
+with Session("local", echo=False) as session:
+    run_torch(sys.argv[1], nnodes=2, nproc_per_node=1, session=session, echo=False)
+"""
+
+
+def test_ctrl_c_stops_every_process_and_the_next_run_is_not_blocked(tmp_path, wait_gone):
+    script = tmp_path / "long.py"
+    script.write_text(LONG)
+    session = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(script)])
+    try:
+        ranks = wait_until(lambda: len(found := processes_running(script)) >= 2 and found, what="both ranks")
+        session.send_signal(signal.SIGINT)
+        assert session.wait(30) != 0
+    finally:
+        session.kill()
+        session.wait()
+    assert wait_gone([p.pid for p in ranks], within=10) == []
+    # torchrun's default port, taken: no run ever depends on it.
+    with socket.socket() as taken:
+        taken.bind(("", 29500))
+        taken.listen()
+        quick = tmp_path / "quick.py"
+        quick.write_text("import torch.distributed as d\nd.init_process_group('gloo')\nprint(d.get_world_size())\n")
+        result = run_torch(str(quick), nnodes=2, backend="local", echo=False)
+    assert result.ok, result.message
+    assert result.output == {0: ["2"], 1: ["2"]}
+
+
+def test_bad_input_is_refused_before_anything_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    cases = [
+        (dict(nnodes=0), "nnodes=0"),
+        (dict(nproc_per_node=0), "nproc_per_node=0"),
+        (dict(nproc_per_node=3, nvidia_gpu=2), "each process of a GPU job needs a GPU"),
+        (dict(dist_backend="nccl"), "needs GPUs"),
+        (dict(dist_backend="tcp"), "dist_backend='tcp'"),
+        (dict(join_timeout=0), "join_timeout=0"),
+        (dict(env={"A": 1}), "must be strings"),
+        (dict(kwargs={"a": 1}), "kwargs= is for a function"),
+    ]
+    with Session("local", echo=False) as session:
+        for options, message in cases:
+            with pytest.raises(ConfigError, match=re.escape(message)):
+                run_torch(str(script), session=session, echo=False, **options)
+        with pytest.raises(ConfigError, match="no such file"):
+            run_torch(str(tmp_path / "missing.py"), session=session, echo=False)
+        with pytest.raises(ConfigError, match="list of strings"):
+            run_torch(str(script), "--epochs 3", session=session, echo=False)
+        assert session.list_workers() == []

@@ -1,0 +1,65 @@
+"""Finding and killing the processes of a job, for tests of faults: workers' agents, ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from cmlcluster.pytorch.node import RANK as TORCH_RANK
+
+
+def wait_until(condition, timeout=120.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def agent_pid(worker_id: str) -> int | None:
+    """The pid (as this host sees it, containers included) of a worker's agent."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if "cmlcluster.agent" in " ".join(proc.info["cmdline"] or []):
+            try:
+                if proc.environ().get("CDSW_ENGINE_ID") == worker_id:
+                    return proc.pid
+            except psutil.Error:
+                continue
+    return None
+
+
+def processes_running(script: Path) -> list[psutil.Process]:
+    """The Python processes running `script` (the ranks; not horovodrun, not the shells that start them).
+
+    A rank is `python script` (horovodrun on this machine), `python -m cmlcluster.horovod.rank script`
+    (through a worker's sshd) or `python -u .../cmlcluster/pytorch/rank.py script` (started by torchrun).
+    """
+    ways = [[str(script)], ["-m", "cmlcluster.horovod.rank", str(script)], [TORCH_RANK, str(script)]]
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        python, *args = p.info["cmdline"] or [""]
+        args = args[1:] if args[:1] == ["-u"] else args  # torchrun runs `python -u ...`
+        if os.path.basename(python).startswith("python") and any(args[: len(way)] == way for way in ways):
+            found.append(p)
+    return found
+
+
+def kill_later(condition, victim, what):
+    """On a thread: once condition() holds, kill -9 victim()'s pid; returns a dict that gets the time."""
+    killed: dict[str, float] = {}
+
+    def kill():
+        wait_until(condition, what=what)
+        time.sleep(0.5)
+        os.kill(victim(), signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    threading.Thread(target=kill, daemon=True).start()
+    return killed

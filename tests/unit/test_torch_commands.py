@@ -1,0 +1,124 @@
+"""The pure parts of a PyTorch run: processes per node, the process-group backend, torchrun's argv,
+rank labels, and torchrun's failures as the session gets them (from torch's own ChildFailedError)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cmlcluster import ConfigError
+from cmlcluster.pytorch import commands
+from cmlcluster.pytorch.launch import failures_of
+
+
+def test_processes_per_node_follow_the_gpus_unless_given():
+    assert commands.nproc_for("auto", 0) == 1
+    assert commands.nproc_for("auto", 4) == 4
+    assert commands.nproc_for(3, 0) == 3
+    assert commands.nproc_for(2, 4) == 2
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match=f"nproc_per_node={bad!r}"):
+            commands.nproc_for(bad, 0)
+    with pytest.raises(ConfigError, match="needs a GPU of its own"):
+        commands.nproc_for(3, 2)
+
+
+def test_nccl_on_gpus_gloo_on_cpus_unless_named():
+    assert commands.dist_backend_for(None, 0) == "gloo"
+    assert commands.dist_backend_for(None, 1) == "nccl"
+    assert commands.dist_backend_for("gloo", 2) == "gloo"
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        commands.dist_backend_for("nccl", 0)
+    with pytest.raises(ConfigError, match="'tcp': give one of gloo, nccl"):
+        commands.dist_backend_for("tcp", 0)
+
+
+def test_threads_share_out_the_workers_cores():
+    assert commands.threads_per_process(4, 2) == 2
+    assert commands.threads_per_process(1, 4) == 1
+    assert commands.threads_per_process(0.5, 1) == 1
+
+
+def test_torchrun_argv_is_a_static_rendezvous_at_worker_0():
+    argv = commands.torchrun_args(
+        nnodes=3,
+        node_rank=2,
+        nproc_per_node=4,
+        master_addr="10.0.0.2",
+        master_port=41234,
+        join_timeout=90,
+        log_dir="/tmp/x/logs",
+        entry=["/opt/cmlcluster/pytorch/rank.py", "train.py", "--lr", "0.1"],
+    )
+    options = dict(zip(argv[:-4:2], argv[1:-4:2], strict=True))
+    assert options == {
+        "--nnodes": "3",
+        "--node-rank": "2",
+        "--nproc-per-node": "4",
+        "--master-addr": "10.0.0.2",
+        "--master-port": "41234",
+        "--rdzv-conf": "timeout=90",
+        "--max-restarts": "0",
+        "--tee": "3",
+        "--log-dir": "/tmp/x/logs",
+    }
+    assert argv[-4:] == ["/opt/cmlcluster/pytorch/rank.py", "train.py", "--lr", "0.1"]
+    # torchrun's own parser reads it as meant.
+    from torch.distributed.run import parse_args
+
+    parsed = parse_args(argv)
+    assert (parsed.nnodes, parsed.node_rank, parsed.nproc_per_node) == ("3", 2, "4")
+    assert (parsed.master_addr, parsed.master_port, parsed.rdzv_backend) == ("10.0.0.2", 41234, "static")
+    assert not parsed.module and parsed.training_script == "/opt/cmlcluster/pytorch/rank.py"
+    assert parsed.training_script_args == ["train.py", "--lr", "0.1"]
+
+
+def test_teed_lines_get_their_global_rank():
+    assert commands.rank_label("[default1]:loss 0.5", node_rank=2, nproc_per_node=4) == (9, "loss 0.5")
+    assert commands.rank_label("[default0]:", 0, 1) == (0, "")
+    assert commands.rank_label("W1122 torch/distributed/run.py:874] warning", 1, 2) == (
+        None,
+        "W1122 torch/distributed/run.py:874] warning",
+    )
+    assert commands.parse_rank_line("[rank 9] loss 0.5") == (9, "loss 0.5")
+    assert commands.parse_rank_line("[rank 9]loss") is None
+    assert commands.parse_rank_line("epoch 3") is None
+
+
+def test_script_arguments_are_strings():
+    assert commands.check_script_args(("--epochs", "3")) == ["--epochs", "3"]
+    with pytest.raises(ConfigError, match="list of strings"):
+        commands.check_script_args("--epochs 3")
+    with pytest.raises(ConfigError, match="list of strings"):
+        commands.check_script_args(["--epochs", 3])
+
+
+def test_failures_come_back_first_failure_first_with_the_traceback(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "ValueError: bad shard",
+                    "extraInfo": {"py_callstack": "Traceback ...\nValueError: bad shard\n", "timestamp": "100"},
+                }
+            }
+        )
+    )
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    raised = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))
+    records = failures_of(ChildFailedError("train.py", {5: killed, 4: raised}))
+    assert [r["rank"] for r in records] == [4, 5]  # the error file's time (100) comes before the kill's (now)
+    assert records[0] == {
+        "rank": 4,
+        "local_rank": 0,
+        "exit_code": 1,
+        "pid": 10,
+        "message": "ValueError: bad shard",
+        "traceback": "Traceback ...\nValueError: bad shard\n",
+        "timestamp": 100,
+    }
+    assert records[1]["message"] == "Signal 9 (SIGKILL) received by PID 11" and records[1]["traceback"] == ""
