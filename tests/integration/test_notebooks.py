@@ -106,5 +106,5 @@ def test_pytorch_notebook_trains_ddp_on_four_ranks_and_cleans_up(backend, monkey
     assert "exit code: 0" in summary
     hosts = re.search(r"nodes: \['([\d.]+)', '([\d.]+)'\]", summary).groups()
     assert (hosts[0] == hosts[1] == "127.0.0.1") if backend == "local" else hosts[0] != hosts[1]
-    assert function == "sum of ranks: 6.0\n"
+    assert function == "<widget>\nsum of ranks: 6.0\n"  # a launching cell shows the widget
     assert left.strip() == "['stopped']"
