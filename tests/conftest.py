@@ -155,6 +155,19 @@ def session(backend):
         yield s
 
 
+@pytest.fixture
+def shell():
+    """A real IPython shell with cmlcluster's magics loaded; the default session is stopped afterwards."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import cmlcluster
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "cmlcluster")
+    yield ip
+    cmlcluster.stop_session()
+
+
 def cmlcluster_containers() -> list:
     try:
         import docker

@@ -145,9 +145,8 @@ def run_torch(
     Workers get env= and cmlcluster's own variables (see the README's environment rule).
     """
     # Everything is checked before anything starts.
-    for name, value in (("nnodes", nnodes),):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r}: give a whole number, 1 or more")
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ConfigError(f"nnodes={nnodes!r}: give a whole number of workers, 1 or more")
     if isinstance(nvidia_gpu, bool) or not isinstance(nvidia_gpu, int) or nvidia_gpu < 0:
         raise ConfigError(f"nvidia_gpu={nvidia_gpu!r}: give a whole number of GPUs per worker, 0 or more")
     nproc = commands.nproc_for(nproc_per_node, nvidia_gpu)
@@ -181,7 +180,7 @@ def run_torch(
             nnodes=nnodes,
             nproc=nproc,
             resources=Resources(cpu, memory, nvidia_gpu),
-            env={**(env or {}), "CMLCLUSTER_DIST_BACKEND": process_group},
+            env=dict(env or {}),
             spec={
                 "call": call,
                 "args": script_args,

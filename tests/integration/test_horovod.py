@@ -35,16 +35,6 @@ def docker_backend(tmp_path_factory):
     return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, volumes={shared: shared})
 
 
-@pytest.fixture
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "cmlcluster")
-    yield ip
-    cmlcluster.stop_session()
-
-
 def check_allreduce(result, n_hosts):
     assert result.ok, result.message
     assert sorted(result.output) == [0, 1]

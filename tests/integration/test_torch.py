@@ -90,16 +90,6 @@ def test_a_function_returns_rank_0s_value(tmp_path):
     assert result.value == {"sum": 61.0, "world": 3, "rank": 0}
 
 
-@pytest.fixture
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "cmlcluster")
-    yield ip
-    cmlcluster.stop_session()
-
-
 def test_torchrun_magics_in_a_real_ipython_shell(shell, capsys):
     result = shell.run_line_magic("torchrun", f"--nnodes 2 --nproc-per-node 1 {EXAMPLE} --epochs 2")
     check_ddp(result, world=2, n_hosts=1, epochs=2)
