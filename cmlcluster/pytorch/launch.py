@@ -1,10 +1,13 @@
 """torchrun, with its failures written down for the session:
 
-    python -m cmlcluster.pytorch.launch REPORT [torchrun's arguments...]
+    python -m cmlcluster.pytorch.launch REPORT [HOST:PORT TIMEOUT] -- [torchrun's arguments...]
 
 The same as ``torchrun [arguments]`` (torch.distributed.run's own parser and run()), except
 that when processes fail, each failed process's global rank, local rank, exit code, message
-and traceback are written to REPORT as JSON instead of being printed as a Python traceback.
+and traceback are written to REPORT as JSON ({"failures": [...]}) instead of being printed as a
+Python traceback. Given HOST:PORT (on every node but node 0), it first waits until the
+rendezvous there accepts connections, after importing torch, so that the wait and the import
+overlap; one it cannot reach within TIMEOUT seconds is written to REPORT as {"error": ...}.
 """
 
 from __future__ import annotations
@@ -40,17 +43,31 @@ def failures_of(error: Any) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> None:
-    report, arguments = argv[0], argv[1:]
+    split = argv.index("--")
+    report, rendezvous, arguments = argv[0], argv[1:split], argv[split + 1 :]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from cmlcluster.ports import wait_until_accepting
+
+    if rendezvous:
+        host, _, port = rendezvous[0].rpartition(":")
+        try:
+            wait_until_accepting(host, int(port), float(rendezvous[1]))
+        except TimeoutError as e:
+            _write(report, {"error": f"the rendezvous was not reached: {e}"})
+            sys.exit(1)
     os.environ["CMLCLUSTER_TORCHRUN_PID"] = str(os.getpid())  # each process dies with this one (rank.py)
     try:
         run(parse_args(arguments))
     except ChildFailedError as e:
-        with open(report, "w") as f:
-            json.dump(failures_of(e), f)
+        _write(report, {"failures": failures_of(e)})
         sys.exit(1)
+
+
+def _write(report: str, content: dict[str, Any]) -> None:
+    with open(report, "w") as f:
+        json.dump(content, f)
 
 
 if __name__ == "__main__":

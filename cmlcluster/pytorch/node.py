@@ -25,7 +25,8 @@ RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # wh
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run this node's torchrun to the end; {"exit_code", "failures" (first first), "value" (rank 0's, pickled)}.
+    """Run this node's torchrun to the end; {"exit_code", "failures" (first first), "error" (the rendezvous
+    not reached), "value" (rank 0's, pickled)}.
 
     spec: node_rank, nnodes, nproc_per_node, master_addr, master_port, join_timeout, threads,
     dist_backend, rank0_only, and either script and args, or call (a pickled (fn, args, kwargs)).
@@ -60,7 +61,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))  # torchrun would say 1
         env["CMLCLUSTER_DIST_BACKEND"] = spec["dist_backend"]
         env["PYTHONUNBUFFERED"] = "1"
-        torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *argv]
+        rendezvous = (
+            []
+            if spec["node_rank"] == 0
+            else [f"{spec['master_addr']}:{spec['master_port']}", str(spec["join_timeout"])]
+        )
+        torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *rendezvous, "--", *argv]
         process = subprocess.Popen(
             [sys.executable, _lifeline.__file__, "--", *torchrun],
             env=env,
@@ -75,15 +81,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         finally:
             assert process.stdin is not None
             process.stdin.close()
-        failures: list[dict[str, Any]] = []
+        reported: dict[str, Any] = {}
         if os.path.exists(report):
             with open(report) as f:
-                failures = json.load(f)
+                reported = json.load(f)
         value = b""
         if code == 0 and os.path.exists(result):
             with open(result, "rb") as f:
                 value = f.read()
-        return {"exit_code": code, "failures": failures, "value": value}
+        return {
+            "exit_code": code,
+            "failures": reported.get("failures", []),
+            "error": reported.get("error", ""),
+            "value": value,
+        }
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

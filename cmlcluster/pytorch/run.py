@@ -1,9 +1,10 @@
 """run_torch: PyTorch distributed training (DDP and the rest of torch.distributed) on workers.
 
 One worker per node, all launched together as one job. Worker 0's agent picks a port free
-there; worker 0 starts ``torchrun --node-rank 0 --master-addr <its address> --master-port
-<that port>``, which opens the static rendezvous; once every other worker has reached that
-endpoint, they start torchrun with their node ranks. torchrun sets RANK, LOCAL_RANK,
+there; every worker then starts ``torchrun --node-rank i --master-addr <worker 0's address>
+--master-port <that port>`` at once. Worker 0's opens the static rendezvous; every other one
+first imports torch, then waits until it can connect to that endpoint, and only then joins
+(launch.py), so that the check costs no time. torchrun sets RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process. Every process's output streams
 back live as ``[rank r] text`` in its worker's output.
 
@@ -276,7 +277,7 @@ class _Run:
             return  # a consequence of the first failure
         first = reply["failures"][0] if reply["failures"] else None
         if first is None:
-            reason = f"torchrun on node {node_rank} exited with code {reply['exit_code']}"
+            reason = reply["error"] or f"torchrun on node {node_rank} exited with code {reply['exit_code']}"
             self.job.fail(JobFailure(member, FAILED, reply["exit_code"], reason, member.address))
             return
         self.result.failure = RankFailure(
@@ -291,44 +292,6 @@ class _Run:
         self.job.fail(
             JobFailure(member, FAILED, first["exit_code"], str(self.result.failure), member.address, first["traceback"])
         )
-
-    def reach_rendezvous(self, address: str, port: int, timeout: float) -> bool:
-        """Whether every other node reached worker 0's endpoint (else the job failed, saying which could not)."""
-        others = [m.worker_id for m in self.job.members[1:]]
-        checked: queue.Queue[BaseException | None] = queue.Queue()
-
-        def check() -> None:
-            try:
-                self.session.call_each(
-                    [(w, "cmlcluster.ports:wait_until_accepting", (address, port, timeout)) for w in others],
-                    timeout=timeout + 30,
-                )
-                checked.put(None)
-            except BaseException as e:
-                checked.put(e)
-
-        threading.Thread(target=check, name="cmlcluster-torch-rendezvous", daemon=True).start()
-        outcome: list[BaseException | None] = []
-        self.wait(until=lambda: self.failed or bool(outcome) or _take(checked, outcome))
-        if self.failed:
-            return False  # node 0 ended meanwhile; its failure says why
-        error = outcome[0]
-        if error is not None:
-            reason = str(error).strip().splitlines()[-1]
-            member = self.job.members[0]
-            self.job.fail(
-                JobFailure(member, FAILED, None, f"the rendezvous at {address}:{port} was not reached: {reason}")
-            )
-            return False
-        return True
-
-
-def _take(q: queue.Queue[BaseException | None], into: list[BaseException | None]) -> bool:
-    try:
-        into.append(q.get_nowait())
-    except queue.Empty:
-        return False
-    return True
 
 
 def _run(
@@ -362,10 +325,8 @@ def _run(
         result.master = f"{master.address}:{port}"
         spec = {**spec, "script": shipment.names.get(path, ""), "master_addr": master.address, "master_port": port}
         run = _Run(session, job, result)
-        run.start(0, {**spec, "node_rank": 0})
-        if nnodes > 1 and run.reach_rendezvous(master.address, port, spec["join_timeout"]):
-            for node_rank in range(1, nnodes):
-                run.start(node_rank, {**spec, "node_rank": node_rank})
+        for node_rank in range(nnodes):  # nodes but 0 wait for its rendezvous before joining (launch.py)
+            run.start(node_rank, {**spec, "node_rank": node_rank})
         run.wait(until=lambda: not run.running or run.failed)
         if run.failed:
             # The job stopped the other workers; their replies (errors, mostly) say nothing more.

@@ -4,6 +4,7 @@ in a real IPython shell; a failing rank; a worker killed mid-run; Ctrl-C; ports 
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -228,3 +229,17 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         with pytest.raises(ConfigError, match="list of strings"):
             run_torch(str(script), "--epochs 3", session=session, echo=False)
         assert session.list_workers() == []
+
+
+def test_a_node_that_cannot_reach_the_rendezvous_says_so(tmp_path):
+    from cmlcluster.ports import free_ports
+
+    report = tmp_path / "report.json"
+    closed = free_ports(1)[0]  # nothing listens there
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(closed), "x.py"]
+    launch = [sys.executable, "-m", "cmlcluster.pytorch.launch", str(report), f"127.0.0.1:{closed}", "1", "--", *argv]
+    started = time.monotonic()
+    assert subprocess.run(launch, timeout=60).returncode == 1
+    assert time.monotonic() - started < 30  # the join timeout (1 s) ended it, not torchrun's own (600 s)
+    error = json.loads(report.read_text())["error"]
+    assert error.startswith(f"the rendezvous was not reached: 127.0.0.1:{closed} did not accept connections within 1 s")
