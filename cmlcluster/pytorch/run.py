@@ -70,7 +70,7 @@ class TorchResult:
     nproc_per_node: int
     hosts: list[str]  # each node's address, node 0 first
     master: str  # the rendezvous endpoint, address:port
-    duration: float
+    duration: float  # seconds from the workers running to the end of the run
     output: dict[int, list[str]] = field(default_factory=dict)  # rank -> its last lines
     node_exit_codes: dict[int, int] = field(default_factory=dict)  # node rank -> torchrun's exit code
     failure: RankFailure | None = None
