@@ -38,7 +38,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
     folder = tempfile.mkdtemp(prefix="cmlcluster-torch-")
     try:
-        report = os.path.join(folder, "failures.json")
+        report = os.path.join(folder, "report.json")
         result = os.path.join(folder, "value.pickle")
         if spec.get("call"):
             call_file = os.path.join(folder, "call.pickle")
