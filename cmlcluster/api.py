@@ -22,8 +22,11 @@ _backend: str | Backend | None = None
 _backend_options: dict[str, Any] = {}
 
 
-def use_backend(backend: str | Backend, **options: Any) -> None:
-    """Choose the default session's backend (and its options); only before it has workers."""
+def use_backend(backend: str | Backend | None, **options: Any) -> None:
+    """Choose the default session's backend (and its options); only before it has workers.
+
+    ``None`` goes back to the backend CMLCLUSTER_BACKEND names (default "local").
+    """
     global _backend, _backend_options
     if _default is not None and not _default.closed and _default.list_workers():
         raise ConfigError(

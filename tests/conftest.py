@@ -157,7 +157,8 @@ def session(backend):
 
 @pytest.fixture
 def shell():
-    """A real IPython shell with cmlcluster's magics loaded; the default session is stopped afterwards."""
+    """A real IPython shell with cmlcluster's magics loaded; afterwards the default session is stopped
+    and its backend is the default again (a test's use_backend must not follow the next test)."""
     from IPython.core.interactiveshell import InteractiveShell
 
     import cmlcluster
@@ -166,6 +167,7 @@ def shell():
     ip.run_line_magic("load_ext", "cmlcluster")
     yield ip
     cmlcluster.stop_session()
+    cmlcluster.use_backend(None)
 
 
 def cmlcluster_containers() -> list:
