@@ -27,7 +27,7 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--steps-per-epoch", type=int, default=20)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--learning-rate", type=float, default=0.05)
-parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "horovod-checkpoints"))
+parser.add_argument("--checkpoint-dir", help="keep rank 0's checkpoints here (default: a temporary folder, removed)")
 options = parser.parse_args()
 
 hvd.init()
@@ -51,8 +51,10 @@ model.compile(optimizer=optimizer, loss="mse")
 
 callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
 if hvd.rank() == 0:
-    os.makedirs(options.checkpoint_dir, exist_ok=True)
-    callbacks.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(options.checkpoint_dir, "model-{epoch}.keras")))
+    scratch = None if options.checkpoint_dir else tempfile.TemporaryDirectory(prefix="horovod-checkpoints-")
+    checkpoint_dir = options.checkpoint_dir or scratch.name  # a temporary one goes when the script ends
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    callbacks.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(checkpoint_dir, "model-{epoch}.keras")))
 try:
     import cmlcluster
 

@@ -33,7 +33,7 @@ parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--samples", type=int, default=4096)
 parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--learning-rate", type=float, default=0.02)
-parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "torch-checkpoints"))
+parser.add_argument("--checkpoint-dir", help="keep rank 0's checkpoints here (default: a temporary folder, removed)")
 args = parser.parse_args()
 
 init_process_group()
@@ -59,6 +59,8 @@ model = DistributedDataParallel(
     device_ids=[device.index] if device.type == "cuda" else None,
 )
 optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
+scratch = None if args.checkpoint_dir or rank != 0 else tempfile.TemporaryDirectory(prefix="torch-checkpoints-")
+checkpoint_dir = args.checkpoint_dir or (scratch and scratch.name)  # a temporary one goes when the script ends
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     sums = torch.zeros(2, device=device)  # squared error, samples: this process's share
@@ -74,8 +76,8 @@ for epoch in range(args.epochs):
     print(f"epoch {epoch + 1} loss {epoch_loss:.6f}", flush=True)
     if rank == 0:
         report(epoch + 1, args.epochs, loss=epoch_loss)
-        os.makedirs(args.checkpoint_dir, exist_ok=True)
-        torch.save(model.module.state_dict(), os.path.join(args.checkpoint_dir, f"epoch{epoch + 1}.pt"))
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        torch.save(model.module.state_dict(), os.path.join(checkpoint_dir, f"epoch{epoch + 1}.pt"))
 
 digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
 print(f"parameters {digest[:16]}", flush=True)
