@@ -7,11 +7,13 @@ would. It prints the workers, the loss epoch by epoch, and the workers stopped.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from .errors import ConfigError
+from .tensorflow import versions
 
 TRUE_WEIGHTS = [[1.0], [-2.0], [3.0], [0.5]]
 
@@ -32,14 +34,17 @@ def workers_table(cluster: Any) -> str:
 
 def run(workers: int, ps: int, epochs: int, backend: str, timeout: float) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info lines, here and in the tasks
+    if importlib.util.find_spec("tf_keras") is not None:  # Keras 2: Keras 3 cannot fit on parameter servers
+        os.environ.setdefault(versions.LEGACY_KERAS, "1")
     try:
         import numpy as np
         import tensorflow as tf
     except ImportError:
         raise ConfigError(
             "the main job trains with TensorFlow, which is not installed here: "
-            "run `bash scripts/install.sh tensorflow` (or pip install 'cmlcluster[tensorflow]')"
+            "run `bash scripts/install.sh tensorflow` (or pip install tensorflow-cpu)"
         ) from None
+    versions.require_keras_2(tf)
     from . import keras_callback
     from .session import Session
     from .tensorflow import start_cluster

@@ -113,7 +113,7 @@ class TensorBoard:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(
                 f"TensorBoard is not installed in this Python ({sys.executable}): "
-                "pip install tensorboard (or pip install 'cmlcluster[tensorflow]'), then restart the kernel"
+                "pip install tensorboard (TensorFlow brings it), then restart the kernel"
             )
         if port is not None and not _port_free(port):
             raise CmlClusterError(

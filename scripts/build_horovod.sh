@@ -17,6 +17,11 @@ for tool in cmake g++; do
 done
 tf=$($py -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null) || {
     echo "build_horovod.sh: TensorFlow is not installed in .venv; install tensorflow-cpu==2.15.1 first" >&2; exit 1; }
+if [ "$(printf '%s\n' "$tf" 2.15.99 | sort -V | tail -1)" != 2.15.99 ]; then
+    echo "build_horovod.sh: Horovod $HOROVOD_VERSION builds against TensorFlow <= 2.15, and .venv has $tf;" \
+        "use a venv with tensorflow-cpu==2.15.1 (or tensorflow==2.15.1) for Horovod" >&2
+    exit 1
+fi
 pyver=$($py -c "import sys; print(f'{sys.version_info[0]}{sys.version_info[1]}')")
 cache="${CMLCLUSTER_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cmlcluster/wheels}/horovod-$HOROVOD_VERSION-tf$tf-py$pyver"
 mkdir -p "$cache"

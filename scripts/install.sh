@@ -3,14 +3,30 @@
 # machine with Python >= 3.10.
 #
 #   scripts/install.sh          the package: enough for local workers
-#   scripts/install.sh tensorflow   the package and TensorFlow: the main job (cmlcluster demo)
+#   scripts/install.sh tensorflow   the package, and TensorFlow unless .venv has one: the main job
 #   scripts/install.sh dev      everything the test suite uses: TensorFlow, Horovod (built from
-#                               source, cached), Debian's Docker engine, sshd and chromium, the test image
+#                               source, cached), Debian's Docker engine, sshd and chromium, the test image,
+#                               and .venv-tf2.21, where the TensorFlow tests run again on TensorFlow 2.21
+# Other words are the package's extras (widgets, docker, pytorch, ...), comma-separated.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-}"
-dev=false
-[[ ",$extras," == *",dev,"* ]] && dev=true
+words="${1:-}"
+dev=false tensorflow=false extras=()
+IFS=, read -ra asked <<< "$words"
+for word in "${asked[@]}"; do
+    case "$word" in
+        dev) dev=true tensorflow=true; extras+=(dev) ;;
+        # cmlcluster uses the TensorFlow it finds and never installs a second one (README, "TensorFlow
+        # versions"), so TensorFlow is no extra of the package: it is installed here where there is none.
+        tensorflow) tensorflow=true ;;
+        *) extras+=("$word") ;;
+    esac
+done
+extras=$(IFS=,; echo "${extras[*]}")
+# The TensorFlow installed where there is none, and the tests' (Horovod 0.28.1 builds against <= 2.15).
+# TensorBoard 2.15 imports pkg_resources, which setuptools 81 dropped (torch asks for setuptools >= 77).
+TENSORFLOW=(tensorflow-cpu==2.15.1 "numpy<2" "setuptools<81")
+NEWEST_TENSORFLOW=(tensorflow-cpu==2.21.0)
 
 apt_install() {
     command -v apt-get >/dev/null || { echo "install.sh: install $* first (no apt-get here)" >&2; exit 1; }
@@ -34,9 +50,21 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+pins=()
+if $tensorflow && ! .venv/bin/python -c "import tensorflow" >/dev/null 2>&1; then
+    pins=("${TENSORFLOW[@]}")
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}" "${pins[@]}"
 
 if $dev; then
+    # The newest TensorFlow beside the pinned one, for tests/integration/test_tensorflow_versions.py.
+    # tf-keras (Keras 2, for parameter-server model.fit) asks for the distribution named tensorflow:
+    # --no-deps keeps pip from adding it over tensorflow-cpu.
+    [ -x .venv-tf2.21/bin/python ] || python3 -m venv .venv-tf2.21
+    .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+    .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check -e ".[docker]" \
+        "${NEWEST_TENSORFLOW[@]}" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
+    .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --no-deps tf-keras==2.21.0
     bash scripts/build_horovod.sh
     bash scripts/docker_engine.sh  # starts dockerd when none answers; makes the test image
 fi

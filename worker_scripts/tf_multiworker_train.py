@@ -11,6 +11,7 @@ Every worker ends with the same weights; it prints their checksum so that can be
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -44,4 +45,6 @@ history = model.fit(dataset, epochs=options.epochs, steps_per_epoch=options.step
 losses = history.history["loss"]
 checksum = float(sum(np.sum(w) for w in model.get_weights()))
 print(f"task {task['type']}:{task['index']} of {n_workers}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+keras = sys.modules[tf.keras.__name__.partition(".")[0]]  # the package behind tf.keras: keras or tf_keras
+print(f"task {task['type']}:{task['index']} TensorFlow {tf.__version__}, Keras {keras.__version__}")
 print(f"task {task['type']}:{task['index']} weights checksum {checksum:.6f}")

@@ -21,7 +21,7 @@ from ..jobs import Job, JobFailed, JobFailure, Member, Role, launch_job
 from ..ports import free_ports
 from ..session import Session, Shipment
 from ..workers import Program, Resources
-from . import coordinator
+from . import coordinator, versions
 from . import spec as specs
 
 log = logging.getLogger("cmlcluster")
@@ -90,6 +90,7 @@ class TFCluster:
             )
         import tensorflow as tf
 
+        versions.check_coordinator(tf)
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(self.cluster_spec), task_type="chief", task_id=0, rpc_layer="grpc"
         )
@@ -189,6 +190,9 @@ class TFCluster:
         if exc is not None and self.failure is not None and not isinstance(exc, JobFailed):
             # What TensorFlow raised in this process (UnavailableError, say) follows from this.
             raise JobFailed(self.job.name, self.failure) from exc
+        unsupported = versions.fit_error(exc) if exc is not None and self.chief is not None else None
+        if unsupported is not None:  # Keras 3's own error does not say that fit cannot train here
+            raise unsupported from exc
 
     def tensorboard(self, logdir: str, port: int | None = None) -> Any:
         """TensorBoard on the cluster's log folder, stopped with the session (see Session.tensorboard)."""
@@ -236,9 +240,10 @@ def start_cluster(
         from ..api import get_session
 
         session = get_session()
+    env = {**versions.legacy_keras_env(), **(env or {})}  # the workers' tf.keras is the notebook's
     roles = [  # launch_workers checks the resources before anything starts
-        Role("ps", n_ps, Resources(cpu, memory, 0), env=dict(env or {})),  # never a GPU
-        Role("worker", n_workers, Resources(cpu, memory, nvidia_gpu), min_count=min_workers, env=dict(env or {})),
+        Role("ps", n_ps, Resources(cpu, memory, 0), env=env),  # never a GPU
+        Role("worker", n_workers, Resources(cpu, memory, nvidia_gpu), min_count=min_workers, env=env),
     ]
     job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds)
     with ExitStack() as undo:

@@ -5,6 +5,7 @@ MultiWorkerMirroredStrategy, failures and carrying on with fewer workers."""
 from __future__ import annotations
 
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from cmlcluster import WorkerError, run_cluster, start_cluster
+from cmlcluster.tensorflow import versions
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +32,10 @@ def test_parameter_server_training_with_this_process_as_coordinator(session, cap
     with start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session) as cluster:
         assert sorted(cluster.cluster_spec) == ["chief", "ps", "worker"]
         assert len(cluster.cluster_spec["worker"]) == 2 and len(cluster.cluster_spec["ps"]) == 1
+
+        # Every task's tf.keras is this process's (on TensorFlow >= 2.16: TF_USE_LEGACY_KERAS).
+        legacy = {session.call(t.worker_id, "os:getenv", "TF_USE_LEGACY_KERAS") for t in cluster.tasks}
+        assert legacy == {os.environ.get("TF_USE_LEGACY_KERAS")}
 
         strategy = tf.distribute.ParameterServerStrategy(cluster.resolver)
         assert strategy.extended._num_workers == 2 and strategy.extended._num_ps == 1
@@ -107,6 +113,44 @@ def test_a_process_that_coordinated_training_exits_within_seconds_logging_nothin
     assert "Failed to remove function remotely" not in err and "Unable to close remote context" not in err, err
 
 
+KERAS_FIT = """
+import numpy as np, tensorflow as tf
+from cmlcluster import Session, start_cluster
+from cmlcluster.tensorflow.versions import keras_flavour
+print("tf.keras is", keras_flavour(tf), flush=True)
+with Session("local", echo=False) as session:
+    with start_cluster(n_workers=1, n_ps=1, cpu=0.5, memory=1, session=session) as cluster:
+        strategy = tf.distribute.ParameterServerStrategy(cluster.resolver)
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.ones((64, 4), np.float32)
+        dataset = lambda _=None: tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1))).repeat().batch(32)
+        keras_2 = keras_flavour(tf) != "keras_3"  # Keras 3 has no DatasetCreator: fit gets a dataset
+        model.fit(tf.keras.utils.experimental.DatasetCreator(dataset) if keras_2 else dataset(), steps_per_epoch=2)
+print("trained", flush=True)
+"""
+
+
+def test_keras_fit_as_coordinator_trains_or_fails_at_once_saying_how_to_get_keras_2():
+    """tf.keras as TensorFlow gives it without TF_USE_LEGACY_KERAS: Keras 2 up to 2.15, Keras 3 from 2.16."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    run = subprocess.run([sys.executable, "-c", KERAS_FIT], env=env, capture_output=True, text=True, timeout=180)
+    if versions.minor(tf.__version__) < (2, 16):
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines() == ["tf.keras is keras_2", "trained"]
+        assert "Keras 3" not in run.stderr
+        return
+    assert run.returncode == 1 and run.stdout.splitlines() == ["tf.keras is keras_3"], run.stderr
+    major, minor = versions.minor(tf.__version__)
+    # Warned as the process became the coordinator, and raised from fit with Keras's own error chained.
+    assert run.stderr.count(f"TensorFlow {tf.__version__} gives tf.keras as Keras 3") == 2, run.stderr
+    assert f'pip install --no-deps "tf-keras~={major}.{minor}.0"' in run.stderr
+    assert "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" in run.stderr
+    assert "ClusterCoordinator.create_per_worker_dataset" in run.stderr  # Keras's error, the cause
+    assert run.stderr.rstrip().splitlines()[-1].startswith("  (Custom training loops")  # ours is the last
+
+
 def test_run_cluster_returns_a_spec_and_address_of_real_servers(session):
     spec, address = run_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session)
     assert sorted(spec) == ["ps", "worker"]
@@ -144,6 +188,7 @@ def test_worker_script_runs_cloudera_style_and_stops_everything(session, monkeyp
 
 
 def test_multi_worker_mirrored_strategy_ends_with_identical_weights(session):
+    # MultiWorkerMirroredStrategy is the allreduce path where Horovod does not build (TensorFlow >= 2.16).
     with start_cluster(n_workers=2, servers=False, cpu=1, memory=2, session=session) as cluster:
         assert "chief" not in cluster.cluster_spec and "ps" not in cluster.cluster_spec
         done = cluster.run_script(str(SCRIPTS / "tf_multiworker_train.py"), args=["--epochs", "2"])
@@ -153,6 +198,10 @@ def test_multi_worker_mirrored_strategy_ends_with_identical_weights(session):
     assert sorted(sizes) == [("0", "2"), ("1", "2")]
     checksums = re.findall(r"weights checksum (-?[\d.]+)", "\n".join(logs.values()))
     assert len(checksums) == 2 and checksums[0] == checksums[1]  # the allreduce kept them in step
+    # Keras 2 on every worker, as here: Keras 3's fit cannot train across workers (keras-team/keras#20585),
+    # so on TensorFlow >= 2.16 the tests set TF_USE_LEGACY_KERAS, which the workers got from the session.
+    kerases = set(re.findall(r"TensorFlow \S+, Keras (\d+)\.", "\n".join(logs.values())))
+    assert kerases == {"2"}
 
 
 def test_a_raising_worker_script_names_the_worker_and_leaves_nothing(session, tmp_path):

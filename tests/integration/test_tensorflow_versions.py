@@ -1,0 +1,57 @@
+"""The TensorFlow tests again, on the newest TensorFlow: 2.21 in .venv-tf2.21 (scripts/install.sh dev).
+
+The coordinator of parameter-server training is the test process itself, so these tests run in that
+venv's own pytest: test_tensorflow.py on every backend, and the faults of test_faults.py that involve
+TensorFlow and not Horovod (which does not build against TensorFlow >= 2.16). tf.keras is tf_keras
+there (TF_USE_LEGACY_KERAS=1), as the fix cmlcluster gives users says; what Keras 3 does is
+test_keras_fit_as_coordinator_trains_or_fails_at_once_saying_how_to_get_keras_2, in a child process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+NEWEST = "2.21.0"
+VENV = ROOT / ".venv-tf2.21"
+TESTS = [
+    "tests/integration/test_tensorflow.py",
+    "tests/integration/test_faults.py::test_kill_9_during_run_cluster_fails_the_job_naming_the_task_and_stops_the_rest",
+    "tests/integration/test_faults.py::test_kill_9_of_a_worker_while_this_process_coordinates_fails_fit_and_the_next_cluster_trains",
+    "tests/integration/test_faults.py::test_kill_9_of_a_parameter_server_while_this_process_coordinates",
+    "tests/unit/test_tf_versions.py",
+]
+
+
+@pytest.mark.timeout(2400)
+def test_the_tensorflow_tests_pass_on_the_newest_tensorflow(tmp_path):
+    python = VENV / "bin" / "python"
+    assert python.exists(), f"{VENV} is missing: scripts/install.sh dev makes it"
+    probe = "import tensorflow as tf, tf_keras; print(tf.__version__, tf_keras.__version__)"
+    found = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert found == [NEWEST, NEWEST]
+
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1"}
+    log = tmp_path / "pytest.log"  # the whole run, for a failure's message
+    with log.open("w") as out:
+        run = subprocess.run(
+            [python, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}", *TESTS],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=2300,
+        )
+    text = log.read_text()
+    summary = text.rstrip().splitlines()[-1]
+    assert run.returncode == 0, text[-30000:]
+    counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (\w+)", summary))
+    # Nothing failed, skipped or errored.
+    assert counts.get("passed", 0) >= 30 and not set(counts) - {"passed", "warning", "warnings"}, summary
