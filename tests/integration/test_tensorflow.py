@@ -127,7 +127,8 @@ with Session("local", echo=False) as session:
         x = np.ones((64, 4), np.float32)
         dataset = lambda _=None: tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1))).repeat().batch(32)
         keras_2 = keras_flavour(tf) != "keras_3"  # Keras 3 has no DatasetCreator: fit gets a dataset
-        model.fit(tf.keras.utils.experimental.DatasetCreator(dataset) if keras_2 else dataset(), steps_per_epoch=2)
+        data = tf.keras.utils.experimental.DatasetCreator(dataset) if keras_2 else dataset()
+        model.fit(data, steps_per_epoch=2, verbose=0)
 print("trained", flush=True)
 """
 

@@ -35,6 +35,19 @@ def test_parameter_servers_come_first_and_never_get_gpus():
         assert [w["nvidia_gpu"] for w in s.list_workers()] == [0, 0, 1, 1]
 
 
+def test_every_task_gets_tf_use_legacy_keras_from_this_process_and_the_users_env(monkeypatch):
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    backend = FakeBackend()
+    with Session(backend, echo=False) as s:
+        start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, env={"A": "b"}, session=s)
+        envs = [{k: h.spec.env.get(k) for k in ("TF_USE_LEGACY_KERAS", "A")} for h in backend.handles.values()]
+    assert envs == [{"TF_USE_LEGACY_KERAS": "1", "A": "b"}] * 3
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "0")  # the user's env= wins
+    with Session(backend := FakeBackend(), echo=False) as s:
+        start_cluster(n_workers=1, servers=False, env={"TF_USE_LEGACY_KERAS": "1"}, session=s)
+        assert [h.spec.env["TF_USE_LEGACY_KERAS"] for h in backend.handles.values()] == ["1"]
+
+
 def test_carries_on_with_the_workers_that_started_and_says_so():
     # engine 0: the ps; 1 and 2: workers, of which 2 never comes up.
     with fake_session(FakeWorker(), FakeWorker(), FakeWorker(registers=False)) as s:
