@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import types
-from typing import Any
 
 from ..errors import ConfigError
 
@@ -134,7 +133,7 @@ def _warn_if_untested(version: str) -> None:
         log.warning("cmlcluster: TensorFlow %s is outside the versions it is tested with (%s to %s)", version, *range_)
 
 
-def legacy_keras_env() -> dict[str, Any]:
+def legacy_keras_env() -> dict[str, str]:
     """TF_USE_LEGACY_KERAS for the workers, when this process has it: their tf.keras is then the same."""
     value = os.environ.get(LEGACY_KERAS)
     return {LEGACY_KERAS: value} if value is not None else {}
