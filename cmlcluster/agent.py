@@ -135,7 +135,7 @@ def run_program(
             runpy.run_path(script, run_name="__main__")
         elif code.startswith("!"):
             # The user asked for a shell command; the shell is the point.
-            return subprocess.call(["/bin/sh", "-c", code[1:]])
+            return run_shell(code[1:])
         elif code:
             exec(compile(code, "<worker code>", "exec"), {"__name__": "__main__"})  # noqa: S102
         elif target:
@@ -152,6 +152,32 @@ def run_program(
         sys.stdout.flush()
         sys.stderr.flush()
     return 0
+
+
+def run_shell(command: str) -> int:
+    """`sh -c command`, its output copied line by line into this engine's streams; its exit code.
+
+    Not onto the inherited descriptors: what a child writes there reaches the session only through
+    the engine's descriptor capture, a thread that can send it after the program's end was reported
+    (a worker's last lines then went missing). Copied here, all of it is sent before run_program returns.
+    """
+    with subprocess.Popen(["/bin/sh", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        pipes = ((child.stdout, sys.stdout), (child.stderr, sys.stderr))
+        copiers = [threading.Thread(target=_copy_lines, args=pair, daemon=True) for pair in pipes]
+        try:
+            for copier in copiers:
+                copier.start()
+            for copier in copiers:
+                copier.join()
+            return child.wait()
+        except BaseException:  # an interrupt: the command does not outlive its program
+            child.kill()
+            raise
+
+
+def _copy_lines(pipe: Any, stream: Any) -> None:
+    for line in iter(pipe.readline, b""):
+        stream.write(line.decode(errors="replace"))
 
 
 def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes]) -> None:
