@@ -26,7 +26,7 @@ extras=$(IFS=,; echo "${extras[*]}")
 # The TensorFlow installed where there is none, and the tests' (Horovod 0.28.1 builds against <= 2.15).
 # TensorBoard 2.15 imports pkg_resources, which setuptools 81 dropped (torch asks for setuptools >= 77).
 TENSORFLOW=(tensorflow-cpu==2.15.1 "numpy<2" "setuptools<81")
-NEWEST_TENSORFLOW=(tensorflow-cpu==2.21.0)
+NEWEST_TENSORFLOW=tensorflow-cpu==2.21.0 NEWEST_TF_KERAS=tf-keras==2.21.0  # .venv-tf2.21
 
 apt_install() {
     command -v apt-get >/dev/null || { echo "install.sh: install $* first (no apt-get here)" >&2; exit 1; }
@@ -63,8 +63,8 @@ if $dev; then
     [ -x .venv-tf2.21/bin/python ] || python3 -m venv .venv-tf2.21
     .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
     .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check -e ".[docker]" \
-        "${NEWEST_TENSORFLOW[@]}" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
-    .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --no-deps tf-keras==2.21.0
+        "$NEWEST_TENSORFLOW" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
+    .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --no-deps "$NEWEST_TF_KERAS"
     bash scripts/build_horovod.sh
     bash scripts/docker_engine.sh  # starts dockerd when none answers; makes the test image
 fi

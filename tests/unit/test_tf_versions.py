@@ -63,9 +63,7 @@ def installed(monkeypatch):
     ],
 )
 def test_keras_flavour_follows_tensorflows_own_rule(monkeypatch, installed, version, legacy, keras, tf_keras, flavour):
-    if legacy is None:
-        monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
-    else:
+    if legacy is not None:  # unset otherwise (no_legacy_keras_variable)
         monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
     installed(keras, tf_keras)
     assert versions.keras_flavour(fake_tf(version)) == flavour
@@ -102,7 +100,6 @@ def test_versions_outside_the_tested_range_are_warned_about_once(caplog, install
 
 
 def test_the_workers_get_tf_use_legacy_keras_only_when_this_process_has_it(monkeypatch):
-    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
     assert versions.legacy_keras_env() == {}
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
     assert versions.legacy_keras_env() == {"TF_USE_LEGACY_KERAS": "1"}
@@ -117,9 +114,7 @@ def test_the_workers_get_tf_use_legacy_keras_only_when_this_process_has_it(monke
     ],
 )
 def test_the_main_job_needs_keras_2_and_says_how_to_get_it(monkeypatch, installed, legacy, tf_keras, error):
-    if legacy is None:
-        monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
-    else:
+    if legacy is not None:  # unset otherwise (no_legacy_keras_variable)
         monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
     installed("3.15.1", tf_keras)
     if error is None:
