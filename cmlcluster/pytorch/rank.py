@@ -57,6 +57,20 @@ def run_function(call_file: str, result_file: str) -> None:
             cloudpickle.dump(value, f)
 
 
+def release_process_group() -> None:
+    """Destroy the default process group if the user's code left it, while the interpreter is whole.
+
+    Left to interpreter exit, Gloo's threads can still hold work whose tensors reach into Python,
+    and the process aborts ("terminate called without an active exception", SIGABRT) after the
+    user's code succeeded (pytorch/pytorch#190489). Only after success: a rank that failed exits
+    as it is, since destroying a group that other ranks still use can hang.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def user_frames(tb: TracebackType | None) -> TracebackType | None:
     """The traceback from the user's code on: without this module's frames, nor runpy's."""
     while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
@@ -79,7 +93,9 @@ def main(argv: list[str]) -> None:
             run_script(argv[0], argv[1:])
         else:
             sys.exit("usage: python -m cmlcluster.pytorch.rank SCRIPT [ARGS...] | --function CALL RESULT")
-    except SystemExit:
+    except SystemExit as e:
+        if e.code in (None, 0):
+            release_process_group()
         raise
     except BaseException as e:
         # As `python script` would show it, and in torchrun's error file for the session: the
@@ -88,6 +104,7 @@ def main(argv: list[str]) -> None:
         errors.record_exception(e)
         traceback.print_exception(e)
         sys.exit(1)
+    release_process_group()
 
 
 if __name__ == "__main__":

@@ -91,6 +91,31 @@ def test_a_function_returns_rank_0s_value(tmp_path):
     assert result.value == {"sum": 61.0, "world": 3, "rank": 0}
 
 
+LEAVES_GROUP = """
+import atexit
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+value = torch.tensor([1.0])
+dist.all_reduce(value)
+atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))
+"""
+
+
+def test_a_process_group_left_by_successful_code_is_destroyed_before_exit(tmp_path):
+    # Left to interpreter exit, Gloo's threads aborted about one successful run in five (SIGABRT,
+    # pytorch/pytorch#190489); atexit handlers run after rank.py's own end, so they see what it did.
+    script = tmp_path / "leaves_group.py"
+    script.write_text(LEAVES_GROUP)
+    with Session("local", echo=False) as session:
+        result = run_torch(str(script), nproc_per_node=2, session=session, echo=False)
+    assert result.ok, result.message
+    assert {rank: lines[-1:] for rank, lines in result.output.items()} == {
+        0: ["group at exit: False"],
+        1: ["group at exit: False"],
+    }
+
+
 def test_torchrun_magics_in_a_real_ipython_shell(shell, capsys):
     result = shell.run_line_magic("torchrun", f"--nnodes 2 --nproc-per-node 1 {EXAMPLE} --epochs 2")
     check_ddp(result, world=2, n_hosts=1, epochs=2)
@@ -136,7 +161,9 @@ def test_a_failing_rank_is_named_and_every_other_process_stopped(backend_name, t
         assert 'failing.py", line 10' in failure.traceback and "rank.py" not in failure.traceback
         assert "rank 2 (local rank 0 on node 1" in result.message and "corrupt" in result.message
         failed_at = float(re.search(r"failing at ([\d.]+)", "\n".join(result.output[2])).group(1))
-        assert returned - failed_at < 5, returned - failed_at  # the others did not wait in their barrier
+        # The others did not wait in their barrier (600 s): the failure went through two torchruns and
+        # the session in seconds (2.8 to 5.6 s on this 2-core machine, a chain of process exits).
+        assert returned - failed_at < 30, returned - failed_at
         wait_until(lambda: not processes_running(script), 5, "no rank left")
         assert sorted(w["status"] for w in session.list_workers()) == ["stopped", "stopped"]
         with pytest.raises(TorchError, match=r"rank 0 .* corrupt"):
