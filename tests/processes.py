@@ -63,3 +63,18 @@ def kill_later(condition, victim, what):
 
     threading.Thread(target=kill, daemon=True).start()
     return killed
+
+
+def time_all_gone(script: Path, timeout: float = 300.0) -> dict[str, float]:
+    """On a thread: once processes running script have appeared and are all gone, the wall-clock
+    time (time.time(), comparable with times the processes print) goes into the returned dict."""
+    gone: dict[str, float] = {}
+
+    def watch():
+        wait_until(lambda: processes_running(script), timeout, f"processes running {script}")
+        while processes_running(script):
+            time.sleep(0.05)
+        gone["at"] = time.time()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return gone
