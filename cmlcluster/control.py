@@ -25,7 +25,10 @@ from typing import Any
 from .errors import ControllerError
 from .workers import Program
 
-HEARTBEAT_MS = 1000  # controller ping period; agents give up after agent.MISSED_PINGS_ALLOWED of them
+# The controller's ping period. The hub announces a new engine at the beat after the first ping
+# it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start.
+HEARTBEAT_MS = 250
+HUB_SILENCE_MS = 10_000  # an engine silent this long is unregistered (ipyparallel's 10 misses of 1 s)
 CONTROLLER_START_TIMEOUT = 60.0
 DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
 OUTPUT_DRAIN_TIMEOUT = 5.0
@@ -116,6 +119,7 @@ class IPyParallelControl(ControlPlane):
             f"--location={listen_ip}",
             "--IPController.use_threads=True",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HUB_SILENCE_MS // HEARTBEAT_MS}",
             "--nodb",  # results live in the session, not in the controller's memory
             f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
