@@ -241,6 +241,8 @@ def start_cluster(
 
         session = get_session()
     env = {**versions.legacy_keras_env(), **(env or {})}  # the workers' tf.keras is the notebook's
+    if servers:  # imported while the workers register, not once start_server is called
+        env.setdefault("CMLCLUSTER_PRELOAD", "tensorflow")
     roles = [  # launch_workers checks the resources before anything starts
         Role("ps", n_ps, Resources(cpu, memory, 0), env=env),  # never a GPU
         Role("worker", n_workers, Resources(cpu, memory, nvidia_gpu), min_count=min_workers, env=env),

@@ -36,6 +36,8 @@ def test_parameter_server_training_with_this_process_as_coordinator(session, cap
         # Every task's tf.keras is this process's (on TensorFlow >= 2.16: TF_USE_LEGACY_KERAS).
         legacy = {session.call(t.worker_id, "os:getenv", "TF_USE_LEGACY_KERAS") for t in cluster.tasks}
         assert legacy == {os.environ.get("TF_USE_LEGACY_KERAS")}
+        # TensorFlow was preloaded while the workers registered, and the variable asking for it is gone.
+        assert {session.call(t.worker_id, "os:getenv", "CMLCLUSTER_PRELOAD") for t in cluster.tasks} == {None}
 
         strategy = tf.distribute.ParameterServerStrategy(cluster.resolver)
         assert strategy.extended._num_workers == 2 and strategy.extended._num_ps == 1

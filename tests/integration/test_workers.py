@@ -96,6 +96,23 @@ def test_shell_command_code(session):
     assert f"shell says {w['id']}" in session.output(w) and "and on stderr" in session.output(w)
 
 
+def test_preloaded_modules_are_imported_while_the_worker_registers(session):
+    # start_cluster preloads tensorflow this way; a module that is not there costs nothing.
+    code = textwrap.dedent(
+        """
+        import os, sys, time
+        deadline = time.monotonic() + 30
+        while "xml.dom.minidom" not in sys.modules and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("preloaded:", "xml.dom.minidom" in sys.modules, os.environ.get("CMLCLUSTER_PRELOAD"))
+        """
+    )
+    env = {"CMLCLUSTER_PRELOAD": "no_such_module_here,xml.dom.minidom"}
+    [w] = session.launch_workers(1, cpu=1, memory=1, code=code, env=env)
+    assert session.await_workers([w], timeout_seconds=60)["failures"] == []
+    assert "preloaded: True None" in session.output(w)
+
+
 def test_script_runs_as_main(session, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "job.py").write_text("import sys\nif __name__ == '__main__':\n    print('main of', sys.argv[0])\n")
