@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 
 from cmlcluster import Session, run_cluster, start_cluster
+from cmlcluster.ports import free_ports
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "worker_scripts" / "tf_ps_train.py")
 # The processes started by hand have no CPU quota; giving ours the whole machine keeps the
@@ -46,16 +47,6 @@ BENCH_LINE = re.compile(r"cmlcluster-bench steps=(\d+) seconds=([\d.]+)")
 
 def throughput(text: str) -> float:
     return sum(int(steps) / float(seconds) for steps, seconds in BENCH_LINE.findall(text))
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def hand_cluster(n_workers: int, n_ps: int, command: list[str]) -> tuple[list[subprocess.Popen[str]], dict]:
@@ -148,17 +139,20 @@ def measure_training(steps: int, repeat: int) -> None:
 
 
 def measure_ready(n_workers: int, n_ps: int, repeat: int) -> None:
-    mine, theirs = [], []
+    mine, theirs, mine_cpu, theirs_cpu = [], [], [], []
     for _ in range(repeat):
-        mine.append(ready_ours(n_workers, n_ps))
-        theirs.append(ready_by_hand(n_workers, n_ps))
-    m, t = (statistics.median(s for s, _ in runs) for runs in (mine, theirs))
-    m_cpu, t_cpu = (statistics.median(c for _, c in runs) for runs in (mine, theirs))
-    spread = max(s for s, _ in theirs) / min(s for s, _ in theirs)
+        seconds, cpu = ready_ours(n_workers, n_ps)
+        mine.append(seconds)
+        mine_cpu.append(cpu)
+        seconds, cpu = ready_by_hand(n_workers, n_ps)
+        theirs.append(seconds)
+        theirs_cpu.append(cpu)
+    m, t = statistics.median(mine), statistics.median(theirs)
+    m_cpu, t_cpu = statistics.median(mine_cpu), statistics.median(theirs_cpu)
     print(
         f"call -> ready, {n_workers} workers + {n_ps} ps, {repeat} repeats: start_cluster {m:.2f} s, "
-        f"by hand {t:.2f} s, ratio {m / t:.2f} (goal <= 1.2); by-hand spread {spread:.2f}; CPU {m_cpu:.1f} s against "
-        f"{t_cpu:.1f} s, ratio {m_cpu / t_cpu:.2f} ({os.cpu_count()} cores)",
+        f"by hand {t:.2f} s, ratio {m / t:.2f} (goal <= 1.2); by-hand spread {max(theirs) / min(theirs):.2f}; "
+        f"CPU {m_cpu:.1f} s against {t_cpu:.1f} s, ratio {m_cpu / t_cpu:.2f} ({os.cpu_count()} cores)",
         flush=True,
     )
 

@@ -39,8 +39,8 @@ from traitlets import default
 
 from . import shipping
 
-# The controller pings every control.HEARTBEAT_MS; silent this long (never less than 3 of its
-# periods) and the session is taken to be gone.
+# The controller pings every control.HEARTBEAT_MS; silent this long and the session is
+# taken to be gone.
 SESSION_SILENCE_SECONDS = 5.0
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "no_proxy", "all_proxy", "grpc_proxy")
 
@@ -190,7 +190,7 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes]) ->
         pings.setsockopt(option, value)
     pings.setsockopt(zmq.SUBSCRIBE, b"")
     pings.connect(ping_url)
-    allowed = max(SESSION_SILENCE_SECONDS, 3 * period_ms / 1000)
+    allowed = SESSION_SILENCE_SECONDS
     last = time.monotonic()
     while True:
         if pings.poll(period_ms):
