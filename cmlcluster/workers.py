@@ -41,6 +41,11 @@ class Resources:
     memory: float
     nvidia_gpu: int = 0
 
+    @property
+    def memory_mib(self) -> int:
+        """memory in whole MiB: a GB is 2**30 bytes, in every backend (docker's mem_limit, pods)."""
+        return int(self.memory * 1024)
+
 
 @dataclass(frozen=True)
 class WorkerSpec:

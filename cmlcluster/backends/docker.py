@@ -226,7 +226,7 @@ class DockerBackend(Backend):
                 f"{LABEL}.pid": str(os.getpid()),
             },
             "nano_cpus": int(spec.resources.cpu * 1e9),
-            "mem_limit": f"{int(spec.resources.memory * 1024)}m",
+            "mem_limit": f"{spec.resources.memory_mib}m",
             "volumes": [f"{host}:{binding}" for host, binding in mounts.items()],
             "init": True,  # signals reach the agent, and it is not PID 1
             "auto_remove": True,

@@ -1,0 +1,450 @@
+"""The Kubernetes backend's Pod and Secret manifests: valid for the API, and right field by field.
+
+Every manifest is validated in strict mode (unknown fields fail) against the OpenAPI schemas of
+named Kubernetes versions by kubernetes-validate; no API server is needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+
+import kubernetes_validate  # the dev extra's; no skip when missing: these tests must run
+import pytest
+from kubernetes.utils.quantity import parse_quantity
+
+from cmlcluster.backends.base import SessionContext
+from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.kubernetes import manifests as m
+from cmlcluster.errors import ConfigError
+from cmlcluster.workers import Resources, WorkerSpec
+
+# The oldest the `kubernetes>=29` client speaks to, a middle one, and the newest kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.29.0", "1.31.0", "1.37.0")
+
+SESSION = "a1b2c3"
+NAMESPACE = "ml-team"
+IMAGE = "registry.example.com/cmlcluster-worker:1.0"
+SECRET_UID = "9f1c7a52-3b1e-4c55-8a51-0c5c7c1e2f10"
+NOTEBOOK_POD = {"name": "jupyter-alice", "uid": "0d3d5c1e-6a6f-4f0e-9d8e-2f1b8b1c4a77"}
+CONNECTION = json.dumps({"key": "controller-key-d41d8cd98f", "registration": 40123, "interface": "tcp://10.1.2.3"})
+SSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAAsessionkey\n-----END OPENSSH PRIVATE KEY-----\n"
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+
+
+def make_spec(cpu: float = 2, memory: float = 4, nvidia_gpu: int = 0, engine_id: int = 0, **kwargs) -> WorkerSpec:
+    """A spec as Session._make_spec makes it: the user's env plus cmlcluster's, the connection included."""
+    worker_id = kwargs.pop("worker_id", f"{SESSION}-{engine_id}")
+    env = {
+        "MY_SETTING": "user value",
+        "CMLCLUSTER_CONNECTION": CONNECTION,
+        "CDSW_MASTER_IP": "10.1.2.3",
+        "CML_MASTER_IP": "10.1.2.3",
+        "CDSW_MASTER_ID": SESSION,
+        "CDSW_ENGINE_ID": worker_id,
+        "CMLCLUSTER_ENGINE_ID": str(engine_id),
+        "PYTHONUNBUFFERED": "1",
+        **kwargs.pop("env", {}),
+    }
+    return WorkerSpec(
+        worker_id=worker_id,
+        engine_id=engine_id,
+        argv=("python3", "-m", "cmlcluster.agent"),
+        env=env,
+        resources=Resources(cpu=cpu, memory=memory, nvidia_gpu=nvidia_gpu),
+        cwd=kwargs.pop("cwd", "/home/alice/project"),
+    )
+
+
+def make_pod(spec: WorkerSpec | None = None, options: m.PodOptions | None = None) -> dict:
+    return m.worker_pod(
+        spec or make_spec(),
+        session_id=SESSION,
+        namespace=NAMESPACE,
+        image=IMAGE,
+        secret_name=m.secret_name(SESSION),
+        secret_uid=SECRET_UID,
+        options=options,
+    )
+
+
+FULL_OPTIONS = m.PodOptions(
+    node_selector={"nvidia.com/gpu.present": "true", "pool": "training"},
+    tolerations=[
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+        {"key": "team", "operator": "Equal", "value": "ml", "effect": "PreferNoSchedule"},
+    ],
+    service_account="cmlcluster-worker",
+    image_pull_secrets=["regcred", "mirror.example.com"],
+    env={"NCCL_DEBUG": "INFO", "MY_SETTING": "backend default"},
+    shared_volume=m.SharedVolume(claim="team-efs", mount_path="/shared"),
+)
+
+
+def container(pod: dict) -> dict:
+    (only,) = pod["spec"]["containers"]
+    return only
+
+
+def env_of(pod: dict) -> dict[str, str]:
+    pairs = container(pod)["env"]
+    assert all(set(pair) == {"name", "value"} for pair in pairs), pairs
+    names = [pair["name"] for pair in pairs]
+    assert len(names) == len(set(names)), f"a variable set twice: {names}"
+    return {pair["name"]: pair["value"] for pair in pairs}
+
+
+def assert_valid(manifest: dict) -> None:
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(manifest, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            pytest.fail(f"{manifest['kind']} is not valid for Kubernetes {version} at {path}: {e.message}")
+
+
+# ---------------------------------------------------------------- the validator itself
+
+
+def test_the_validator_is_strict_so_a_pass_means_something():
+    # Without strict mode an unknown (misspelt) field passes; these must fail, or the rest proves nothing.
+    pod = make_pod()
+    misspelt = {**pod, "spec": {**pod["spec"], "restartpolicy": "Never"}}
+    with pytest.raises(kubernetes_validate.ValidationError, match="restartpolicy"):
+        kubernetes_validate.validate(misspelt, KUBERNETES_VERSIONS[0], strict=True)
+    wrong_type = json.loads(json.dumps(pod))
+    wrong_type["spec"]["volumes"][0]["secret"]["defaultMode"] = "0400"
+    with pytest.raises(kubernetes_validate.ValidationError, match="0400"):
+        kubernetes_validate.validate(wrong_type, KUBERNETES_VERSIONS[0], strict=True)
+
+
+# ---------------------------------------------------------------- the session Secret
+
+
+def test_session_secret_carries_connection_and_key_owned_by_the_notebook_pod():
+    secret = m.session_secret(
+        SESSION, namespace=NAMESPACE, connection_info=CONNECTION, ssh_private_key=SSH_KEY, owner=NOTEBOOK_POD
+    )
+    assert_valid(secret)
+    assert (secret["apiVersion"], secret["kind"], secret["type"]) == ("v1", "Secret", "Opaque")
+    metadata = secret["metadata"]
+    assert metadata["name"] == f"cmlcluster-{SESSION}" == m.secret_name(SESSION)
+    assert metadata["namespace"] == NAMESPACE
+    assert metadata["labels"] == {
+        "cmlcluster.io/session": SESSION,
+        "app.kubernetes.io/managed-by": "cmlcluster",
+        "app.kubernetes.io/component": "session",
+    }
+    assert metadata["ownerReferences"] == [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": "jupyter-alice",
+            "uid": NOTEBOOK_POD["uid"],
+            "controller": False,
+            "blockOwnerDeletion": False,
+        }
+    ]
+    assert "stringData" not in secret
+    decoded = {key: base64.b64decode(value, validate=True).decode() for key, value in secret["data"].items()}
+    assert decoded == {"connection.json": CONNECTION, "id_ed25519": SSH_KEY}
+    assert m.CONNECTION_FILE == f"{m.SESSION_MOUNT_PATH}/connection.json"
+    assert m.SSH_KEY_FILE == f"{m.SESSION_MOUNT_PATH}/id_ed25519"
+
+
+def test_session_secret_outside_a_cluster_has_no_owner_and_without_horovod_no_key():
+    secret = m.session_secret(SESSION, namespace=NAMESPACE, connection_info=CONNECTION)
+    assert_valid(secret)
+    assert "ownerReferences" not in secret["metadata"]
+    assert list(secret["data"]) == [m.CONNECTION_KEY]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(owner={"name": "jupyter-alice"}), r"owner=\{'name': 'jupyter-alice'\}.*'uid'"),
+        (dict(owner={"uid": "0d3d"}), r"owner=\{'uid': '0d3d'\}.*'name'"),
+        (dict(connection_info=""), "connection_info"),
+    ],
+)
+def test_session_secret_refuses_incomplete_input(kwargs, message):
+    args = dict(namespace=NAMESPACE, connection_info=CONNECTION) | kwargs
+    with pytest.raises(ConfigError, match=message):
+        m.session_secret(SESSION, **args)
+
+
+# ---------------------------------------------------------------- the worker Pod
+
+
+@pytest.mark.parametrize("options", [None, FULL_OPTIONS], ids=["defaults", "all-options"])
+@pytest.mark.parametrize("nvidia_gpu", [0, 2])
+def test_worker_pod_is_valid(options, nvidia_gpu):
+    assert_valid(make_pod(make_spec(nvidia_gpu=nvidia_gpu, cwd="/shared/project"), options))
+
+
+def test_worker_pod_runs_the_agent_once_owned_by_the_session_secret():
+    spec = make_spec(engine_id=3)
+    pod = make_pod(spec)
+    assert (pod["apiVersion"], pod["kind"]) == ("v1", "Pod")
+    assert pod["metadata"]["name"] == f"cmlcluster-{SESSION}-3"
+    assert pod["metadata"]["namespace"] == NAMESPACE
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert container(pod)["image"] == IMAGE
+    assert container(pod)["command"] == ["python3", "-m", "cmlcluster.agent"] == list(spec.argv)
+    assert "args" not in container(pod)
+    assert pod["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "name": f"cmlcluster-{SESSION}",
+            "uid": SECRET_UID,
+            "controller": True,
+            "blockOwnerDeletion": False,
+        }
+    ]
+    # Like docker's --init: the agent is not PID 1.
+    assert pod["spec"]["shareProcessNamespace"] is True
+    assert pod["spec"]["enableServiceLinks"] is False
+
+
+def test_worker_labels_mark_session_and_worker():
+    pod = make_pod(make_spec(engine_id=7))
+    labels = pod["metadata"]["labels"]
+    assert labels == {
+        "cmlcluster.io/session": SESSION,
+        "cmlcluster.io/worker": f"{SESSION}-7",
+        "app.kubernetes.io/managed-by": "cmlcluster",
+        "app.kubernetes.io/component": "worker",
+    }
+    # The session's selector finds the worker (and the Secret).
+    for term in m.session_selector(SESSION).split(","):
+        key, value = term.split("=")
+        assert labels[key] == value
+
+
+@pytest.mark.parametrize(
+    "cpu, memory, cpu_quantity, memory_quantity",
+    [
+        (2, 4, "2", "4Gi"),
+        (0.5, 1.5, "500m", "1536Mi"),
+        (0.7, 0.25, "700m", "256Mi"),
+        (4.03, 2.5, "4030m", "2560Mi"),  # 4.03 * 1000 is 4030.0000000000005 in floating point
+        (1.0001, 1.1, "1001m", "1126Mi"),  # Kubernetes rounds CPU up to whole millicores
+        (16, 64, "16", "64Gi"),
+    ],
+)
+def test_worker_resources_are_requests_and_limits(cpu, memory, cpu_quantity, memory_quantity):
+    pod = make_pod(make_spec(cpu=cpu, memory=memory))
+    resources = container(pod)["resources"]
+    expected = {"cpu": cpu_quantity, "memory": memory_quantity}
+    assert resources == {"requests": expected, "limits": expected}
+    # The quantities mean what cmlcluster means: GB are GiB, the same whole MiB docker's mem_limit gives.
+    mib = int(memory * 1024)
+    assert parse_quantity(resources["limits"]["memory"]) == mib * 2**20
+    docker = DockerBackend(image=IMAGE, mount_cwd=False, gpu_ids=[])
+    docker.context = SessionContext(session_id=SESSION, session_dir="/nonexistent")
+    assert docker.container_options(make_spec(cpu=cpu, memory=memory), [])["mem_limit"] == f"{mib}m"
+    assert parse_quantity(resources["limits"]["cpu"]) >= parse_quantity(str(cpu))
+
+
+def test_gpus_are_requested_only_when_asked_for():
+    with_gpus = container(make_pod(make_spec(nvidia_gpu=2)))["resources"]
+    assert with_gpus["limits"]["nvidia.com/gpu"] == "2"
+    assert with_gpus["requests"]["nvidia.com/gpu"] == "2"  # extended resources: requests must equal limits
+    # A parameter server's Resources carry nvidia_gpu=0 (decided upstream): no GPU key at all.
+    parameter_server = container(make_pod(make_spec(nvidia_gpu=0)))["resources"]
+    assert "nvidia.com/gpu" not in parameter_server["limits"]
+    assert "nvidia.com/gpu" not in parameter_server["requests"]
+    assert set(parameter_server["limits"]) == {"cpu", "memory"}
+
+
+@pytest.mark.parametrize(
+    "resources, message",
+    [
+        (Resources(cpu=0, memory=1), "cpu=0"),
+        (Resources(cpu=1, memory=0.0001), r"memory=0.0001: less than 1 MiB"),
+        (Resources(cpu=1, memory=float("inf")), "memory=inf"),
+        (Resources(cpu=1, memory=1, nvidia_gpu=-1), "nvidia_gpu=-1"),
+    ],
+)
+def test_impossible_resources_are_refused(resources, message):
+    spec = dataclasses.replace(make_spec(), resources=resources)
+    with pytest.raises(ConfigError, match=message):
+        make_pod(spec)
+
+
+def test_session_secret_is_mounted_read_only_owner_read_only():
+    pod = make_pod()
+    assert pod["spec"]["volumes"] == [
+        {"name": "cmlcluster-session", "secret": {"secretName": f"cmlcluster-{SESSION}", "defaultMode": 0o400}}
+    ]
+    assert pod["spec"]["volumes"][0]["secret"]["defaultMode"] == 256  # what the API receives
+    assert container(pod)["volumeMounts"] == [
+        {"name": "cmlcluster-session", "mountPath": "/var/run/cmlcluster", "readOnly": True}
+    ]
+    assert "workingDir" not in container(pod)  # the session's folder is not on the worker
+
+
+def test_shared_volume_is_mounted_and_is_the_working_folder_when_the_session_works_there():
+    pod = make_pod(make_spec(cwd="/shared/alice/project"), FULL_OPTIONS)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["cmlcluster-shared"] == {
+        "name": "cmlcluster-shared",
+        "persistentVolumeClaim": {"claimName": "team-efs"},
+    }
+    mounts = {mount["mountPath"]: mount for mount in container(pod)["volumeMounts"]}
+    assert mounts["/shared"] == {"name": "cmlcluster-shared", "mountPath": "/shared"}  # read-write
+    assert mounts["/var/run/cmlcluster"]["readOnly"] is True
+    assert container(pod)["workingDir"] == "/shared/alice/project"
+    elsewhere = make_pod(make_spec(cwd="/sharedother/project"), FULL_OPTIONS)
+    assert "workingDir" not in container(elsewhere)
+
+
+def test_secrets_never_reach_the_environment():
+    spec = make_spec()
+    assert spec.env["CMLCLUSTER_CONNECTION"] == CONNECTION  # what the session puts in every spec
+    pod = make_pod(spec, FULL_OPTIONS)
+    env = env_of(pod)
+    assert "CMLCLUSTER_CONNECTION" not in env
+    assert env["CMLCLUSTER_CONNECTION_FILE"] == "/var/run/cmlcluster/connection.json" == m.CONNECTION_FILE
+    assert "controller-key-d41d8cd98f" not in json.dumps(pod)  # nowhere in the pod, not only env
+    assert "sessionkey" not in json.dumps(pod)
+    assert all("valueFrom" not in pair for pair in container(pod)["env"])
+
+
+def test_environment_is_the_specs_plus_the_options():
+    spec = make_spec(env={"MY_SETTING": "launch value"})
+    env = env_of(make_pod(spec, FULL_OPTIONS))
+    expected = {k: v for k, v in spec.env.items() if k != "CMLCLUSTER_CONNECTION"}
+    expected |= {"NCCL_DEBUG": "INFO", "CMLCLUSTER_CONNECTION_FILE": m.CONNECTION_FILE}
+    assert env == expected
+    assert env["MY_SETTING"] == "launch value"  # a launch's own env wins over the backend's default
+    assert env_of(make_pod(make_spec(), m.PodOptions(env={"MY_SETTING": "x"})))["MY_SETTING"] == "user value"
+    assert env_of(make_pod(make_spec(), m.PodOptions(env={"NEW": "x"})))["NEW"] == "x"
+
+
+def test_pod_options_reach_the_pod_spec():
+    pod_spec = make_pod(options=FULL_OPTIONS)["spec"]
+    assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.present": "true", "pool": "training"}
+    assert pod_spec["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+        {"key": "team", "operator": "Equal", "value": "ml", "effect": "PreferNoSchedule"},
+    ]
+    assert pod_spec["serviceAccountName"] == "cmlcluster-worker"
+    assert pod_spec["automountServiceAccountToken"] is True
+    assert pod_spec["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror.example.com"}]
+
+
+def test_without_options_workers_get_no_api_token_and_no_extras():
+    pod_spec = make_pod()["spec"]
+    assert pod_spec["automountServiceAccountToken"] is False
+    for key in ("serviceAccountName", "nodeSelector", "tolerations", "imagePullSecrets"):
+        assert key not in pod_spec, key
+
+
+def test_pod_options_are_frozen_copies():
+    selector = {"pool": "training"}
+    tolerations = [{"key": "team", "operator": "Exists"}]
+    env = {"A": "1"}
+    names = ["regcred"]
+    options = m.PodOptions(node_selector=selector, tolerations=tolerations, env=env, image_pull_secrets=names)
+    selector["pool"] = "changed"
+    tolerations[0]["key"] = "changed"
+    env["B"] = "2"
+    names.append("other")
+    assert dict(options.node_selector) == {"pool": "training"}
+    assert dict(options.tolerations[0]) == {"key": "team", "operator": "Exists"}
+    assert dict(options.env) == {"A": "1"}
+    assert options.image_pull_secrets == ("regcred",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.service_account = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(node_selector=["pool=training"]), r"node_selector=\['pool=training'\]"),
+        (dict(node_selector={"pool": True}), r"node_selector\['pool'\]=True.*'true'"),
+        (dict(node_selector={"bad key!": "x"}), r"node_selector key 'bad key!'"),
+        (dict(node_selector={"pool": "-edge"}), r"node_selector\['pool'\]='-edge'"),
+        (dict(tolerations={"key": "gpu"}), r"tolerations=\{'key': 'gpu'\}: give a list"),
+        (dict(tolerations=[{"key": "gpu", "toleration_seconds": 5}]), r"unknown keys \['toleration_seconds'\]"),
+        (dict(tolerations=[{"key": "gpu", "operator": "In"}]), r"operator='In'"),
+        (dict(tolerations=[{"key": "gpu", "effect": "NoRun"}]), r"effect='NoRun'"),
+        (dict(tolerations=[{"operator": "Equal", "value": "x"}]), r"has no key.*'Exists'"),
+        (dict(tolerations=[{"key": "gpu", "operator": "Exists", "value": "x"}]), r"value='x'"),
+        (dict(tolerations=[{"key": "gpu", "tolerationSeconds": 5}]), r"tolerationSeconds=5.*'NoExecute'"),
+        (dict(service_account="Worker_SA"), r"service_account='Worker_SA'"),
+        (dict(image_pull_secrets="regcred"), r"image_pull_secrets='regcred'.*\['regcred'\]"),
+        (dict(image_pull_secrets=["reg cred"]), r"image_pull_secrets item='reg cred'"),
+        (dict(env={"1ABC": "x"}), r"env: '1ABC' is not a valid variable name"),
+        (dict(env={"CMLCLUSTER_CONNECTION": "x"}), r"'CMLCLUSTER_CONNECTION' is set by cmlcluster"),
+        (dict(env={"CDSW_MASTER_IP": "x"}), r"'CDSW_MASTER_IP' is set by cmlcluster"),
+        (dict(env={"N": 1}), r"env\['N'\]=1: values must be strings"),
+        (dict(shared_volume="team-efs"), r"shared_volume='team-efs'.*SharedVolume"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_value(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        m.PodOptions(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "claim, mount_path, message",
+    [
+        ("Team_EFS", "/shared", r"shared_volume claim='Team_EFS'"),
+        ("team-efs", "shared", r"mount_path='shared'.*absolute"),
+        ("team-efs", "/", r"mount_path='/'"),
+        ("team-efs", "/var/run", r"mount_path='/var/run': overlaps /var/run/cmlcluster"),
+        ("team-efs", "/var/run/cmlcluster/data", r"overlaps /var/run/cmlcluster"),
+    ],
+)
+def test_bad_shared_volumes_are_refused_naming_the_value(claim, mount_path, message):
+    with pytest.raises(ConfigError, match=message):
+        m.SharedVolume(claim=claim, mount_path=mount_path)
+
+
+def test_a_worker_pod_needs_an_image():
+    with pytest.raises(ConfigError, match="image=''"):
+        m.worker_pod(
+            make_spec(), session_id=SESSION, namespace=NAMESPACE, image="", secret_name="s", secret_uid=SECRET_UID
+        )
+
+
+# ---------------------------------------------------------------- names and label values
+
+
+def test_valid_names_and_label_values_are_kept():
+    assert m.dns_name("cmlcluster", "a1b2c3-12") == "cmlcluster-a1b2c3-12"
+    assert m.pod_name("a1b2c3-12") == "cmlcluster-a1b2c3-12"
+    assert m.label_value("a1b2c3-12") == "a1b2c3-12"
+    assert m.label_value("Run_1.final") == "Run_1.final"
+
+
+@pytest.mark.parametrize(
+    "worker_id",
+    ["Session_A-1", "x" * 80, "-leading-and-trailing-", "ünïcode-1", "a..b", "UPPER-1"],
+)
+def test_any_worker_id_gives_a_valid_pod_name_and_labels(worker_id):
+    name = m.pod_name(worker_id)
+    assert len(name) <= 63 and DNS_LABEL.fullmatch(name), name
+    value = m.label_value(worker_id)
+    assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), value
+    pod = make_pod(make_spec(worker_id=worker_id))
+    assert pod["metadata"]["name"] == name
+    assert pod["metadata"]["labels"]["cmlcluster.io/worker"] == value
+    assert_valid(pod)
+
+
+def test_names_made_valid_stay_distinct():
+    # Lowercasing alone would give both the same name; the hash of the original keeps them apart.
+    assert m.pod_name("Session-1") != m.pod_name("session-1")
+    assert m.pod_name("x" * 70 + "1") != m.pod_name("x" * 70 + "2")
+    assert m.label_value("y" * 70 + "1") != m.label_value("y" * 70 + "2")
+    assert m.pod_name("Session-1") == m.pod_name("Session-1")  # and are the same every time
