@@ -5,26 +5,71 @@ workers = cdsw.launch_workers(n=2, cpu=1, memory=1, code="print('hello')")
 cdsw.await_workers(workers)
 """
 
-from . import ui as _ui  # noqa: F401  (registers the views every session shows itself with)
-from .api import (
-    await_workers,
-    client,
-    get_session,
-    launch_workers,
-    list_workers,
-    stop_session,
-    stop_workers,
-    tensorboard,
-    use_backend,
-)
-from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
-from .events import Event
-from .horovod import HorovodError, HorovodResult, run_horovod
-from .progress import keras_callback, report
-from .pytorch import TorchError, TorchResult, run_torch
-from .session import Session
-from .tensorflow import TFCluster, run_cluster, start_cluster
-from .workers import Program
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported when first used, not with the package: every worker's agent runs as
+# `python -m cmlcluster.agent`, which imports this package first and needs none of the
+# session's side (0.13 s of CPU in each worker's start).
+_EXPORTS = {
+    "api": (
+        "await_workers",
+        "client",
+        "get_session",
+        "launch_workers",
+        "list_workers",
+        "stop_session",
+        "stop_workers",
+        "tensorboard",
+        "use_backend",
+    ),
+    "errors": ("BackendError", "CmlClusterError", "ConfigError", "ControllerError", "WorkerError"),
+    "events": ("Event",),
+    "horovod": ("HorovodError", "HorovodResult", "run_horovod"),
+    "progress": ("keras_callback", "report"),
+    "pytorch": ("TorchError", "TorchResult", "run_torch"),
+    "session": ("Session",),
+    "tensorflow": ("TFCluster", "run_cluster", "start_cluster"),
+    "workers": ("Program",),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if TYPE_CHECKING:
+    from .api import (
+        await_workers,
+        client,
+        get_session,
+        launch_workers,
+        list_workers,
+        stop_session,
+        stop_workers,
+        tensorboard,
+        use_backend,
+    )
+    from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
+    from .events import Event
+    from .horovod import HorovodError, HorovodResult, run_horovod
+    from .progress import keras_callback, report
+    from .pytorch import TorchError, TorchResult, run_torch
+    from .session import Session
+    from .tensorflow import TFCluster, run_cluster, start_cluster
+    from .workers import Program
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cmlcluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # found here from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
+
 
 __version__ = "0.1.0"
 

@@ -14,13 +14,22 @@ import os
 
 from . import _lifeline
 
+# Created in the session's folder once the controller listens: the session wrote the connection
+# files before the controller started (control.py), so their presence says nothing.
+LISTENING_FILE = "controller.listening"
+
 
 def main() -> None:
     session_dir = os.environ.get("CMLCLUSTER_SESSION_DIR", "")
     _lifeline.hold(_lifeline.remove_folder(session_dir) if session_dir else None)
-    from ipyparallel.controller.app import main as launch_controller
+    from ipyparallel.controller.app import IPController
 
-    launch_controller()
+    # What ipyparallel's main() does (IPController.launch_instance), with the word in between.
+    controller = IPController.instance()
+    controller.initialize()  # binds the hub's sockets
+    if session_dir:
+        open(os.path.join(session_dir, LISTENING_FILE), "x").close()
+    controller.start()
 
 
 if __name__ == "__main__":

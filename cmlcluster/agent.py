@@ -37,11 +37,14 @@ from typing import Any
 from ipyparallel.engine.app import IPEngine
 from traitlets import default
 
-from . import shipping
+from . import control, shipping
 
 # The controller pings every control.HEARTBEAT_MS; silent this long and the session is
 # taken to be gone.
 SESSION_SILENCE_SECONDS = 5.0
+# The session starts its controller and its first workers at once: an engine may wait for the
+# controller to listen for as long as the session waits for it.
+REGISTRATION_TIMEOUT_SECONDS = control.CONTROLLER_START_TIMEOUT
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "no_proxy", "all_proxy", "grpc_proxy")
 
 log = logging.getLogger("cmlcluster.agent")
@@ -191,15 +194,21 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes]) ->
     pings.setsockopt(zmq.SUBSCRIBE, b"")
     pings.connect(ping_url)
     allowed = SESSION_SILENCE_SECONDS
-    last = time.monotonic()
+    # Silence is counted in empty polls as well as in seconds: a process (or a whole machine)
+    # frozen for longer than `allowed` wakes to a clock that jumped, before the pings sent
+    # meanwhile have been read; one empty poll then must not end a live session's worker.
+    empty_polls_needed = max(1, round(allowed * 1000 / period_ms))
+    last, empty_polls = time.monotonic(), 0
     while True:
         if pings.poll(period_ms):
             pings.recv()
-            last = time.monotonic()
-        elif time.monotonic() - last > allowed:
+            last, empty_polls = time.monotonic(), 0
+            continue
+        empty_polls += 1
+        if empty_polls >= empty_polls_needed and time.monotonic() - last > allowed:
             break
     os.write(
-        2,
+        _stderr,
         f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s; "
         "the session is gone, exiting\n".encode(),
     )
@@ -232,6 +241,9 @@ class AgentEngine(IPEngine):
 
 
 _connection = ""  # the controller's connection info (JSON), kept out of the environment user code sees
+# The worker's own stderr (its log), kept before the engine points fd 2 at a pipe to the session:
+# the watchdog's last words go there, not into a pipe whose reader dies with the process.
+_stderr = 2
 
 
 def import_kernel_without_debugger() -> None:
@@ -264,7 +276,8 @@ def _preload(modules: list[str]) -> None:
 
 
 def main() -> None:
-    global _connection
+    global _connection, _stderr
+    _stderr = os.dup(2)  # not inherited by user code's processes (Python's fds are non-inheritable)
     clean_environment()
     import_kernel_without_debugger()
     preload = os.environ.pop("CMLCLUSTER_PRELOAD", "")
@@ -283,6 +296,7 @@ def main() -> None:
             "--IPEngine.enable_nanny=False",
             # Replaced by _watch_controller, which works while user code runs.
             "--IPEngine.max_heartbeat_misses=0",
+            f"--IPEngine.timeout={REGISTRATION_TIMEOUT_SECONDS:g}",
             f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
     )

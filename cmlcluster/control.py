@@ -16,13 +16,16 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._controller import LISTENING_FILE
 from .errors import ControllerError
+from .ports import ports_to_listen_on
 from .workers import Program
 
 # The controller's ping period. The hub announces a new engine at the beat after the first ping
@@ -50,7 +53,11 @@ class ControlPlane(abc.ABC):
     on_engine: EngineCallback | None = None
 
     @abc.abstractmethod
-    async def start(self, listen_ip: str, session_dir: str) -> None: ...
+    async def start(self, listen_ip: str, session_dir: str) -> None:
+        """Start the control plane; return once agent_env() is known, maybe before it serves."""
+
+    async def ready(self) -> None:  # noqa: B027 - a plane whose start returns ready has nothing to wait for
+        """Return once the control plane serves (engines register and are announced); idempotent."""
 
     @abc.abstractmethod
     def agent_env(self) -> dict[str, str]:
@@ -94,36 +101,48 @@ class IPyParallelControl(ControlPlane):
         self._process: subprocess.Popen[bytes] | None = None
         self._client: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine_file = ""
+        self._client_file = ""
+        self._log_path = ""
+        self._listening_file = ""
         self._connection = ""
-        self._listen_ip = ""
+        self._registered: set[int] = set()
+        self._ready: asyncio.Future[None] | None = None
 
     @property
     def client(self) -> Any:
         return self._client
 
     async def start(self, listen_ip: str, session_dir: str) -> None:
+        # The connection files are written here, before the controller runs (it reads them:
+        # reuse_files), so that workers can start while it does: its start was most of one
+        # worker's launch.
         self._loop = asyncio.get_running_loop()
-        self._listen_ip = listen_ip
         profile_dir = os.path.join(session_dir, "ipython")
         security = os.path.join(profile_dir, "security")
-        self._engine_file = os.path.join(security, "ipcontroller-engine.json")
-        client_file = os.path.join(security, "ipcontroller-client.json")
-        log_path = os.path.join(session_dir, "controller.log")
+        os.makedirs(security, mode=0o700, exist_ok=True)
+        self._client_file = os.path.join(security, "ipcontroller-client.json")
+        self._log_path = os.path.join(session_dir, "controller.log")
+        self._listening_file = os.path.join(session_dir, LISTENING_FILE)
+        with contextlib.suppress(FileNotFoundError):  # a controller of this session's that failed
+            os.remove(self._listening_file)
+        ports = ports_to_listen_on(1 + len(ENGINE_CHANNELS) + len(CLIENT_CHANNELS))  # 1: registration
+        engine, client = connection_files(listen_ip, ports)
+        _write_private(os.path.join(security, "ipcontroller-engine.json"), engine)
+        _write_private(self._client_file, client)
+        self._connection = json.dumps(engine)
         argv = [
             sys.executable,
             "-m",
             "cmlcluster._controller",
             f"--profile-dir={profile_dir}",
-            f"--ip={listen_ip}",
-            f"--location={listen_ip}",
+            "--IPController.reuse_files=True",
             "--IPController.use_threads=True",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HUB_SILENCE_MS // HEARTBEAT_MS}",
             "--nodb",  # results live in the session, not in the controller's memory
             f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
-        with open(log_path, "ab") as log:
+        with open(self._log_path, "ab") as log:
             # stdin is the lifeline (see _controller.py); never closed until close().
             self._process = subprocess.Popen(
                 argv,
@@ -133,30 +152,37 @@ class IPyParallelControl(ControlPlane):
                 start_new_session=True,
                 env=dict(os.environ, CMLCLUSTER_SESSION_DIR=session_dir),
             )
+
+    async def ready(self) -> None:
+        if self._ready is None:  # one connection, however many launches wait for it
+            self._ready = asyncio.ensure_future(self._connect_when_serving())
+        await asyncio.shield(self._ready)
+
+    async def _connect_when_serving(self) -> None:
         try:
-            await self._wait_ready(client_file, log_path)
-            with open(self._engine_file) as f:
-                self._connection = f.read()
-            self._client = await asyncio.to_thread(self._connect, client_file)
+            await self._wait_listening()
+            self._client = await asyncio.to_thread(self._connect, self._client_file)
         except BaseException:
             await self.close()
             raise
+        # Engines that registered before the client connected were never announced to it.
+        for engine_id in self._client.ids:
+            self._announce("register", engine_id)
 
-    async def _wait_ready(self, client_file: str, log_path: str) -> None:
+    async def _wait_listening(self) -> None:
         assert self._process is not None and self._loop is not None
         deadline = self._loop.time() + CONTROLLER_START_TIMEOUT
-        # ipcontroller writes its connection files once it listens; there is no event to wait on.
-        # A file that exists may not be written yet (open, then write): wait until both parse,
-        # or a worker would be handed an empty connection and look for a file it cannot see.
-        while not (_written(client_file) and _written(self._engine_file)):
+        # _controller.py says when its hub listens; there is no event to wait on.
+        while not os.path.exists(self._listening_file):
             if self._process.poll() is not None:
                 raise ControllerError(
                     f"the ipyparallel controller exited with code {self._process.returncode} "
-                    f"before it was ready:\n{_tail(log_path)}"
+                    f"before it was ready:\n{_tail(self._log_path)}"
                 )
             if self._loop.time() > deadline:
                 raise ControllerError(
-                    f"the ipyparallel controller was not ready after {CONTROLLER_START_TIMEOUT:g} s:\n{_tail(log_path)}"
+                    f"the ipyparallel controller was not ready after {CONTROLLER_START_TIMEOUT:g} s:\n"
+                    f"{_tail(self._log_path)}"
                 )
             await asyncio.sleep(0.02)
 
@@ -171,8 +197,18 @@ class IPyParallelControl(ControlPlane):
 
     def _on_registration(self, event: dict[str, Any]) -> None:
         # Runs on the client's IO thread.
-        if self.on_engine is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.on_engine, event["event"], int(event["id"]))
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._announce, event["event"], int(event["id"]))
+
+    def _announce(self, kind: str, engine_id: int) -> None:
+        # On the session's loop. An engine that registers while the client connects is both in
+        # the client's first list and in a notification: announced once.
+        if kind == "register":
+            if engine_id in self._registered:
+                return
+            self._registered.add(engine_id)
+        if self.on_engine is not None:
+            self.on_engine(kind, engine_id)
 
     def agent_env(self) -> dict[str, str]:
         return {"CMLCLUSTER_CONNECTION": self._connection}
@@ -282,19 +318,52 @@ class IPyParallelControl(ControlPlane):
                 await asyncio.to_thread(process.wait)
 
 
+# ipyparallel's connection files (the format ipcontroller writes, and reads with reuse_files):
+# the channels each side connects to. "broadcast" is a port per leaf scheduler for engines (2 at
+# ipyparallel's default depth of 1), one for clients.
+ENGINE_CHANNELS = ("control", "mux", "task", "iopub", "hb_ping", "hb_pong", "broadcast", "broadcast")
+CLIENT_CHANNELS = ("control", "mux", "task", "iopub", "notification", "broadcast")
+
+
+def connection_files(ip: str, ports: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine and client connection info of a controller on `ip`: a registration port, then
+    one port per ENGINE_CHANNELS and CLIENT_CHANNELS entry, in that order."""
+    registration, rest = ports[0], iter(ports[1:])
+    base = {
+        "ssh": "",
+        "interface": f"tcp://{ip}",
+        "registration": registration,
+    }
+    shared = {
+        "key": secrets.token_hex(16),  # signs every message: the controller's and workers' secret
+        "curve_serverkey": None,
+        "location": ip,
+        "pack": "json",
+        "unpack": "json",
+        "signature_scheme": "hmac-sha256",
+    }
+    engine: dict[str, Any] = dict(base)
+    for channel in ENGINE_CHANNELS:
+        port = next(rest)
+        if channel == "broadcast":
+            engine.setdefault(channel, []).append(port)
+        else:
+            engine[channel] = port
+    client: dict[str, Any] = dict(base, task_scheme="leastload")
+    for channel in CLIENT_CHANNELS:
+        client[channel] = next(rest)
+    return {**engine, **shared}, {**client, **shared}
+
+
+def _write_private(path: str, content: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(content, f, indent=2)
+
+
 def _tail(path: str, lines: int = 20) -> str:
     try:
         with open(path, errors="replace") as f:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
-
-
-def _written(path: str) -> bool:
-    """Whether a connection file is there and whole (it parses as JSON)."""
-    try:
-        with open(path) as f:
-            json.load(f)
-    except (OSError, ValueError):
-        return False
-    return True

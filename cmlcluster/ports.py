@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import time
+
+LISTEN_PORTS_FROM = 10_000  # ports_to_listen_on's range starts here (below: well-known services)
 
 
 def free_ports(n: int) -> list[int]:
@@ -18,6 +21,38 @@ def free_ports(n: int) -> list[int]:
         for s in sockets:
             s.bind(("", 0))
         return [s.getsockname()[1] for s in sockets]
+
+
+def ports_to_listen_on(n: int, host: str = "") -> list[int]:
+    """n distinct ports free on `host` now, for servers that will bind them a moment later.
+
+    Drawn from below the kernel's ephemeral range: free_ports' ports come from that range, where
+    any outgoing connection may take one (the kernel picks its local port there) before the
+    server binds it; up to 15 ports held open for a second on a busy machine are worth keeping
+    out of its way.
+    """
+    ephemeral_from = _ephemeral_range_start()
+    candidates = random.sample(range(LISTEN_PORTS_FROM, ephemeral_from), ephemeral_from - LISTEN_PORTS_FROM)
+    with contextlib.ExitStack() as stack:
+        chosen: list[int] = []
+        for port in candidates:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            chosen.append(port)
+            if len(chosen) == n:
+                return chosen
+    raise OSError(f"fewer than {n} free ports between {LISTEN_PORTS_FROM} and {ephemeral_from} on this host")
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(LISTEN_PORTS_FROM + 1_000, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def wait_until_accepting(host: str, port: int, timeout: float) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import importlib
 import itertools
 import logging
 import os
@@ -71,9 +72,10 @@ DRAIN_TIMEOUT = 1.0  # how long a sync call waits for subscribers to show what h
 _live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 _serials = itertools.count()
 
-# Called with every new session that shows itself (echo=True): the UI layer registers here, so
-# that the session never chooses or imports a UI (cmlcluster.ui.attach).
+# Called with every new session that shows itself (echo=True): the UI layer registers here when
+# it is imported, so that the session never chooses a UI (cmlcluster.ui.attach).
 viewers: list[Callable[[Session], None]] = []
+UI_PACKAGE = "cmlcluster.ui"  # imported when the first session is shown; no worker imports it
 
 
 def live_sessions() -> list[Session]:
@@ -122,6 +124,7 @@ class Session:
         self.closed = False
         _live_sessions.add(self)
         if echo:
+            importlib.import_module(UI_PACKAGE)
             for attach in list(viewers):
                 attach(self)
 
@@ -406,6 +409,7 @@ class Session:
             log.error("cmlcluster session %s: internal task failed", self.id, exc_info=task.exception())
 
     async def _ensure_started(self) -> ControlPlane:
+        """The control plane, started: agent_env() is known; control.ready() says when it serves."""
         if self._control is not None:
             return self._control
         if self._dir is None:
@@ -470,10 +474,21 @@ class Session:
         for w in workers:
             self._workers[w.id] = w
             self._by_engine[w.engine_id] = w
+        # The workers start while the controller does (the first launch of a session): their
+        # engines' registrations wait in ZeroMQ's queues until it listens.
+        starting = asyncio.gather(*(self._start(w) for w in workers))
         try:
-            return list(await asyncio.gather(*(self._start(w) for w in workers)))
+            try:
+                await control.ready()
+            except Exception:
+                self._control = None  # closed by its failure: the next launch starts another
+                await asyncio.wait([starting])  # every start ends, so that every started worker stops
+                raise
+            return list(await starting)
         except BaseException:
-            # Interrupted mid-launch: what this call started must not linger.
+            # Interrupted mid-launch, or no controller: what this call started must not linger.
+            starting.cancel()
+            await asyncio.wait([starting])
             await asyncio.shield(self._stop([w for w in workers if w.handle is not None]))
             raise
 

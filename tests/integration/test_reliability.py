@@ -9,14 +9,18 @@ slowly. Every test here is also checked for leftover processes, containers and t
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import socket
 import time
 import warnings
 
+import psutil
 import pytest
 
 from cmlcluster import Session
-from cmlcluster.errors import WorkerError
+from cmlcluster.errors import ControllerError, WorkerError
 
 pytestmark = pytest.mark.integration
 
@@ -96,3 +100,72 @@ def test_a_registered_worker_that_never_answers_fails_within_seconds_and_the_nex
         warnings.simplefilter("ignore")
         gc.collect()  # an abandoned future with an exception would be reported now
     assert unretrieved == []
+
+
+# The session starts its controller and its first workers at once; the engines' registrations wait
+# in ZeroMQ's queues until the controller listens.
+
+
+def _agents_of(session: Session) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            if (
+                "cmlcluster.agent" in (p.info["cmdline"] or [])
+                and (p.info["environ"] or {}).get("CDSW_MASTER_ID") == session.id
+            ):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_workers_started_before_the_controller_listens_register_once_it_does(tmp_path, monkeypatch):
+    # The controller (the only process whose environment has CMLCLUSTER_SESSION_DIR) starts 7 s late:
+    # longer than ipyparallel's own registration timeout of 5 s, which the agent raises.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('CMLCLUSTER_SESSION_DIR'):\n    time.sleep(7)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    with Session("local", echo=False) as s:
+        started = time.monotonic()
+        workers = s.launch_workers(2, cpu=0.5, memory=0.5, code="print('registered late')")
+        assert time.monotonic() - started > 7  # the launch waited for the controller
+        assert s.await_workers(workers, timeout_seconds=60)["failures"] == []
+        assert [s.output(w) for w in workers] == ["registered late"] * 2
+        # Each worker was announced once, although its engine may be in the client's first list too.
+        assert [w["status"] for w in s.list_workers()] == ["succeeded", "succeeded"]
+
+
+def test_a_controller_that_cannot_listen_fails_the_launch_and_stops_the_workers_it_started(monkeypatch):
+    import cmlcluster.control as control
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()  # a server of someone else's: its port accepts connections, but it is not a controller
+        chosen = control.ports_to_listen_on
+        # The controller's registration port is the one this test holds.
+        monkeypatch.setattr(control, "ports_to_listen_on", lambda n: [taken.getsockname()[1], *chosen(n - 1)])
+        with Session("local", echo=False) as s:
+            with pytest.raises(ControllerError, match="Address already in use") as failed:
+                s.launch_workers(2, cpu=0.5, memory=0.5, code="print('never')")
+            assert "exited with code" in str(failed.value)
+            assert _agents_of(s) == []  # the workers it had started are gone
+            assert s.list_workers() == [] or {w["status"] for w in s.list_workers()} <= {"stopped", "failed"}
+            monkeypatch.setattr(control, "ports_to_listen_on", chosen)
+            [worker] = s.launch_workers(1, cpu=0.5, memory=0.5, code="print('fine')")  # another controller
+            assert s.await_workers([worker], timeout_seconds=40)["failures"] == []
+            assert s.output(worker) == "fine"
+
+
+def test_ports_to_listen_on_are_distinct_free_and_below_the_ephemeral_range():
+    from cmlcluster.ports import ports_to_listen_on
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_from = int(f.read().split()[0])
+    ports = ports_to_listen_on(15)
+    assert len(set(ports)) == 15
+    assert all(10_000 <= p < ephemeral_from for p in ports)
+    with contextlib.ExitStack() as stack:  # all of them can be bound now
+        for port in ports:
+            stack.enter_context(socket.socket()).bind(("127.0.0.1", port))

@@ -250,3 +250,37 @@ def test_interpreter_exit_stops_workers(wait_gone):
     proc, pids = _session_process("exit")
     assert proc.wait(timeout=60) == 0
     assert wait_gone(pids, within=5) == []
+
+
+def test_a_worker_frozen_longer_than_the_silence_it_allows_lives_on(local_session):
+    # SIGSTOP then SIGCONT: the agent wakes to a clock that jumped 7 s (more than the 5 s of silence
+    # after which it takes its session to be gone) before it has read the pings sent meanwhile.
+    [worker] = local_session.launch_workers(1, cpu=0.5, memory=0.5)
+    assert local_session.await_workers([worker], wait_for_completion=False, timeout_seconds=40)["failures"] == []
+    pid = local_session.worker_pid(worker)
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(7)
+    os.kill(pid, signal.SIGCONT)
+    time.sleep(2)
+    assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    assert local_session.call(worker, "os:getpid", timeout=20) == pid
+    assert [w["status"] for w in local_session.list_workers()] == ["running"]
+
+
+def test_workers_whose_controller_stops_answering_exit_and_say_why(local_session):
+    workers = local_session.launch_workers(2, cpu=0.5, memory=0.5)
+    assert local_session.await_workers(workers, wait_for_completion=False, timeout_seconds=40)["failures"] == []
+    controller = local_session._control._process.pid  # in a process group of its own
+    os.killpg(controller, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        done = local_session.await_workers(workers, timeout_seconds=40)
+        took = time.monotonic() - started
+    finally:
+        os.killpg(controller, signal.SIGCONT)
+    assert done["workers"] == [] and len(done["failures"]) == 2, done
+    for failure in done["failures"]:
+        assert failure["status"] == "failed"
+        # Its last words reach the worker's own output, not a pipe that dies with it.
+        assert "no heartbeat from the controller for 5 s; the session is gone, exiting" in failure["message"]
+    assert took < 30, took  # 5 s of silence, counted in empty polls of 250 ms as well
