@@ -38,6 +38,7 @@ from ipyparallel.engine.app import IPEngine
 from traitlets import default
 
 from . import control, shipping
+from .ports import route_address
 
 # The controller pings every control.HEARTBEAT_MS; silent this long and the session is
 # taken to be gone.
@@ -61,13 +62,6 @@ def clean_environment(environ: dict[str, str] | Any = os.environ) -> None:
         if name.lower() in PROXY_VARIABLES and not environ[name].strip():
             del environ[name]
     environ.pop("PYTEST_CURRENT_TEST", None)
-
-
-def route_address(peer: str) -> str:
-    """This host's address on its route to `peer` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((peer, 9))
-        return str(probe.getsockname()[0])
 
 
 def describe() -> dict[str, Any]:
@@ -220,6 +214,12 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes]) ->
 class AgentEngine(IPEngine):
     """An ipyparallel engine whose controller watch does not depend on its event loop."""
 
+    stop_signal: int | None = None  # the signal that stopped it (the backend's stop), if one did
+
+    def _signal_stop(self, sig: int, frame: Any) -> None:
+        AgentEngine.stop_signal = sig
+        super()._signal_stop(sig, frame)
+
     @default("connection_info_env")
     def _connection_from_session(self) -> str:
         return _connection
@@ -275,6 +275,17 @@ def _preload(modules: list[str]) -> None:
             continue
 
 
+def session_connection() -> str:
+    """The controller's connection info: from CMLCLUSTER_CONNECTION, or from the file that
+    CMLCLUSTER_CONNECTION_FILE names (a pod's mounted Secret: a pod's env is readable by whoever
+    may read the pod). The key is cmlcluster's, not the program's: no child process inherits it."""
+    path = os.environ.pop(control.CONNECTION_FILE_ENV, "")
+    if path:
+        with open(path) as f:
+            return f.read()
+    return os.environ.pop(control.CONNECTION_ENV)
+
+
 def main() -> None:
     global _connection, _stderr
     _stderr = os.dup(2)  # not inherited by user code's processes (Python's fds are non-inheritable)
@@ -283,12 +294,12 @@ def main() -> None:
     preload = os.environ.pop("CMLCLUSTER_PRELOAD", "")
     if preload:
         threading.Thread(target=_preload, args=(preload.split(","),), name="preload", daemon=True).start()
-    # The controller's key is cmlcluster's, not the program's: no child process inherits it.
-    _connection = os.environ.pop("CMLCLUSTER_CONNECTION")
+    _connection = session_connection()
     engine_id = os.environ["CMLCLUSTER_ENGINE_ID"]
     master = os.environ["CDSW_MASTER_IP"]
     os.environ["CDSW_IP_ADDRESS"] = route_address(master)
-    AgentEngine.launch_instance(
+    engine = AgentEngine.instance()
+    engine.initialize(
         [
             f"--IPEngine.id={engine_id}",
             # The agent is the worker's supervisor; ipyparallel's nanny process would
@@ -300,6 +311,18 @@ def main() -> None:
             f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
     )
+    try:
+        engine.start()
+    except RuntimeError:
+        # A stop signal stops the engine's loop, and tornado's run_sync then raises "Event loop
+        # stopped before Future completed", which IPEngine.start lets through: exit code 1 and a
+        # traceback for a worker that was only asked to stop.
+        if AgentEngine.stop_signal is None:
+            raise
+    if AgentEngine.stop_signal is not None:
+        # Die of the signal, as the backend's contract reports a stop (-15), not as a failure.
+        signal.signal(AgentEngine.stop_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), AgentEngine.stop_signal)
 
 
 if __name__ == "__main__":

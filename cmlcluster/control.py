@@ -35,6 +35,10 @@ HUB_SILENCE_MS = 10_000  # an engine silent this long is unregistered (ipyparall
 CONTROLLER_START_TIMEOUT = 60.0
 DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
 OUTPUT_DRAIN_TIMEOUT = 5.0
+# How an agent gets the controller's connection info (agent_env): in this variable, or in a file
+# that this one names (a pod's mounted Secret: kubernetes/manifests.py).
+CONNECTION_ENV = "CMLCLUSTER_CONNECTION"
+CONNECTION_FILE_ENV = "CMLCLUSTER_CONNECTION_FILE"
 
 EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
 OutputCallback = Callable[[str, str], None]  # (stream name, text)
@@ -211,7 +215,7 @@ class IPyParallelControl(ControlPlane):
             self.on_engine(kind, engine_id)
 
     def agent_env(self) -> dict[str, str]:
-        return {"CMLCLUSTER_CONNECTION": self._connection}
+        return {CONNECTION_ENV: self._connection}
 
     def _apply(
         self, engine_id: int, args: tuple[Any, ...], on_iopub: Callable[[dict[str, Any]], None] | None = None

@@ -55,6 +55,14 @@ def _ephemeral_range_start() -> int:
         return 32768  # Linux's default
 
 
+def route_address(peer: str) -> str:
+    """This host's IPv4 address on its route to `peer`, a name or an address (no packet is sent)."""
+    address = socket.getaddrinfo(peer, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return str(probe.getsockname()[0])
+
+
 def wait_until_accepting(host: str, port: int, timeout: float) -> float:
     """Wait until host:port accepts a TCP connection; return the seconds it took.
 

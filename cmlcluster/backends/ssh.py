@@ -28,7 +28,6 @@ import json
 import os
 import re
 import signal
-import socket
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from .._proc import signal_group
 from ..errors import BackendError, ConfigError
+from ..ports import route_address
 from ..workers import Resources, WorkerSpec
 from .base import Backend, Capabilities, SessionContext, log_tail
 
@@ -378,10 +378,7 @@ def _quote(text: str) -> str:
 def _route_address(host: str) -> str:
     """This machine's address on its route to `host` (no packet is sent)."""
     try:
-        address = socket.getaddrinfo(host, 22, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((address, 9))
-            return str(probe.getsockname()[0])
+        return route_address(host)
     except OSError as e:
         raise ConfigError(
             f"cannot find this machine's address towards {host} ({e}); pass controller_ip= (an address of "

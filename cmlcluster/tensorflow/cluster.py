@@ -28,6 +28,7 @@ log = logging.getLogger("cmlcluster")
 
 TASK = "cmlcluster.tensorflow.task"
 SERVER_READY_TIMEOUT = 30.0
+COORDINATOR_JOB = "chief"  # this process's job in a cluster it coordinates
 LOST_TASK_WAIT = 5.0  # seconds a TensorFlow error in the coordinator waits for the session to name a lost task
 
 
@@ -91,8 +92,9 @@ class TFCluster:
         import tensorflow as tf
 
         versions.check_coordinator(tf)
+        coordinator.guard_recovery(self.cluster_spec, COORDINATOR_JOB)  # before the strategy can lose a worker
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self.cluster_spec), task_type="chief", task_id=0, rpc_layer="grpc"
+            tf.train.ClusterSpec(self.cluster_spec), task_type=COORDINATOR_JOB, task_id=0, rpc_layer="grpc"
         )
 
     def run_script(self, script: str, args: Sequence[str] = (), timeout_seconds: float = 0) -> list[dict[str, Any]]:
@@ -335,7 +337,7 @@ def _place(session: Session, members: Sequence[Member], port: int | None) -> lis
 def _spec_of(tasks: Sequence[TaskWorker], chief: str | None = None) -> specs.ClusterDict:
     every = [specs.Task(t.job, t.index, t.address) for t in tasks]
     if chief is not None:
-        every.append(specs.Task("chief", 0, chief))
+        every.append(specs.Task(COORDINATOR_JOB, 0, chief))
     return specs.spec_from_tasks(every)
 
 

@@ -16,14 +16,29 @@ update_server_def. That sends CloseContext to the removed tasks and erases them
 from the list, so later removals have no remote target; update_server_def, unlike
 set_server_def, keeps the in-process gRPC server on the coordinator's port, so
 the next cluster connects as usual.
+
+A failed job is different: TensorFlow takes its lost worker for a preempted one, and
+the coordinator's preemption handler thread calls update_server_def with the old
+cluster, which blocks until the lost task answers again: forever. Meanwhile it
+changes the process-wide eager context while the next cluster's strategy does
+(set_server_def), a segfault (one run in two of this repository's
+kill-9-while-coordinating tests; TensorFlow's own TODO in WorkerPreemptionHandler.stop
+says the thread "touches eager context which is a process-wide singleton").
+guard_recovery() makes that thread wait in Python instead, until every remote
+task accepts connections again (a transient loss: TensorFlow recovers as it
+would) or cmlcluster has failed the job (a task's process ended: cmlcluster never
+restarts one), in which case the handler waits for good without touching the
+context.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -54,6 +69,19 @@ def _recovering(cluster: Any) -> bool:
     return lock is not None and lock.locked()
 
 
+Tasks = frozenset[tuple[str, int, str]]  # a cluster's remote tasks: (job, index, host:port)
+
+_failed: set[Tasks] = set()  # the clusters whose job failed (fail()), by their remote tasks
+RECOVERY_POLL_SECONDS = 0.2  # how often a waiting preemption handler looks again
+
+
+def _remote_tasks(server_def: Any) -> Tasks:
+    me = server_def.job_name
+    return frozenset(
+        (job.name, i, address) for job in server_def.cluster.job if job.name != me for i, address in job.tasks.items()
+    )
+
+
 def _connected_to(cluster_spec: Mapping[str, Sequence[str]]) -> Any:
     """This process's eager server_def if it coordinates exactly this cluster's remote tasks, else None."""
     if "tensorflow" not in sys.modules:
@@ -63,14 +91,63 @@ def _connected_to(cluster_spec: Mapping[str, Sequence[str]]) -> Any:
     server_def = context.context().get_server_def()
     if server_def is None:
         return None
-    me = server_def.job_name
-    remote = {
-        (job.name, i, address) for job in server_def.cluster.job if job.name != me for i, address in job.tasks.items()
-    }
-    wanted = {
+    remote = _remote_tasks(server_def)
+    return server_def if remote and remote == _spec_tasks(cluster_spec, server_def.job_name) else None
+
+
+def _spec_tasks(cluster_spec: Mapping[str, Sequence[str]], me: str) -> Tasks:
+    return frozenset(
         (job, i, address) for job, addresses in cluster_spec.items() if job != me for i, address in enumerate(addresses)
-    }
-    return server_def if remote and remote == wanted else None
+    )
+
+
+def guard_recovery(cluster_spec: Mapping[str, Sequence[str]], me: str) -> None:
+    """Make TensorFlow's preemption handlers wait for lost tasks here, not in update_server_def (see
+    above), before this process, task `me`, coordinates the cluster. The guard is installed once:
+    the eager context is the process's.
+    """
+    from tensorflow.python.eager import context
+
+    _failed.discard(_spec_tasks(cluster_spec, me))  # an earlier cluster's, should its ports come round again
+
+    ctx = context.context()
+    if getattr(ctx.update_server_def, "cmlcluster_guard", False):
+        return
+    update_server_def = ctx.update_server_def
+
+    def guarded(server_def: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == PREEMPTION_HANDLER_THREAD:
+            _wait_for_lost_tasks(_remote_tasks(server_def))
+        return update_server_def(server_def, *args, **kwargs)
+
+    guarded.cmlcluster_guard = True  # type: ignore[attr-defined]
+    ctx.update_server_def = guarded
+
+
+# TensorFlow's name for the thread that recovers a coordinator's lost workers (cluster_coordinator.py).
+PREEMPTION_HANDLER_THREAD = "WorkerPreemptionHandler"
+
+
+def _wait_for_lost_tasks(tasks: Tasks) -> None:
+    """Return once every task accepts connections; never, once fail() was called for them."""
+    while tasks not in _failed:
+        if all(_accepts(address) for _, _, address in tasks):
+            return
+        time.sleep(RECOVERY_POLL_SECONDS)
+    # Parked for good, as TensorFlow would have been in update_server_def, but without touching
+    # the eager context. (Raising instead hands the error to the closure threads, and TensorFlow's
+    # mark_failed then dies on "There is no inflight closures to mark_failed": a thread traceback
+    # under the cell.) fail() already made the coordinator's waits raise the job's error.
+    threading.Event().wait()
+
+
+def _accepts(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=RECOVERY_POLL_SECONDS):
+            return True
+    except OSError:
+        return False
 
 
 def fail(cluster_spec: Mapping[str, Sequence[str]], error: BaseException) -> bool:
@@ -80,8 +157,10 @@ def fail(cluster_spec: Mapping[str, Sequence[str]], error: BaseException) -> boo
     forever when nothing restarts it; a lost parameter server surfaces only when a step
     touches it. When the job has failed, the coordinator should fail too.
     """
-    if _connected_to(cluster_spec) is None:
+    server_def = _connected_to(cluster_spec)
+    if server_def is None:
         return False
+    _failed.add(_remote_tasks(server_def))  # a preemption handler waiting in guard_recovery gives up
     for cluster in _coordinator_clusters():
         queue = cluster.closure_queue
         with queue._queue_lock:  # what mark_failed does, without its bookkeeping of one failed closure

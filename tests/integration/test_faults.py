@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import psutil
@@ -205,6 +207,19 @@ def train_as_coordinator(cluster, epochs, callbacks=()):
     return history.history["loss"]
 
 
+def threads_in_update_server_def():
+    """The names of this process's threads inside TensorFlow's Context.update_server_def."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return [
+        names.get(ident)
+        for ident, frame in sys._current_frames().items()
+        if any(
+            f.f_code.co_name == "update_server_def" and f.f_code.co_filename.endswith("eager/context.py")
+            for f, _ in traceback.walk_stack(frame)
+        )
+    ]
+
+
 def kill_9_while_this_process_coordinates(session, victim_role):
     import tensorflow as tf
 
@@ -229,6 +244,9 @@ def kill_9_while_this_process_coordinates(session, victim_role):
     assert failure.member.worker_id == victim and failure.member.role == victim_role and failure.exit_code == -9
     assert took < 5, took
     assert sorted(w["status"] for w in session.list_workers()) == ["failed", "stopped", "stopped"]
+    # TensorFlow's preemption handler waited for the lost worker in update_server_def, forever, and
+    # the next cluster's connect then changed the eager context under it: a segfault, one run in two.
+    wait_until(lambda: not threads_in_update_server_def(), timeout=3, what="no thread in update_server_def")
 
     # A notebook re-runs the cell: the next cluster in the same process trains.
     with cmlcluster.start_cluster(n_workers=1, n_ps=1, cpu=1, memory=2, session=session) as again:

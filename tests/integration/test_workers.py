@@ -63,6 +63,8 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
 
     stopped = session.stop_workers()
     assert [w["status"] for w in stopped] == ["stopped"] * 3
+    # Each agent ended on the stop's SIGTERM, as such (it exited 1 with a traceback from tornado).
+    assert [w["exit_code"] for w in stopped] == [-signal.SIGTERM] * 3
     if session.backend.name == "local":
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
     assert [e.worker["status"] for e in events if e.kind == "status"].count("stopped") == 3
