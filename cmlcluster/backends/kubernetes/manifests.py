@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...control import CONNECTION_ENV, CONNECTION_FILE_ENV
 from ...errors import ConfigError
 from ...workers import Resources, WorkerSpec
 
@@ -45,8 +46,8 @@ COMPONENT_LABEL = "app.kubernetes.io/component"  # "session" (the Secret) or "wo
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGER = "cmlcluster"
 
-# The session Secret, as files in every worker. The agent is to read its connection info from
-# the file named by CONNECTION_FILE_ENV (agent.py still reads CMLCLUSTER_CONNECTION today).
+# The session Secret, as files in every worker. The agent reads its connection info from the file
+# that CONNECTION_FILE_ENV names.
 SESSION_MOUNT_PATH = "/var/run/cmlcluster"
 SESSION_VOLUME = "cmlcluster-session"
 SESSION_FILE_MODE = 0o400  # owner read-only: the files hold the controller's key and an SSH key
@@ -54,9 +55,6 @@ CONNECTION_KEY = "connection.json"
 SSH_KEY_KEY = "id_ed25519"
 CONNECTION_FILE = f"{SESSION_MOUNT_PATH}/{CONNECTION_KEY}"
 SSH_KEY_FILE = f"{SESSION_MOUNT_PATH}/{SSH_KEY_KEY}"
-CONNECTION_FILE_ENV = "CMLCLUSTER_CONNECTION_FILE"
-# What control.agent_env() puts in every WorkerSpec; on Kubernetes it travels in the Secret.
-CONNECTION_ENV = "CMLCLUSTER_CONNECTION"
 
 CONTAINER_NAME = "worker"
 SHARED_VOLUME = "cmlcluster-shared"
