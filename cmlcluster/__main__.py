@@ -153,9 +153,27 @@ def cleanup_sessions(dry_run: bool) -> int:
     for name in names:
         anything = True
         print(f"{verb} container {name}")
+    for name in _kubernetes_cleanup(dry_run):
+        anything = True
+        print(f"{verb} {name}")
     if not anything:
         print("nothing to clean up: everything cmlcluster started belongs to a running session")
     return 0
+
+
+def _kubernetes_cleanup(dry_run: bool) -> list[str]:
+    """What dead sessions of this host left on the Kubernetes cluster of the current configuration
+    (the kubeconfig, or this pod's cluster); nothing when there is none or no client."""
+    from .backends.kubernetes import backend
+    from .errors import ConfigError
+
+    try:
+        return backend.cleanup(dry_run=dry_run)
+    except ConfigError:  # no cluster configured here
+        return []
+    except Exception as e:  # a cluster is configured but did not answer: say so, clean the rest
+        print(f"the Kubernetes cluster was not checked: {e}", file=sys.stderr)
+        return []
 
 
 if __name__ == "__main__":

@@ -99,6 +99,34 @@ def nothing_left_on_ssh_hosts(request):
     assert not left, f"left on the SSH hosts: {left}"
 
 
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory):
+    """The stand-in Kubernetes cluster (tests/kubestandin) for the whole run: its API on 127.0.0.1, its
+    pods Docker containers that run this host's Python and see the tests' folders."""
+    from kubestandin import StandInCluster
+
+    shared = tmp_path_factory.getbasetemp()
+    # A node big enough for any test's workers: its scheduler is real, and 2 CPUs would hold few pods.
+    with StandInCluster(
+        network="cmlcluster-kube", node_cpu="64", node_memory="256Gi", host_python=True, mount_paths=(str(shared),)
+    ) as cluster:
+        yield cluster
+
+
+def kube_backend(cluster, **options):
+    """A kubernetes backend on the stand-in cluster; options replace the defaults."""
+    from cmlcluster.backends.kubernetes.backend import KubernetesBackend
+
+    settings = dict(
+        image=DOCKER_TEST_IMAGE,
+        namespace="default",
+        controller_ip=cluster.gateway,  # the host, as the pods' network reaches it
+        configuration=cluster.configuration(),
+        python=sys.executable,  # the stand-in's node mounts this host's Python (host_python)
+    )
+    return KubernetesBackend(**(settings | options))
+
+
 def ssh_backend(hosts, slots: int = SSH_SLOTS, **options):
     from cmlcluster.backends.ssh import SSHBackend
 

@@ -22,6 +22,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "fake": ("cmlcluster.backends.fake:FakeBackend", ""),
     "docker": ("cmlcluster.backends.docker:DockerBackend", "pip install 'cmlcluster[docker]'"),
     "ssh": ("cmlcluster.backends.ssh:SSHBackend", ""),
+    "kubernetes": ("cmlcluster.backends.kubernetes.backend:KubernetesBackend", "pip install 'cmlcluster[kubernetes]'"),
 }
 
 

@@ -15,10 +15,11 @@ import sys
 import tempfile
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, ssh_backend
+from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 from cmlcluster.backends import Backend, Capabilities, SessionContext, backend_class, known_backends
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
+from cmlcluster.control import CONNECTION_ENV
 from cmlcluster.errors import ConfigError
 from cmlcluster.workers import Resources, WorkerSpec
 
@@ -37,12 +38,12 @@ FAKE = {  # the same programs, as the fake plays them
 
 
 def test_every_registered_backend_is_checked_here():
-    assert set(known_backends()) == {"local", "docker", "ssh", "fake"}
+    assert set(known_backends()) == {"local", "docker", "ssh", "kubernetes", "fake"}
     for name in known_backends():
         assert issubclass(backend_class(name), Backend)
 
 
-@pytest.fixture(params=["local", "docker", "ssh", "fake"])
+@pytest.fixture(params=["local", "docker", "ssh", "kubernetes", "fake"])
 def contract(request):
     """(backend, spec(program) -> WorkerSpec), attached to a throwaway session folder."""
     name = request.param
@@ -52,6 +53,8 @@ def contract(request):
         backend: Backend = DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True)
     elif name == "ssh":
         backend = ssh_backend(request.getfixturevalue("ssh_hosts"))
+    elif name == "kubernetes":
+        backend = kube_backend(request.getfixturevalue("kube"))
     elif name == "fake":
         plan: list[FakeWorker] = []
         backend = FakeBackend(lambda i: plan[i])
@@ -70,7 +73,7 @@ def contract(request):
             worker_id=f"contract-{engine_id}",
             engine_id=engine_id,
             argv=(python, "-c", PROGRAMS[program]),
-            env={"PYTHONUNBUFFERED": "1"},
+            env={"PYTHONUNBUFFERED": "1", CONNECTION_ENV: "{}"},  # what a session puts in every spec
             resources=Resources(cpu=0.2, memory=0.5),
             cwd=os.getcwd(),
         )

@@ -160,8 +160,14 @@ def test_session_secret_carries_connection_and_key_owned_by_the_notebook_pod():
 def test_session_secret_outside_a_cluster_has_no_owner_and_without_horovod_no_key():
     secret = m.session_secret(SESSION, namespace=NAMESPACE, connection_info=CONNECTION)
     assert_valid(secret)
-    assert "ownerReferences" not in secret["metadata"]
+    assert "ownerReferences" not in secret["metadata"] and "annotations" not in secret["metadata"]
     assert list(secret["data"]) == [m.CONNECTION_KEY]
+
+
+def test_session_secret_says_where_the_session_runs_for_cleanup():
+    secret = m.session_secret(SESSION, namespace=NAMESPACE, connection_info=CONNECTION, origin=("laptop-7", 4242))
+    assert_valid(secret)
+    assert secret["metadata"]["annotations"] == {"cmlcluster.io/host": "laptop-7", "cmlcluster.io/pid": "4242"}
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,9 @@ WORKER_LABEL = "cmlcluster.io/worker"
 COMPONENT_LABEL = "app.kubernetes.io/component"  # "session" (the Secret) or "worker" (a pod)
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGER = "cmlcluster"
+# Where the session runs, on its Secret: `cmlcluster cleanup` on that host ends sessions whose process is gone.
+HOST_ANNOTATION = "cmlcluster.io/host"
+PID_ANNOTATION = "cmlcluster.io/pid"
 
 # The session Secret, as files in every worker. The agent reads its connection info from the file
 # that CONNECTION_FILE_ENV names.
@@ -365,11 +368,13 @@ def session_secret(
     connection_info: str,
     ssh_private_key: str | None = None,
     owner: Mapping[str, str] | None = None,
+    origin: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """The session's Secret: the controller's connection info (and the SSH key) for its workers.
 
     owner: {"name": ..., "uid": ...} of the notebook's own pod, when the notebook runs in one:
     the Secret, and with it every worker, then goes when that pod goes.
+    origin: (host name, pid) of the session's process, for `cmlcluster cleanup` on that host.
 
     The values are in ``data`` (base64), not ``stringData``: that is what the API stores and
     returns, so a manifest reads the same as the object read back. Not immutable: the SSH key
@@ -386,6 +391,8 @@ def session_secret(
         "namespace": namespace,
         "labels": {**session_labels(session_id), COMPONENT_LABEL: "session"},
     }
+    if origin is not None:
+        metadata["annotations"] = {HOST_ANNOTATION: origin[0], PID_ANNOTATION: str(origin[1])}
     if owner is not None:
         name, uid = owner.get("name"), owner.get("uid")
         if not name or not uid:

@@ -1,0 +1,231 @@
+"""The kubernetes backend end to end, through the official client, against the stand-in cluster of
+tests/kubestandin (a Kubernetes API on 127.0.0.1 whose "kubelet" runs each pod as a Docker
+container): workers as pods with their own addresses, resources and the session's Secret, the
+failures Kubernetes reports (unschedulable, image pull, OOMKilled, deleted by someone else), a
+watch that drops or whose history is compacted, and the checks made before anything starts.
+
+What this does not test: a real API server's admission, scheduling and kubelet (none installs
+here; see the README).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import ipyparallel as ipp
+import pytest
+from conftest import DOCKER_TEST_IMAGE, kube_backend
+from processes import wait_until
+
+from cmlcluster import Session
+from cmlcluster.backends.kubernetes import manifests
+from cmlcluster.backends.kubernetes.backend import cleanup
+from cmlcluster.errors import ConfigError
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def kube_session(kube):
+    with Session(kube_backend(kube), echo=False) as s:
+        yield s
+    kube.clear_faults()
+    # Nothing of the session is left on the cluster: no pod, no container, no Secret.
+    wait_until(lambda: not kube.pods() and not kube.containers(), timeout=30, what="the session's pods to go")
+    assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]
+
+
+def pod_of(kube, worker_id):
+    return next(p for p in kube.pods() if p["metadata"]["name"] == manifests.pod_name(worker_id))
+
+
+def failure_of(session, worker, timeout=90):
+    done = session.await_workers([worker], timeout_seconds=timeout)
+    assert done["failures"], done
+    return done["failures"][0]
+
+
+def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_files(kube, kube_session):
+    session = kube_session
+    workers = session.launch_workers(2, cpu=0.5, memory=1)
+    running = session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
+    assert running["failures"] == []
+    ips = [w["ip_address"] for w in running["workers"]]
+    pods = [pod_of(kube, w["id"]) for w in workers]
+    assert ips == [p["status"]["podIP"] for p in pods] and len(set(ips)) == 2 and "127.0.0.1" not in ips
+
+    secret = next(s for s in kube.secrets() if s["metadata"]["name"] == manifests.secret_name(session.id))
+    for pod in pods:
+        container = pod["spec"]["containers"][0]
+        assert (
+            container["resources"]["limits"] == container["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
+        )
+        names = {e["name"] for e in container["env"]}
+        assert "CMLCLUSTER_CONNECTION_FILE" in names and "CMLCLUSTER_CONNECTION" not in names  # a file, never env
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == secret["metadata"]["uid"]
+
+    # In the worker: the key came from the mounted Secret, read-only to its owner, and is not in the
+    # environment that user code (and every process it starts) sees.
+    seen = session.client[:].apply_sync(
+        ipp.interactive(
+            lambda: (
+                sorted(k for k in __import__("os").environ if k.startswith("CMLCLUSTER_CONNECTION")),
+                oct(__import__("os").stat("/var/run/cmlcluster/connection.json").st_mode & 0o777),
+            )
+        )
+    )
+    assert seen == [([], "0o400")] * 2
+
+    stopped = session.stop_workers()
+    assert [w["status"] for w in stopped] == ["stopped"] * 2
+    assert [w["exit_code"] for w in stopped] == [-signal.SIGTERM] * 2
+
+
+def test_a_pod_that_cannot_be_scheduled_fails_with_the_schedulers_message(kube, kube_session):
+    kube.fault_unschedulable("0/1 nodes are available: 1 Insufficient cpu.", prefix=f"cmlcluster-{kube_session.id}")
+    (worker,) = kube_session.launch_workers(1, cpu=0.5, memory=1)
+    failure = failure_of(kube_session, worker)
+    assert "Unschedulable: 0/1 nodes are available: 1 Insufficient cpu." in failure["message"]
+    wait_until(lambda: not kube.pods(), timeout=30, what="the unschedulable pod to be deleted")
+
+
+def test_an_image_that_cannot_be_pulled_fails_with_the_kubelets_reason(kube, kube_session):
+    kube.fault_image_pull(prefix=f"cmlcluster-{kube_session.id}")
+    (worker,) = kube_session.launch_workers(1, cpu=0.5, memory=1)
+    failure = failure_of(kube_session, worker)
+    assert "ErrImagePull" in failure["message"] or "ImagePullBackOff" in failure["message"]
+
+
+def test_a_worker_over_its_memory_limit_fails_as_oomkilled(kube_session):
+    (worker,) = kube_session.launch_workers(1, cpu=0.5, memory=0.25, code="x = bytearray(1 << 30)\nprint(len(x))")
+    failure = failure_of(kube_session, worker)
+    assert failure["exit_code"] == -signal.SIGKILL
+    assert "OOMKilled: it used more than its memory limit of 256Mi" in failure["message"]
+
+
+def test_a_pod_deleted_by_someone_else_fails_its_worker_saying_so(kube, kube_session):
+    (worker,) = kube_session.launch_workers(1, cpu=0.5, memory=1)
+    kube_session.await_workers([worker], wait_for_completion=False, timeout_seconds=90)
+    kube.delete_pod(manifests.pod_name(worker["id"]))
+    failure = failure_of(kube_session, worker)
+    assert "deleted by someone else" in failure["message"]
+
+
+@pytest.mark.parametrize("fault", ["dropped", "compacted"])
+def test_the_watch_resumes_after_it_drops_or_its_history_is_compacted(kube, kube_session, fault):
+    code = "import time\ntime.sleep(4)\nraise SystemExit(3)"
+    (worker,) = kube_session.launch_workers(1, cpu=0.5, memory=1, code=code)
+    kube_session.await_workers([worker], wait_for_completion=False, timeout_seconds=90)
+    if fault == "compacted":
+        kube.compact()  # the resumed watch gets 410 Gone: the backend lists again
+    kube.drop_watches()
+    failure = failure_of(kube_session, worker)
+    assert failure["exit_code"] == 3, failure
+
+
+# ---------------------------------------------------------------- before anything starts
+
+
+def pods_created(kube):
+    return [path for method, path in kube.requests if method == "POST" and path.endswith("/pods")]
+
+
+@pytest.mark.parametrize(
+    ("options", "arrange", "says"),
+    [
+        ({"namespace": "nowhere"}, None, ["namespace='nowhere' does not exist", "kubectl create namespace nowhere"]),
+        ({}, ("deny", "create", "pods"), ["may not create pods in namespace 'default'", "kubectl auth can-i"]),
+        ({"image_pull_secrets": ["registry-login"]}, None, ["Secret 'registry-login' does not exist"]),
+        ({"controller_ip": None}, None, ["controller_ip=None", "CMLCLUSTER_KUBERNETES_CONTROLLER_IP"]),
+        ({"image": None}, None, ["image=None"]),
+    ],
+)
+def test_bad_settings_are_refused_before_any_pod_starts(kube, monkeypatch, options, arrange, says):
+    monkeypatch.delenv("CMLCLUSTER_KUBERNETES_CONTROLLER_IP", raising=False)
+    monkeypatch.delenv("CMLCLUSTER_KUBERNETES_IMAGE", raising=False)
+    if arrange is not None:
+        kube.deny(arrange[1], arrange[2])
+    before = len(pods_created(kube))
+    try:
+        with Session(kube_backend(kube, **options), echo=False) as session, pytest.raises(ConfigError) as refused:
+            session.launch_workers(1, cpu=0.5, memory=1)
+    finally:
+        if arrange is not None:
+            kube.allow(arrange[1], arrange[2])
+    for words in says:
+        assert words in str(refused.value)
+    assert len(pods_created(kube)) == before
+
+
+def test_gpus_on_a_cluster_that_advertises_none_are_refused(kube_session, kube):
+    before = len(pods_created(kube))
+    with pytest.raises(ConfigError, match=r"no node of this cluster advertises nvidia.com/gpu"):
+        kube_session.launch_workers(1, cpu=0.5, memory=1, nvidia_gpu=1)
+    assert len(pods_created(kube)) == before
+
+
+def test_gpus_are_requested_as_nvidia_com_gpu(kube, kube_session):
+    kube.set_node_gpus(2)
+    try:
+        (worker,) = kube_session.launch_workers(1, cpu=0.5, memory=1, nvidia_gpu=2)
+        pod = pod_of(kube, worker["id"])
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        kube_session.stop_workers()
+    finally:
+        kube.set_node_gpus(0)
+
+
+def test_a_session_that_dies_leaves_its_pods_to_the_garbage_collector(kube):
+    backend = kube_backend(kube)
+    session = Session(backend, echo=False)
+    workers = session.launch_workers(2, cpu=0.5, memory=1)
+    session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
+    secret = manifests.secret_name(session.id)
+    # The notebook's kernel is gone; its Secret's owner (the notebook's pod) goes with it. Here:
+    # the Secret is deleted, and the API's garbage collector removes the pods it owns.
+    kube.delete_secret(secret)
+    wait_until(lambda: not kube.pods(), timeout=30, what="the garbage collector to remove the pods")
+    wait_until(
+        lambda: [w["status"] for w in session.list_workers()] == ["failed"] * 2, timeout=30, what="the workers to fail"
+    )
+    assert all("deleted by someone else" in w["message"] for w in session.list_workers())
+    session.close()
+    assert not kube.containers()
+
+
+KILLED_SESSION = """
+import sys, time
+from kubernetes.client import Configuration
+from cmlcluster import Session
+from cmlcluster.backends.kubernetes.backend import KubernetesBackend
+
+configuration = Configuration(host={url!r})
+backend = KubernetesBackend(
+    image={image!r}, namespace="default", controller_ip={gateway!r}, configuration=configuration, python=sys.executable
+)
+session = Session(backend, echo=False)
+workers = session.launch_workers(2, cpu=0.5, memory=1)
+session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
+print("running", flush=True)
+time.sleep(600)
+"""
+
+
+def test_cleanup_ends_what_a_killed_session_left_on_the_cluster(kube):
+    code = KILLED_SESSION.format(url=kube.url, image=DOCKER_TEST_IMAGE, gateway=kube.gateway)
+    session = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert session.stdout.readline().strip() == "running"
+    finally:
+        session.kill()  # kill -9: nothing of the session's own teardown runs
+        session.wait()
+    assert len(kube.pods()) == 2
+    backend = kube_backend(kube)
+    would = cleanup(backend, dry_run=True)
+    assert len(would) == 3 and len(kube.pods()) == 2  # two pods and the Secret; a dry run ends nothing
+    assert sorted(cleanup(backend)) == sorted(would)
+    wait_until(lambda: not kube.pods() and not kube.containers(), timeout=30, what="the pods to go")
+    assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]
+    assert cleanup(backend) == []
