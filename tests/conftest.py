@@ -21,8 +21,9 @@ import psutil
 import pytest
 
 DOCKER_TEST_IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
-BACKENDS = ("local", "docker", "ssh")
+BACKENDS = ("local", "docker", "ssh", "kubernetes")
 SSH_SLOTS = 4  # per test host
+KUBE_CLAIM = "tests-shared"  # the stand-in cluster's PersistentVolumeClaim: the tests' temp folder
 
 LEAK_PATTERNS = (
     "cmlcluster.agent",
@@ -102,13 +103,13 @@ def nothing_left_on_ssh_hosts(request):
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory):
     """The stand-in Kubernetes cluster (tests/kubestandin) for the whole run: its API on 127.0.0.1, its
-    pods Docker containers that run this host's Python and see the tests' folders."""
+    pods Docker containers that run this host's Python, with the tests' folder as a claim (KUBE_CLAIM)."""
     from kubestandin import StandInCluster
 
-    shared = tmp_path_factory.getbasetemp()
+    shared = str(tmp_path_factory.getbasetemp())
     # A node big enough for any test's workers: its scheduler is real, and 2 CPUs would hold few pods.
     with StandInCluster(
-        network="cmlcluster-kube", node_cpu="64", node_memory="256Gi", host_python=True, mount_paths=(str(shared),)
+        network="cmlcluster-kube", node_cpu="64", node_memory="256Gi", host_python=True, claims={KUBE_CLAIM: shared}
     ) as cluster:
         yield cluster
 
@@ -116,6 +117,7 @@ def kube(tmp_path_factory):
 def kube_backend(cluster, **options):
     """A kubernetes backend on the stand-in cluster; options replace the defaults."""
     from cmlcluster.backends.kubernetes.backend import KubernetesBackend
+    from cmlcluster.backends.kubernetes.manifests import SharedVolume
 
     settings = dict(
         image=DOCKER_TEST_IMAGE,
@@ -123,6 +125,9 @@ def kube_backend(cluster, **options):
         controller_ip=cluster.gateway,  # the host, as the pods' network reaches it
         configuration=cluster.configuration(),
         python=sys.executable,  # the stand-in's node mounts this host's Python (host_python)
+        # The tests' folder, mounted at the same path in every pod (and seen by the session, as a
+        # notebook pod with the same claim would), like docker's shared volume.
+        shared_volume=SharedVolume(KUBE_CLAIM, cluster.claims[KUBE_CLAIM]),
     )
     return KubernetesBackend(**(settings | options))
 
@@ -172,6 +177,8 @@ def backend_for(name: str, shared: str):
 def backend(request, tmp_path_factory):
     if request.param == "ssh":
         return ssh_backend(request.getfixturevalue("ssh_hosts"))
+    if request.param == "kubernetes":
+        return kube_backend(request.getfixturevalue("kube"))
     return backend_for(request.param, str(tmp_path_factory.getbasetemp()))
 
 

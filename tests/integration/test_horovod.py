@@ -1,6 +1,7 @@
-"""Real Horovod: %horovod in a real IPython shell on two Docker containers and on two SSH hosts (sshd
-on port 2222 in a worker per host), and on local processes; scripts and cells shipped to hosts that
-do not see them; failing ranks; hosts whose sshd is down; keys and host keys that must not pass."""
+"""Real Horovod: %horovod in a real IPython shell on two Docker containers, two SSH hosts and two pods
+of the stand-in Kubernetes cluster (sshd on port 2222 in a worker per host), and on local processes;
+scripts and cells shipped to hosts that do not see them; failing ranks; hosts whose sshd is down; keys
+and host keys that must not pass."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, ssh_backend
+from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 import cmlcluster
 from cmlcluster import CmlClusterError, Session
@@ -53,10 +54,12 @@ def horovod_backend(name, request, tmp_path_factory):
         return docker_backend(tmp_path_factory)
     if name == "ssh":
         return ssh_backend(request.getfixturevalue("ssh_hosts"))
+    if name == "kubernetes":
+        return kube_backend(request.getfixturevalue("kube"))
     return name
 
 
-@pytest.mark.parametrize("backend_name", ["docker", "ssh"])
+@pytest.mark.parametrize("backend_name", ["docker", "ssh", "kubernetes"])
 def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_path_factory, capsys):
     cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
     result = shell.run_line_magic("horovod", f"-np 2 {EXAMPLE} --epochs 2")
@@ -73,7 +76,7 @@ def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_p
     assert not Path(identity).exists() and not Path(identity).parent.exists()
 
 
-@pytest.mark.parametrize("backend_name", ["docker", "ssh"])
+@pytest.mark.parametrize("backend_name", ["docker", "ssh", "kubernetes"])
 def test_a_script_outside_the_working_folder_reaches_every_host(backend_name, shell, request, tmp_path_factory):
     # As a new user does: a script in the system's temp folder, which the workers do not see.
     folder = tempfile.mkdtemp(prefix="hvd-script-")

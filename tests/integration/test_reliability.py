@@ -24,7 +24,7 @@ from cmlcluster.errors import ControllerError, WorkerError
 
 pytestmark = pytest.mark.integration
 
-CYCLES = {"local": 100, "docker": 30, "ssh": 30}
+CYCLES = {"local": 100, "docker": 30, "ssh": 30, "kubernetes": 30}
 CALL_ROUNDS = 2000  # before the fix, a stall came within 5 to 1006 rounds of two parallel calls
 
 

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from cmlcluster import Session
+from cmlcluster.backends.kubernetes import manifests
 from cmlcluster.backends.local import LocalBackend
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,7 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     ips = [w["ip_address"] for w in running["workers"]]
     if session.backend.name == "local":
         assert set(ips) == {"127.0.0.1"}
-    elif session.backend.name == "docker":  # containers: an address of their own each
+    elif session.backend.name in ("docker", "kubernetes"):  # containers, pods: an address of their own each
         assert len(set(ips)) == 3 and "127.0.0.1" not in ips
     else:  # SSH hosts: placed on the hosts with the most free slots, so one each
         assert sorted(ips) == sorted(h.address for h in session.backend.hosts)
@@ -51,6 +52,8 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
         assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
     elif session.backend.name == "docker":  # pids are the containers' own; each is a host of its own
         assert hostnames == [f"worker-{w['id']}" for w in workers]
+    elif session.backend.name == "kubernetes":  # a pod's hostname is its name
+        assert hostnames == [manifests.pod_name(w["id"]) for w in workers]
     else:
         assert len(set(hostnames)) == 3
     env = view.apply_sync(
