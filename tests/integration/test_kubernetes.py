@@ -123,6 +123,8 @@ def test_the_watch_resumes_after_it_drops_or_its_history_is_compacted(kube, kube
     kube.drop_watches()
     failure = failure_of(kube_session, worker)
     assert failure["exit_code"] == 3, failure
+    # An ended pod is deleted once its exit is known, while the session goes on.
+    wait_until(lambda: not kube.pods(), timeout=30, what="the ended pod to be deleted")
 
 
 # ---------------------------------------------------------------- before anything starts

@@ -30,7 +30,6 @@ IMAGE = "registry.example.com/cmlcluster-worker:1.0"
 SECRET_UID = "9f1c7a52-3b1e-4c55-8a51-0c5c7c1e2f10"
 NOTEBOOK_POD = {"name": "jupyter-alice", "uid": "0d3d5c1e-6a6f-4f0e-9d8e-2f1b8b1c4a77"}
 CONNECTION = json.dumps({"key": "controller-key-d41d8cd98f", "registration": 40123, "interface": "tcp://10.1.2.3"})
-SSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAAsessionkey\n-----END OPENSSH PRIVATE KEY-----\n"
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
@@ -126,10 +125,8 @@ def test_the_validator_is_strict_so_a_pass_means_something():
 # ---------------------------------------------------------------- the session Secret
 
 
-def test_session_secret_carries_connection_and_key_owned_by_the_notebook_pod():
-    secret = m.session_secret(
-        SESSION, namespace=NAMESPACE, connection_info=CONNECTION, ssh_private_key=SSH_KEY, owner=NOTEBOOK_POD
-    )
+def test_session_secret_carries_the_connection_owned_by_the_notebook_pod():
+    secret = m.session_secret(SESSION, namespace=NAMESPACE, connection_info=CONNECTION, owner=NOTEBOOK_POD)
     assert_valid(secret)
     assert (secret["apiVersion"], secret["kind"], secret["type"]) == ("v1", "Secret", "Opaque")
     metadata = secret["metadata"]
@@ -152,12 +149,11 @@ def test_session_secret_carries_connection_and_key_owned_by_the_notebook_pod():
     ]
     assert "stringData" not in secret
     decoded = {key: base64.b64decode(value, validate=True).decode() for key, value in secret["data"].items()}
-    assert decoded == {"connection.json": CONNECTION, "id_ed25519": SSH_KEY}
+    assert decoded == {"connection.json": CONNECTION}  # no SSH key: no worker needs the private one
     assert m.CONNECTION_FILE == f"{m.SESSION_MOUNT_PATH}/connection.json"
-    assert m.SSH_KEY_FILE == f"{m.SESSION_MOUNT_PATH}/id_ed25519"
 
 
-def test_session_secret_outside_a_cluster_has_no_owner_and_without_horovod_no_key():
+def test_session_secret_outside_a_cluster_has_no_owner():
     secret = m.session_secret(SESSION, namespace=NAMESPACE, connection_info=CONNECTION)
     assert_valid(secret)
     assert "ownerReferences" not in secret["metadata"] and "annotations" not in secret["metadata"]

@@ -539,7 +539,10 @@ class KubernetesBackend(Backend):
 
     async def wait(self, handle: PodHandle) -> int:
         code = await asyncio.shield(handle.exited)
-        self._handles.pop(handle.name, None)
+        if self._handles.pop(handle.name, None) is not None and not handle.deleting:
+            # Ended on its own: its log is read, and a finished pod holds nothing worth keeping.
+            handle.deleting = True
+            await asyncio.to_thread(self._delete_pod_quietly, handle.name)
         return code
 
     async def stop(self, handle: PodHandle, grace: float = 5.0) -> None:

@@ -5,8 +5,10 @@ backend sends what they return; the tests validate it against the API's OpenAPI 
 
 The objects of one session:
 
-- one Secret, ``cmlcluster-<session>``, holding the controller's connection info and, for
-  Horovod, the session's SSH key. When the notebook runs in a pod, that pod owns the Secret;
+- one Secret, ``cmlcluster-<session>``, holding the controller's connection info. When the
+  notebook runs in a pod, that pod owns the Secret. (No SSH key: for Horovod the session runs
+  horovodrun itself and holds the private key; workers get only the public key, over the control
+  plane, for their sshd.)
 - one Pod per worker, ``cmlcluster-<session>-<engine>`` (the worker id already starts with the
   session id), owned by the Secret, with the Secret mounted read-only at SESSION_MOUNT_PATH.
 
@@ -53,11 +55,9 @@ PID_ANNOTATION = "cmlcluster.io/pid"
 # that CONNECTION_FILE_ENV names.
 SESSION_MOUNT_PATH = "/var/run/cmlcluster"
 SESSION_VOLUME = "cmlcluster-session"
-SESSION_FILE_MODE = 0o400  # owner read-only: the files hold the controller's key and an SSH key
+SESSION_FILE_MODE = 0o400  # owner read-only: the file holds the controller's key
 CONNECTION_KEY = "connection.json"
-SSH_KEY_KEY = "id_ed25519"
 CONNECTION_FILE = f"{SESSION_MOUNT_PATH}/{CONNECTION_KEY}"
-SSH_KEY_FILE = f"{SESSION_MOUNT_PATH}/{SSH_KEY_KEY}"
 
 CONTAINER_NAME = "worker"
 SHARED_VOLUME = "cmlcluster-shared"
@@ -366,26 +366,21 @@ def session_secret(
     *,
     namespace: str,
     connection_info: str,
-    ssh_private_key: str | None = None,
     owner: Mapping[str, str] | None = None,
     origin: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The session's Secret: the controller's connection info (and the SSH key) for its workers.
+    """The session's Secret: the controller's connection info for its workers.
 
     owner: {"name": ..., "uid": ...} of the notebook's own pod, when the notebook runs in one:
     the Secret, and with it every worker, then goes when that pod goes.
     origin: (host name, pid) of the session's process, for `cmlcluster cleanup` on that host.
 
     The values are in ``data`` (base64), not ``stringData``: that is what the API stores and
-    returns, so a manifest reads the same as the object read back. Not immutable: the SSH key
-    may be added when Horovod is first used, after workers exist (a mounted Secret's files follow
-    its updates).
+    returns, so a manifest reads the same as the object read back.
     """
     if not isinstance(connection_info, str) or not connection_info:
         raise ConfigError("connection_info: the controller's connection info is empty; start the controller first")
     data = {CONNECTION_KEY: _encode(connection_info)}
-    if ssh_private_key is not None:
-        data[SSH_KEY_KEY] = _encode(ssh_private_key)
     metadata: dict[str, Any] = {
         "name": secret_name(session_id),
         "namespace": namespace,
