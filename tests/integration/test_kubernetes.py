@@ -17,6 +17,7 @@ import sys
 import ipyparallel as ipp
 import pytest
 from conftest import DOCKER_TEST_IMAGE, kube_backend
+from kubernetes.client import ApiClient, CoreV1Api
 from processes import wait_until
 
 from cmlcluster import Session
@@ -142,6 +143,7 @@ def pods_created(kube):
         ({"image_pull_secrets": ["registry-login"]}, None, ["Secret 'registry-login' does not exist"]),
         ({"controller_ip": None}, None, ["controller_ip=None", "CMLCLUSTER_KUBERNETES_CONTROLLER_IP"]),
         ({"image": None}, None, ["image=None"]),
+        ({"notebook_pod": "jupyter-nobody"}, None, ["notebook_pod='jupyter-nobody': no such pod"]),
     ],
 )
 def test_bad_settings_are_refused_before_any_pod_starts(kube, monkeypatch, options, arrange, says):
@@ -231,3 +233,36 @@ def test_cleanup_ends_what_a_killed_session_left_on_the_cluster(kube):
     wait_until(lambda: not kube.pods() and not kube.containers(), timeout=30, what="the pods to go")
     assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]
     assert cleanup(backend) == []
+
+
+def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
+    # The notebook's own pod, as JupyterHub would run it.
+    notebook = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "jupyter-alice"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "notebook",
+                    "image": DOCKER_TEST_IMAGE,
+                    "command": [sys.executable, "-c", "import time; time.sleep(600)"],
+                }
+            ],
+        },
+    }
+    core = CoreV1Api(ApiClient(kube.configuration()))
+    created = core.create_namespaced_pod("default", notebook)
+    with Session(kube_backend(kube, notebook_pod="jupyter-alice"), echo=False) as session:
+        workers = session.launch_workers(2, cpu=0.5, memory=1)
+        session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
+        secret = next(s for s in kube.secrets() if s["metadata"]["name"] == manifests.secret_name(session.id))
+        assert [(o["kind"], o["name"], o["uid"]) for o in secret["metadata"]["ownerReferences"]] == [
+            ("Pod", "jupyter-alice", created.metadata.uid)
+        ]
+        # The notebook's pod goes (its kernel with it): the garbage collector takes the Secret, then the workers.
+        kube.delete_pod("jupyter-alice", grace_period_seconds=0)
+        wait_until(lambda: not kube.pods(), timeout=30, what="the workers to go with the notebook's pod")
+        wait_until(lambda: [w["status"] for w in session.list_workers()] == ["failed"] * 2, timeout=30, what="failures")
+    assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]

@@ -104,6 +104,8 @@ class StandInCluster:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        if self.api is not None:
+            self.api.close()
         if self.kubelet is not None:
             self.kubelet.close()
         if self._client is not None:

@@ -133,6 +133,7 @@ class Store:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self.deleted = threading.Event()  # set by each deletion: the garbage collector looks again
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.rv = 0
         self.history: collections.deque[tuple[int, str, str, dict[str, Any]]] = collections.deque()
@@ -201,6 +202,7 @@ class Store:
             if current is None or uid not in (None, current["metadata"]["uid"]):
                 return None
             del self.objects[(resource, namespace, name)]
+            self.deleted.set()
             gone = copy.deepcopy(current)
             self._next(gone)  # a DELETED event carries the deletion's resourceVersion
             return self._record("DELETED", resource, gone)
@@ -308,6 +310,26 @@ class Api:
         self.namespaces = {ns: str(uuid.uuid4()) for ns in namespaces}
         self.denied: set[tuple[str, str, str]] = set()  # (verb, resource[/subresource], namespace or "")
         self.requests: list[Served] = []
+        # Kubernetes' garbage collector runs on its own: an owner removed by the kubelet (a pod whose
+        # graceful deletion ended) takes its dependents too, not only one deleted through the API.
+        self._closed = threading.Event()
+        self._collector = threading.Thread(target=self._collect_after_deletions, name="standin-gc", daemon=True)
+        self._collector.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.store.deleted.set()
+        self._collector.join(10)
+
+    def _collect_after_deletions(self) -> None:
+        while True:
+            self.store.deleted.wait()
+            if self._closed.is_set():
+                return
+            self.store.deleted.clear()
+            for namespace in list(self.namespaces):
+                with contextlib.suppress(Exception):  # an object gone meanwhile: the next round sees the rest
+                    self._collect_garbage(namespace)
 
     # -- RBAC
 

@@ -94,6 +94,8 @@ class KubernetesBackend(Backend):
         worker pod (see manifests.PodOptions).
     wait_for_nodes: seconds a pod the scheduler cannot place may wait (for a cluster autoscaler to
         add a node) before it fails with the scheduler's message; default 0: at once.
+    notebook_pod: the pod the notebook runs in, in `namespace`: it owns the session's Secret, so
+        that its workers go when it goes. Default in a cluster: this pod (HOSTNAME); outside: none.
     python: the interpreter in the image.
     """
 
@@ -113,6 +115,7 @@ class KubernetesBackend(Backend):
         env: dict[str, str] | None = None,
         shared_volume: SharedVolume | None = None,
         wait_for_nodes: float = 0.0,
+        notebook_pod: str | None = None,
         python: str = "python3",
     ):
         self.image = image or os.environ.get("CMLCLUSTER_KUBERNETES_IMAGE", "")
@@ -129,6 +132,7 @@ class KubernetesBackend(Backend):
         if not isinstance(wait_for_nodes, (int, float)) or wait_for_nodes < 0:
             raise ConfigError(f"wait_for_nodes={wait_for_nodes!r}: give seconds, 0 or more")
         self.wait_for_nodes = float(wait_for_nodes)
+        self.notebook_pod = notebook_pod
         self.python = python
         self._configuration = configuration
         self._in_cluster = False
@@ -264,6 +268,16 @@ class KubernetesBackend(Backend):
                     f"this Kubernetes user may not {verb} {what} in namespace {self.namespace!r}{why}; ask the "
                     f"cluster's admin for a Role that allows it (kubectl auth can-i {verb} {what} -n {self.namespace})"
                 )
+        if self.notebook_pod:
+            try:
+                core.read_namespaced_pod(self.notebook_pod, self.namespace, _request_timeout=10)
+            except ApiException as e:
+                if e.status == 404:
+                    raise ConfigError(
+                        f"notebook_pod={self.notebook_pod!r}: no such pod in namespace {self.namespace!r}; give the "
+                        "name of the pod this notebook runs in (its HOSTNAME), or leave it out"
+                    ) from None
+                raise
         for name in self.options.image_pull_secrets:
             try:
                 core.read_namespaced_secret(name, self.namespace, _request_timeout=10)
@@ -324,11 +338,11 @@ class KubernetesBackend(Backend):
 
     def _notebook_pod(self) -> dict[str, str] | None:
         """{"name", "uid"} of the pod this notebook runs in, to own the session's Secret; None outside one."""
-        if not self._in_cluster:
+        name = self.notebook_pod or (os.environ.get("HOSTNAME", "") if self._in_cluster else "")
+        if not name:
             return None
         from kubernetes.client.rest import ApiException
 
-        name = os.environ.get("HOSTNAME", "")
         try:
             pod = self._core().read_namespaced_pod(name, self.namespace, _request_timeout=10)
         except ApiException as e:
