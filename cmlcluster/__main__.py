@@ -67,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cleanup", help="end what sessions that no longer run left: worker processes and containers, folders"
     )
     cleanup.add_argument("--dry-run", action="store_true", help="say what would be ended, end nothing")
+    cleanup.add_argument(
+        "--namespace", help="the Kubernetes namespace to look in (default: the kubeconfig's, or this pod's)"
+    )
 
     args = parser.parse_args(argv)
     try:
@@ -83,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return torch_options.run(args, args.script, args.args).exit_code
         if args.command == "list":
             return list_sessions()
-        return cleanup_sessions(args.dry_run)
+        return cleanup_sessions(args.dry_run, args.namespace)
     except CmlClusterError as e:
         print(f"cmlcluster {args.command}: {e}", file=sys.stderr)
         return 2
@@ -132,7 +135,7 @@ def list_sessions() -> int:
     return 0
 
 
-def cleanup_sessions(dry_run: bool) -> int:
+def cleanup_sessions(dry_run: bool, namespace: str | None = None) -> int:
     from . import registry
 
     verb = "would end" if dry_run else "ended"
@@ -153,7 +156,7 @@ def cleanup_sessions(dry_run: bool) -> int:
     for name in names:
         anything = True
         print(f"{verb} container {name}")
-    for name in _kubernetes_cleanup(dry_run):
+    for name in _kubernetes_cleanup(dry_run, namespace):
         anything = True
         print(f"{verb} {name}")
     if not anything:
@@ -161,14 +164,14 @@ def cleanup_sessions(dry_run: bool) -> int:
     return 0
 
 
-def _kubernetes_cleanup(dry_run: bool) -> list[str]:
+def _kubernetes_cleanup(dry_run: bool, namespace: str | None) -> list[str]:
     """What dead sessions of this host left on the Kubernetes cluster of the current configuration
     (the kubeconfig, or this pod's cluster); nothing when there is none or no client."""
     from .backends.kubernetes import backend
     from .errors import ConfigError
 
     try:
-        return backend.cleanup(dry_run=dry_run)
+        return backend.cleanup(backend.KubernetesBackend(namespace=namespace), dry_run=dry_run)
     except ConfigError:  # no cluster configured here
         return []
     except Exception as e:  # a cluster is configured but did not answer: say so, clean the rest

@@ -280,10 +280,22 @@ def session_connection() -> str:
     CMLCLUSTER_CONNECTION_FILE names (a pod's mounted Secret: a pod's env is readable by whoever
     may read the pod). The key is cmlcluster's, not the program's: no child process inherits it."""
     path = os.environ.pop(control.CONNECTION_FILE_ENV, "")
-    if path:
+    connection = os.environ.pop(control.CONNECTION_ENV, "")
+    if not path:
+        if not connection:
+            raise SystemExit(
+                f"cmlcluster agent: neither {control.CONNECTION_ENV} nor {control.CONNECTION_FILE_ENV} is set; "
+                "workers are started by a session (launch_workers), not by hand"
+            )
+        return connection
+    try:
         with open(path) as f:
             return f.read()
-    return os.environ.pop(control.CONNECTION_ENV)
+    except OSError as e:
+        raise SystemExit(
+            f"cmlcluster agent: cannot read the controller's connection info from {path} ({e}); it is mounted "
+            f"for the pod's user only (mode 0400): run the worker image as the user that owns it (root)"
+        ) from None
 
 
 def main() -> None:

@@ -96,7 +96,7 @@ def _inside(tar: tarfile.TarFile, folder: str) -> list[tarfile.TarInfo]:
     root = os.path.realpath(folder)
 
     def within(path: str) -> bool:
-        return path == root or path.startswith(root + os.sep)
+        return path == root or path.startswith(root.rstrip(os.sep) + os.sep)  # root may be "/"
 
     members = []
     for member in tar.getmembers():

@@ -117,7 +117,7 @@ def guard_recovery(cluster_spec: Mapping[str, Sequence[str]], me: str) -> None:
 
     def guarded(server_def: Any, *args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name == PREEMPTION_HANDLER_THREAD:
-            _wait_for_lost_tasks(_remote_tasks(server_def))
+            _wait_for_lost_tasks(ctx, server_def)
         return update_server_def(server_def, *args, **kwargs)
 
     guarded.cmlcluster_guard = True  # type: ignore[attr-defined]
@@ -128,9 +128,11 @@ def guard_recovery(cluster_spec: Mapping[str, Sequence[str]], me: str) -> None:
 PREEMPTION_HANDLER_THREAD = "WorkerPreemptionHandler"
 
 
-def _wait_for_lost_tasks(tasks: Tasks) -> None:
-    """Return once every task accepts connections; never, once fail() was called for them."""
-    while tasks not in _failed:
+def _wait_for_lost_tasks(ctx: Any, server_def: Any) -> None:
+    """Return once every task accepts connections; never, once fail() was called for them, or once
+    this process coordinates another cluster (whose tasks may even reuse these addresses)."""
+    tasks = _remote_tasks(server_def)
+    while tasks not in _failed and ctx.get_server_def() is server_def:
         if all(_accepts(address) for _, _, address in tasks):
             return
         time.sleep(RECOVERY_POLL_SECONDS)
@@ -167,6 +169,9 @@ def fail(cluster_spec: Mapping[str, Sequence[str]], error: BaseException) -> boo
             if queue._error is None:
                 queue._error = error
             queue._stop_waiting_condition.notify_all()
+        # Its preemption handler may wait for good, holding the lock that stopping the cluster takes:
+        # ClusterCoordinator.__del__ (the user's strategy collected) would then block forever.
+        cluster.stop = lambda: None
     return True
 
 

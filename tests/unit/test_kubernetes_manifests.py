@@ -283,13 +283,16 @@ def test_impossible_resources_are_refused(resources, message):
 def test_session_secret_is_mounted_read_only_owner_read_only():
     pod = make_pod()
     assert pod["spec"]["volumes"] == [
-        {"name": "cmlcluster-session", "secret": {"secretName": f"cmlcluster-{SESSION}", "defaultMode": 0o400}}
+        {"name": "cmlcluster-session", "secret": {"secretName": f"cmlcluster-{SESSION}", "defaultMode": 0o400}},
+        {"name": "cmlcluster-work", "emptyDir": {}},
     ]
     assert pod["spec"]["volumes"][0]["secret"]["defaultMode"] == 256  # what the API receives
     assert container(pod)["volumeMounts"] == [
-        {"name": "cmlcluster-session", "mountPath": "/var/run/cmlcluster", "readOnly": True}
+        {"name": "cmlcluster-session", "mountPath": "/var/run/cmlcluster", "readOnly": True},
+        {"name": "cmlcluster-work", "mountPath": "/var/cmlcluster/work"},
     ]
-    assert "workingDir" not in container(pod)  # the session's folder is not on the worker
+    # The session's folder is not on the worker: it works in a folder of its own, not the image's.
+    assert container(pod)["workingDir"] == "/var/cmlcluster/work"
 
 
 def test_shared_volume_is_mounted_and_is_the_working_folder_when_the_session_works_there():
@@ -303,8 +306,9 @@ def test_shared_volume_is_mounted_and_is_the_working_folder_when_the_session_wor
     assert mounts["/shared"] == {"name": "cmlcluster-shared", "mountPath": "/shared"}  # read-write
     assert mounts["/var/run/cmlcluster"]["readOnly"] is True
     assert container(pod)["workingDir"] == "/shared/alice/project"
+    assert "cmlcluster-work" not in volumes
     elsewhere = make_pod(make_spec(cwd="/sharedother/project"), FULL_OPTIONS)
-    assert "workingDir" not in container(elsewhere)
+    assert container(elsewhere)["workingDir"] == "/var/cmlcluster/work"
 
 
 def test_secrets_never_reach_the_environment():

@@ -11,7 +11,7 @@ from cmlcluster import Session
 from cmlcluster.backends import Capabilities
 from cmlcluster.backends.fake import FakeBackend
 from cmlcluster.errors import ConfigError
-from cmlcluster.shipping import pack, unpack
+from cmlcluster.shipping import _inside, pack, unpack
 
 
 def remote(shared: tuple[str, ...] = ()) -> FakeBackend:
@@ -89,6 +89,19 @@ def test_nothing_unpacks_outside_the_workers_folder(tmp_path, monkeypatch, pytho
     unpack(archive(f"{tmp_path}/absolute.py"), str(tmp_path / "worker"))  # made relative to the folder
     assert not (tmp_path / "absolute.py").exists()
     assert (tmp_path / "worker" / tmp_path.relative_to("/") / "absolute.py").exists()
+
+
+def test_the_root_folder_holds_what_is_shipped_to_it(monkeypatch):
+    # A worker whose working folder is "/" (an image's default): "x.py" lands inside "/". The check
+    # for Pythons without the data filter took every name as outside it ("//" prefix).
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        info = tarfile.TarInfo("x.py")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with tarfile.open(fileobj=io.BytesIO(buffer.getvalue()), mode="r:gz") as tar:
+        assert [m.name for m in _inside(tar, "/")] == ["x.py"]
 
 
 def test_pack_keeps_names_and_contents(tmp_path):

@@ -18,12 +18,15 @@ on threads of their own.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +49,10 @@ LOG_DRAIN_SECONDS = 5.0  # how long an ended pod's exit waits for the rest of it
 STOP_CONFIRM_SECONDS = 30.0  # after a pod's grace period, how long its deletion may take to show in the watch
 IN_CLUSTER_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # A container waiting for one of these reasons will not start without someone changing something.
+# (Not ErrImagePull: a registry's rate limit or timeout is one too; the kubelet retries, and says
+# ImagePullBackOff once the pull has failed again.)
 FATAL_WAITING_REASONS = frozenset(
-    {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
+    {"ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
 )
 # What the backend does to pods and Secrets, checked before anything starts (SelfSubjectAccessReview).
 NEEDED_ACCESS = (
@@ -75,8 +80,18 @@ class PodHandle:
     ended: bool = False  # its end is known; exited resolves once its log is read
     ip: str | None = None
     log_thread: threading.Thread | None = None
-    unschedulable_since: float | None = None
-    timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    unschedulable: asyncio.TimerHandle | None = None  # fails it unless the scheduler places it meanwhile
+    created_at: float | None = None  # when the API answered its create (monotonic)
+    abandoned: bool = False  # its start failed or was cancelled: a pod created all the same is deleted
+
+
+@dataclass
+class _Watching:
+    """One session's watch of its pods, stopped by that session's close() (never by the next attach)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    watch: Any = None  # the kubernetes.watch.Watch streaming now
+    thread: threading.Thread | None = None
 
 
 class KubernetesBackend(Backend):
@@ -129,7 +144,7 @@ class KubernetesBackend(Backend):
             env=env or {},
             shared_volume=shared_volume,
         )
-        if not isinstance(wait_for_nodes, (int, float)) or wait_for_nodes < 0:
+        if isinstance(wait_for_nodes, bool) or not isinstance(wait_for_nodes, (int, float)) or wait_for_nodes < 0:
             raise ConfigError(f"wait_for_nodes={wait_for_nodes!r}: give seconds, 0 or more")
         self.wait_for_nodes = float(wait_for_nodes)
         self.notebook_pod = notebook_pod
@@ -141,10 +156,9 @@ class KubernetesBackend(Backend):
         self._handles: dict[str, PodHandle] = {}  # by pod name
         self._secret: dict[str, Any] | None = None  # the session's, once created
         self._secret_lock = threading.Lock()
-        self._watcher: threading.Thread | None = None
-        self._watch: Any = None
-        self._closing = threading.Event()
-        self._deletions: list[threading.Thread] = []  # of pods given up on (_give_up)
+        self._watching: _Watching | None = None
+        # Threads that create or delete pods, which close() waits for: none may be left behind.
+        self._background: list[threading.Thread] = []
 
     # ---------------------------------------------------------------- configuration
 
@@ -191,9 +205,9 @@ class KubernetesBackend(Backend):
     def controller_ip(self) -> str:
         if self._controller_ip:
             return self._controller_ip
-        self._connect()
-        if self._in_cluster:
-            self._controller_ip = os.environ.get("POD_IP") or route_address(os.environ["KUBERNETES_SERVICE_HOST"])
+        in_pod = os.environ.get("KUBERNETES_SERVICE_HOST")
+        if in_pod:
+            self._controller_ip = os.environ.get("POD_IP") or route_address(in_pod)
             return self._controller_ip
         raise ConfigError(
             "controller_ip=None: outside a Kubernetes cluster, say which address of this machine the cluster's pods "
@@ -244,7 +258,7 @@ class KubernetesBackend(Backend):
                     f"{self.namespace}) or pass namespace="
                 ) from None
             if e.status != 403:  # reading namespaces is not needed: the access review below says the rest
-                raise ConfigError(f"the Kubernetes API at {host} answered {e.status} {e.reason}") from None
+                raise _unexpected(f"reading namespace={self.namespace!r}", e) from None
         except Exception as e:  # connection refused, TLS, DNS
             raise ConfigError(
                 f"the Kubernetes API at {host} did not answer ({e}); check the cluster and the kubeconfig's current "
@@ -259,7 +273,10 @@ class KubernetesBackend(Backend):
                     )
                 )
             )
-            answer = review.create_self_subject_access_review(body, _request_timeout=10)
+            try:
+                answer = review.create_self_subject_access_review(body, _request_timeout=10)
+            except ApiException as e:
+                raise _unexpected(f"asking whether this user may {verb} {resource}", e) from None
             verdict = answer.status
             if verdict is None or not verdict.allowed:
                 what = f"{resource}/{subresource}" if subresource else resource
@@ -277,7 +294,7 @@ class KubernetesBackend(Backend):
                         f"notebook_pod={self.notebook_pod!r}: no such pod in namespace {self.namespace!r}; give the "
                         "name of the pod this notebook runs in (its HOSTNAME), or leave it out"
                     ) from None
-                raise
+                raise _unexpected(f"reading notebook_pod={self.notebook_pod!r}", e) from None
         for name in self.options.image_pull_secrets:
             try:
                 core.read_namespaced_secret(name, self.namespace, _request_timeout=10)
@@ -287,8 +304,8 @@ class KubernetesBackend(Backend):
                         f"image_pull_secrets: Secret {name!r} does not exist in namespace {self.namespace!r}; create "
                         f"it (kubectl create secret docker-registry {name} ...) or leave it out"
                     ) from None
-                if e.status != 403:
-                    raise
+                if e.status != 403:  # may not read Secrets: the kubelet will say if it is missing
+                    raise _unexpected(f"reading image pull Secret {name!r}", e) from None
 
     def _check_gpus(self, per_worker: int) -> None:
         from kubernetes.client.rest import ApiException
@@ -298,7 +315,7 @@ class KubernetesBackend(Backend):
         except ApiException as e:
             if e.status == 403:
                 return  # nodes are cluster-scoped and often not readable: the scheduler will say
-            raise
+            raise _unexpected(f"listing nodes to check nvidia_gpu={per_worker}", e) from None
         most = max((_quantity_int((n.status.allocatable or {}).get(manifests.GPU_RESOURCE)) for n in nodes), default=0)
         if most == 0:
             raise ConfigError(
@@ -317,9 +334,11 @@ class KubernetesBackend(Backend):
         self._connect()
         self._secret = None
         self._handles = {}
-        self._closing.clear()
-        self._watcher = threading.Thread(target=self._watch_pods, name="cmlcluster-kubernetes-watch", daemon=True)
-        self._watcher.start()
+        watching = self._watching = _Watching()
+        watching.thread = threading.Thread(
+            target=self._watch_pods, args=(watching,), name="cmlcluster-kubernetes-watch", daemon=True
+        )
+        watching.thread.start()
 
     def _ensure_secret(self, connection_info: str) -> dict[str, Any]:
         """{"name", "uid"} of the session's Secret, created by the first start (on a thread)."""
@@ -381,16 +400,46 @@ class KubernetesBackend(Backend):
             exited=asyncio.get_running_loop().create_future(),
         )
         self._handles[name] = handle  # before the create: its first events may come before the reply
+        created: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def create() -> None:  # on a thread of its own, so that a cancelled start still learns the outcome
+            try:
+                pod = self._core().create_namespaced_pod(self.namespace, body)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
+                    created.set_result(pod)
+            except BaseException as e:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    created.set_exception(e)
+            if handle.abandoned:
+                self._delete_pod_quietly(name)
+
+        self._in_background(create, f"cmlcluster-create-{spec.worker_id}")
         try:
-            await asyncio.to_thread(self._core().create_namespaced_pod, self.namespace, body)
-        except ApiException as e:
+            await asyncio.wrap_future(created)
+        except ApiException as e:  # refused: no pod
             del self._handles[name]
             raise BackendError(f"could not create pod {name} for worker {spec.worker_id}: {_api_message(e)}") from e
+        except BaseException as e:
+            # Cancelled, or the connection broke: the pod may exist all the same, and must not stay.
+            self._handles.pop(name, None)
+            handle.abandoned = True
+            if created.done():  # else create() deletes it once the API has answered
+                self._in_background(lambda: self._delete_pod_quietly(name), f"cmlcluster-delete-{spec.worker_id}")
+            if isinstance(e, Exception):
+                raise BackendError(f"could not create pod {name} for worker {spec.worker_id}: {e}") from e
+            raise
+        handle.created_at = time.monotonic()
         return handle
+
+    def _in_background(self, target: Callable[[], None], name: str) -> None:
+        self._background = [t for t in self._background if t.is_alive()]
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._background.append(thread)
 
     # ---------------------------------------------------------------- what the watch says
 
-    def _watch_pods(self) -> None:
+    def _watch_pods(self, watching: _Watching) -> None:
         """The session's pods, as the API reports them, handed to the session's loop (own thread)."""
         from kubernetes import watch
         from kubernetes.client.rest import ApiException
@@ -399,15 +448,17 @@ class KubernetesBackend(Backend):
         selector = manifests.session_selector(self.context.session_id)
         version: str | None = None
         failures = 0
-        while not self._closing.is_set():
+        while not watching.stop.is_set():
             try:
                 if version is None:  # the first time, and after history was compacted away (410)
-                    pods = core.list_namespaced_pod(self.namespace, label_selector=selector, _request_timeout=30)
+                    listed_at = time.monotonic()
+                    pods = core.list_namespaced_pod(self.namespace, label_selector=selector, _request_timeout=15)
                     for pod in pods.items:
                         self._report("MODIFIED", pod)
+                    self._report_missing({pod.metadata.name for pod in pods.items}, listed_at)
                     version = pods.metadata.resource_version
-                self._watch = watch.Watch()
-                for event in self._watch.stream(
+                watching.watch = watch.Watch()
+                for event in watching.watch.stream(
                     core.list_namespaced_pod,
                     self.namespace,
                     label_selector=selector,
@@ -416,11 +467,12 @@ class KubernetesBackend(Backend):
                     allow_watch_bookmarks=True,
                     _request_timeout=WATCH_SECONDS + 20,
                 ):
-                    if self._closing.is_set():
+                    if watching.stop.is_set():
                         return
-                    self._report(event["type"], event["object"])
+                    if event["type"] != "BOOKMARK":  # a bookmark only moves the resourceVersion on
+                        self._report(event["type"], event["object"])
                     failures = 0
-                version = self._watch.resource_version or version  # the stream ended: resume where it was
+                version = watching.watch.resource_version or version  # the stream ended: resume where it was
             except ApiException as e:
                 if e.status == 410:  # too old to resume: list again
                     version = None
@@ -428,13 +480,24 @@ class KubernetesBackend(Backend):
                 failures += 1
                 log.warning("cmlcluster: the watch of this session's pods failed (%s); resuming", _api_message(e))
             except Exception as e:  # the connection dropped
-                if self._closing.is_set():
+                if watching.stop.is_set():
                     return
                 failures += 1
-                if self._watch is not None and self._watch.resource_version:
-                    version = self._watch.resource_version
+                if watching.watch is not None and watching.watch.resource_version:
+                    version = watching.watch.resource_version
                 log.debug("cmlcluster: the watch of this session's pods broke (%s); resuming", e)
-            self._closing.wait(min(5.0, 0.2 * 2**failures) if failures else 0)
+            watching.stop.wait(min(5.0, 0.2 * 2**failures) if failures else 0)
+
+    def _report_missing(self, listed: set[str], listed_at: float) -> None:
+        """Pods that a fresh list no longer has were deleted while the watch could not say so."""
+        for handle in list(self._handles.values()):
+            if handle.created_at is not None and handle.created_at < listed_at and handle.name not in listed:
+                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                    handle.loop.call_soon_threadsafe(self._on_missing, handle)
+
+    def _on_missing(self, handle: PodHandle) -> None:
+        gone = f"its pod {handle.name} is gone (deleted while the watch of the session's pods was down)"
+        self._end(handle, NO_EXIT_CODE, None if handle.deleted_by_other else gone, ran=False)
 
     def _report(self, kind: str, pod: Any) -> None:
         handle = self._handles.get(pod.metadata.name)
@@ -478,33 +541,31 @@ class KubernetesBackend(Backend):
             self._give_up(handle, f"{state.waiting.reason}: {state.waiting.message or 'no message'}")
             return
         unschedulable = _unschedulable(pod)
-        if unschedulable is not None and handle.unschedulable_since is None:
-            handle.unschedulable_since = handle.loop.time()
+        if unschedulable is not None and handle.unschedulable is None:
             reason = f"Unschedulable: {unschedulable}"
             if self.wait_for_nodes:
                 reason += f" (for {self.wait_for_nodes:g} s: wait_for_nodes)"
-            handle.timers.append(handle.loop.call_later(self.wait_for_nodes, self._give_up, handle, reason))
-        elif unschedulable is None and status.phase != "Pending":
-            handle.unschedulable_since = None
+            handle.unschedulable = handle.loop.call_later(self.wait_for_nodes, self._give_up, handle, reason)
+        elif unschedulable is None and handle.unschedulable is not None and (pod.spec and pod.spec.node_name):
+            handle.unschedulable.cancel()  # placed after all (a node was added): it starts
+            handle.unschedulable = None
 
     def _give_up(self, handle: PodHandle, reason: str) -> None:
         """A pod that will not run as it is: it fails with `reason`, and is deleted."""
-        if handle.ended or (reason.startswith("Unschedulable") and handle.unschedulable_since is None):
+        if handle.ended:
             return
         self._end(handle, NO_EXIT_CODE, reason, ran=False)
         handle.deleting = True
         # On a thread of its own, not the loop's executor: close() may run on another loop.
-        deletion = threading.Thread(target=self._delete_pod_quietly, args=(handle.name,), daemon=True)
-        deletion.start()
-        self._deletions.append(deletion)
+        self._in_background(lambda: self._delete_pod_quietly(handle.name), f"cmlcluster-delete-{handle.worker_id}")
 
     def _end(self, handle: PodHandle, code: int | None, reason: str | None, ran: bool = True) -> None:
         """The pod is done: its exit is reported once its output has been read (output() for messages)."""
         if handle.ended:
             return
         handle.ended = True
-        for timer in handle.timers:
-            timer.cancel()
+        if handle.unschedulable is not None:
+            handle.unschedulable.cancel()
         if handle.deleted_by_other:
             reason = "; ".join(filter(None, [f"its pod {handle.name} was deleted by someone else", reason]))
         handle.reason = reason
@@ -592,32 +653,33 @@ class KubernetesBackend(Backend):
         return handle.reason
 
     async def close(self) -> None:
-        from kubernetes.client.rest import ApiException
-
-        deletions, self._deletions = self._deletions, []
-        for deletion in deletions:
-            await asyncio.to_thread(deletion.join, 30)
+        watching, self._watching = self._watching, None
+        if watching is not None:
+            watching.stop.set()
+            if watching.watch is not None:
+                watching.watch.stop()
+                response = getattr(watching.watch, "_resp", None)  # a blocked read ends when its socket does
+                if response is not None:
+                    with contextlib.suppress(Exception):
+                        response.shutdown()
+        background, self._background = self._background, []
+        for thread in background:
+            await asyncio.to_thread(thread.join, 30)
         secret, self._secret = self._secret, None
         if secret is not None:
             # Any pod left (none, after the session's stops) goes with it: the garbage collector.
-            with contextlib.suppress(ApiException):
+            try:
                 await asyncio.to_thread(
                     self._core().delete_namespaced_secret,
                     secret["name"],
                     self.namespace,
                     propagation_policy="Background",
                 )
-        self._closing.set()
-        watch_, self._watch = self._watch, None
-        if watch_ is not None:
-            watch_.stop()
-            response = getattr(watch_, "_resp", None)  # a blocked read ends when its socket does
-            if response is not None:
-                with contextlib.suppress(Exception):
-                    response.shutdown()
-        if self._watcher is not None:
-            await asyncio.to_thread(self._watcher.join, 5)
-            self._watcher = None
+            except Exception as e:  # not found (deleted already), or the API is gone
+                log.warning("cmlcluster: could not delete the session's Secret %s: %s", secret["name"], e)
+        if watching is not None and watching.thread is not None:
+            # A watch request ends within WATCH_SECONDS; the thread then sees the stop.
+            await asyncio.to_thread(watching.thread.join, WATCH_SECONDS + 20)
 
 
 # ---------------------------------------------------------------- reading pods
@@ -678,6 +740,14 @@ def _quantity_int(value: Any) -> int:
         return int(str(value)) if value is not None else 0
     except ValueError:
         return 0
+
+
+def _unexpected(doing: str, e: Any) -> ConfigError:
+    """An answer the checks did not expect, refused before anything starts with the API's words."""
+    return ConfigError(
+        f"{doing}, the Kubernetes API answered {e.status}: {_api_message(e)}; check the cluster and this user's "
+        "access (kubectl auth can-i --list)"
+    )
 
 
 def _api_message(e: Any) -> str:

@@ -61,6 +61,10 @@ CONNECTION_FILE = f"{SESSION_MOUNT_PATH}/{CONNECTION_KEY}"
 
 CONTAINER_NAME = "worker"
 SHARED_VOLUME = "cmlcluster-shared"
+# A worker's own working folder (an emptyDir) when the session's is not on the shared volume: where
+# shipped files land, never the image's folder (often "/").
+WORK_VOLUME = "cmlcluster-work"
+WORK_PATH = "/var/cmlcluster/work"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # Names cmlcluster sets in every worker; PodOptions.env may not replace them.
@@ -458,11 +462,15 @@ def worker_pod(
     if shared is not None:
         mounts.append({"name": SHARED_VOLUME, "mountPath": shared.mount_path})
         volumes.append({"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": shared.claim}})
-        # The session's folder is the workers' working folder only where they see it: on the shared
-        # volume. Elsewhere the image's own folder is, and programs are shipped (Capabilities.sees).
-        cwd = posixpath.normpath(spec.cwd)
-        if _inside(cwd, shared.mount_path):
-            container["workingDir"] = cwd
+    # The session's folder is the workers' working folder only where they see it: on the shared
+    # volume. Elsewhere each worker has a folder of its own, and programs are shipped (Capabilities.sees).
+    cwd = posixpath.normpath(spec.cwd)
+    if shared is not None and _inside(cwd, shared.mount_path):
+        container["workingDir"] = cwd
+    else:
+        mounts.append({"name": WORK_VOLUME, "mountPath": WORK_PATH})
+        volumes.append({"name": WORK_VOLUME, "emptyDir": {}})
+        container["workingDir"] = WORK_PATH
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # a worker that ends is done: the session reports its exit
         "containers": [container],
