@@ -309,8 +309,9 @@ def test_a_pod_placed_after_waiting_for_nodes_runs(kube):
     kube.set_node_gpus(1)
     try:
         with Session(kube_backend(kube, wait_for_nodes=60), echo=False) as session:
-            first, second = session.launch_workers(2, cpu=0.5, memory=1, nvidia_gpu=1)
+            (first,) = session.launch_workers(1, cpu=0.5, memory=1, nvidia_gpu=1)
             session.await_workers([first], wait_for_completion=False, timeout_seconds=90)
+            (second,) = session.launch_workers(1, cpu=0.5, memory=1, nvidia_gpu=1)
             # One GPU on the node: the second waits, Unschedulable, until the first gives it back.
             wait_until(
                 lambda: "Unschedulable" in str(pod_of(kube, second["id"])["status"]),
