@@ -50,6 +50,12 @@ if TYPE_CHECKING:
 OUTPUT_TAIL_BYTES = 64 * 1024
 
 
+def signal_exit_code(code: int) -> int:
+    """The contract's exit code: a process that a shell, docker-init or a container runtime reports
+    as 128+N died of signal N, which the contract says as -N."""
+    return 128 - code if 128 < code <= 128 + 64 else code
+
+
 def log_tail(path: str, limit: int = OUTPUT_TAIL_BYTES) -> str:
     """The last `limit` bytes of a worker's log file, as text ("" when there is none yet)."""
     try:

@@ -28,7 +28,7 @@ from .. import registry
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
-from .base import Backend, Capabilities, SessionContext, log_tail
+from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
 DEFAULT_NETWORK = "cmlcluster"
@@ -270,9 +270,7 @@ class DockerBackend(Backend):
             code = int(handle.container.wait(condition="removed", timeout=None)["StatusCode"])
         except Exception:
             code = 255  # the container vanished before the wait began; its code is lost
-        # docker-init exits with 128+N when the agent dies of signal N; the contract says -N.
-        if 128 < code <= 128 + 64:
-            code = 128 - code
+        code = signal_exit_code(code)  # docker-init exits with 128+N when the agent dies of signal N
 
         def report() -> None:
             if not handle.exited.done():

@@ -37,7 +37,7 @@ from .._proc import signal_group
 from ..errors import BackendError, ConfigError
 from ..ports import route_address
 from ..workers import Resources, WorkerSpec
-from .base import Backend, Capabilities, SessionContext, log_tail
+from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 
 REMOTE = "cmlcluster.backends.ssh_remote"
 LOST_HOST_EXIT = 255  # what ssh exits with when the connection fails or drops
@@ -365,9 +365,7 @@ class SSHBackend(Backend):
 
 def _exit_code(code: int | None) -> int | None:
     """The remote side exits with 128+N when signal N killed the agent; the contract says -N."""
-    if code is not None and 128 < code < 128 + 65:
-        return 128 - code
-    return code
+    return signal_exit_code(code) if code is not None else None
 
 
 def _quote(text: str) -> str:

@@ -35,7 +35,7 @@ from ...errors import BackendError, ConfigError
 from ...ports import route_address
 from ...registry import alive
 from ...workers import Resources, WorkerSpec
-from ..base import Backend, Capabilities, SessionContext, log_tail
+from ..base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import manifests
 from .manifests import PodOptions, SharedVolume
 
@@ -730,9 +730,7 @@ def _contract_code(code: int | None) -> int:
     """A container killed by signal N exits 128+N (the runtime's convention); the contract says -N."""
     if code is None:
         return NO_EXIT_CODE
-    if 128 < code <= 128 + 64:
-        return 128 - code
-    return int(code)
+    return signal_exit_code(int(code))
 
 
 def _quantity_int(value: Any) -> int:
