@@ -15,7 +15,9 @@
    to spare.
 
 Both sides run in this process's run, alternating (interleaved repeats), on this machine's local
-processes. Beside each ratio: the by-hand runs' spread (slowest / fastest), the noise a gap must
+processes. Call -> ready also runs a third side: start_cluster with workers started on their own
+rather than forked from a template agent (backends/local_template.py), which shows what the template
+saves. Beside each ratio: the by-hand runs' spread (slowest / fastest), the noise a gap must
 exceed to be real.
 
     python bench/tf_cluster.py [--steps 3000] [--repeat 5] [--only training|ready]
@@ -38,6 +40,7 @@ from pathlib import Path
 import psutil
 
 from cmlcluster import Session, run_cluster, start_cluster
+from cmlcluster.backends.local import LocalBackend
 from cmlcluster.ports import free_ports
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "worker_scripts" / "tf_ps_train.py")
@@ -106,8 +109,8 @@ def cpu_seconds() -> float:
     return total
 
 
-def ready_ours(n_workers: int, n_ps: int) -> tuple[float, float]:
-    with Session("local", echo=False) as session:
+def ready_ours(n_workers: int, n_ps: int, fork: bool = True) -> tuple[float, float]:
+    with Session(LocalBackend(fork=fork), echo=False) as session:
         t0, cpu0 = time.perf_counter(), cpu_seconds()
         start_cluster(n_workers=n_workers, n_ps=n_ps, cpu=CPUS, memory=2, coordinator=False, session=session)
         return time.perf_counter() - t0, cpu_seconds() - cpu0
@@ -150,7 +153,7 @@ def measure_training(steps: int, repeat: int) -> None:
 
 
 def measure_ready(n_workers: int, n_ps: int, repeat: int) -> None:
-    mine, theirs, mine_cpu, theirs_cpu = [], [], [], []
+    mine, theirs, unforked, mine_cpu, theirs_cpu, unforked_cpu = [], [], [], [], [], []
     for _ in range(repeat):
         seconds, cpu = ready_ours(n_workers, n_ps)
         mine.append(seconds)
@@ -158,6 +161,9 @@ def measure_ready(n_workers: int, n_ps: int, repeat: int) -> None:
         seconds, cpu = ready_by_hand(n_workers, n_ps)
         theirs.append(seconds)
         theirs_cpu.append(cpu)
+        seconds, cpu = ready_ours(n_workers, n_ps, fork=False)
+        unforked.append(seconds)
+        unforked_cpu.append(cpu)
     m, t = statistics.median(mine), statistics.median(theirs)
     m_cpu, t_cpu = statistics.median(mine_cpu), statistics.median(theirs_cpu)
     paired = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
@@ -167,6 +173,13 @@ def measure_ready(n_workers: int, n_ps: int, repeat: int) -> None:
         f"by hand {t:.2f} s, ratio {m / t:.2f}, median of paired ratios {paired:.2f} (goal <= 1.2); "
         f"by-hand spread {max(theirs) / min(theirs):.2f}; "
         f"CPU {m_cpu:.1f} s against {t_cpu:.1f} s, ratio {m_cpu / t_cpu:.2f} ({os.cpu_count()} cores)",
+        flush=True,
+    )
+    u, u_cpu = statistics.median(unforked), statistics.median(unforked_cpu)
+    print(
+        f"  workers started on their own, not forked from a template (LocalBackend(fork=False)): {u:.2f} s, "
+        f"ratio {u / t:.2f}, paired {statistics.median(a / b for a, b in zip(unforked, theirs, strict=True)):.2f}; "
+        f"CPU {u_cpu:.1f} s, ratio {u_cpu / t_cpu:.2f}",
         flush=True,
     )
 

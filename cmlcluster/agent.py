@@ -314,6 +314,9 @@ def main() -> None:
     engine.initialize(
         [
             f"--IPEngine.id={engine_id}",
+            # Its default is the folder the engine's module was imported in, a template's for a
+            # forked worker (local_template.py).
+            f"--IPEngine.work_dir={os.getcwd()}",
             # The agent is the worker's supervisor; ipyparallel's nanny process would
             # only add a second process per worker outside its process group.
             "--IPEngine.enable_nanny=False",
@@ -338,4 +341,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from .backends.local_template import TEMPLATE_FLAG, main_of_child
+
+    if sys.argv[1:] == [TEMPLATE_FLAG]:
+        import_kernel_without_debugger()  # once, for every worker the template forks
+        main_of_child()  # returns in each worker the template forks: the local backend's workers
     main()

@@ -33,6 +33,7 @@ from .events import Event, EventBus, LaunchFailed, OutputLine, SessionClosed, Su
 from .progress import output_event
 from .workers import (
     FAILED,
+    PACKAGE_PARENT,
     RUNNING,
     STOPPED,
     SUCCEEDED,
@@ -49,7 +50,6 @@ log = logging.getLogger("cmlcluster")
 
 STOP_GRACE = 5.0  # seconds between TERM and KILL
 LOST_CONTACT_GRACE = 5.0  # after an engine unregisters, how long the backend gets to report the exit
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)
@@ -445,10 +445,10 @@ class Session:
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        if capabilities.sees(_PACKAGE_PARENT):
+        if capabilities.sees(PACKAGE_PARENT):
             # Workers that see this checkout import the same cmlcluster as the session, installed or not.
             inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "") if capabilities.session_host else "")
-            worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, inherited) if p)
+            worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, inherited) if p)
         return WorkerSpec(
             worker_id=worker_id,
             engine_id=engine_id,

@@ -23,12 +23,31 @@ def wait_until(condition, timeout=120.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def is_worker_agent(process: psutil.Process) -> bool:
+    """A worker's agent, not a local template (which forks agents, and whose command line they show:
+    an agent forked by a template is the template's child)."""
+    try:
+        cmdline = process.cmdline()
+        if "cmlcluster.agent" not in cmdline:
+            return False
+        return cmdline[-1:] != ["--template"] or process.parent().cmdline()[-1:] == ["--template"]
+    except (psutil.Error, AttributeError):  # ended, or an orphan whose parent went
+        return False
+
+
 def agent_pid(worker_id: str) -> int | None:
-    """The pid (as this host sees it, containers included) of a worker's agent."""
+    """The pid (as this host sees it, containers included) of a worker's agent.
+
+    Found by the environment it started with, or, for a local worker forked from a template (whose
+    start environment it shows), by its log: the agent keeps a descriptor on workers/<id>.log.
+    """
+    log_name = f"{os.sep}workers{os.sep}{worker_id}.log"
     for proc in psutil.process_iter(["cmdline"]):
         if "cmlcluster.agent" in " ".join(proc.info["cmdline"] or []):
             try:
                 if proc.environ().get("CDSW_ENGINE_ID") == worker_id:
+                    return proc.pid
+                if "--template" in proc.info["cmdline"] and any(f.path.endswith(log_name) for f in proc.open_files()):
                     return proc.pid
             except psutil.Error:
                 continue

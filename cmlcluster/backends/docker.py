@@ -27,13 +27,12 @@ from typing import Any, TypeVar
 from .. import registry
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
-from ..workers import Resources, WorkerSpec
+from ..workers import PACKAGE_PARENT, Resources, WorkerSpec
 from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
 DEFAULT_NETWORK = "cmlcluster"
 LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, .host, .pid
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 T = TypeVar("T")
 
@@ -198,7 +197,7 @@ class DockerBackend(Backend):
         if self.mount_cwd:
             mounts[cwd] = f"{cwd}:rw"
         if self.host_python:
-            for path in (sys.base_prefix, sys.prefix, _PACKAGE_PARENT):
+            for path in (sys.base_prefix, sys.prefix, PACKAGE_PARENT):
                 if not path.startswith("/usr/"):
                     mounts.setdefault(path, f"{path}:ro")
         return mounts

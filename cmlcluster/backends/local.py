@@ -9,6 +9,7 @@ cgroups where the OS allows.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -20,11 +21,14 @@ from ..errors import BackendError
 from ..resources import CgroupLimits, GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
 from .base import Backend, Capabilities, log_tail
+from .local_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
+
+log = logging.getLogger("cmlcluster")
 
 
 @dataclass(eq=False)
 class LocalHandle:
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | ForkedProcess
     log_path: str
     gpus: list[str]
     limits: CgroupLimits | None
@@ -38,10 +42,13 @@ class LocalHandle:
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, gpus: Sequence[str] | None = None, apply_limits: bool = True):
-        """gpus: the GPU ids to hand out (default: the session's CUDA_VISIBLE_DEVICES, else nvidia-smi)."""
+    def __init__(self, gpus: Sequence[str] | None = None, apply_limits: bool = True, fork: bool = True):
+        """gpus: the GPU ids to hand out (default: the session's CUDA_VISIBLE_DEVICES, else nvidia-smi).
+        fork: start workers from a template agent (local_template.py); False starts each on its own."""
         self._gpus = GpuPool(list(gpus) if gpus is not None else visible_gpus())
         self._apply_limits = apply_limits
+        self._fork = fork
+        self._templates: dict[frozenset[tuple[str, str]], Template] = {}
 
     @property
     def gpus(self) -> GpuPool:
@@ -73,17 +80,26 @@ class LocalBackend(Backend):
             if self._apply_limits
             else None
         )
+        process: asyncio.subprocess.Process | ForkedProcess | None = None
+        template = self._template(spec, env)
+        if template is not None:
+            try:
+                process = await template.fork(env, spec.cwd, log_path)
+            except BackendError as e:
+                log.warning("cmlcluster: %s; local workers start on their own from now on", e)
+                self._fork = False
         try:
-            with open(log_path, "wb") as log:
-                process = await asyncio.create_subprocess_exec(
-                    *spec.argv,
-                    env=env,
-                    cwd=spec.cwd,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            if process is None:
+                with open(log_path, "wb") as output:
+                    process = await asyncio.create_subprocess_exec(
+                        *spec.argv,
+                        env=env,
+                        cwd=spec.cwd,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=output,
+                        stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True,
+                    )
         except OSError as e:
             self._gpus.give_back(gpus)
             if limits:
@@ -92,6 +108,23 @@ class LocalBackend(Backend):
         if limits:
             limits.add(process.pid)
         return LocalHandle(process=process, log_path=log_path, gpus=gpus, limits=limits)
+
+    def _template(self, spec: WorkerSpec, env: dict[str, str]) -> Template | None:
+        """The template that forks this worker, started on first use; None: start it on its own."""
+        if not (self._fork and can_fork(spec, env)):
+            return None
+        shared = shared_environment(env)
+        key = frozenset(shared.items())
+        if key not in self._templates:
+            if len(self._templates) >= MAX_TEMPLATES:
+                return None
+            log_path = os.path.join(self.context.session_dir, "workers", f"template-{len(self._templates)}.log")
+            self._templates[key] = Template(shared, log_path)
+        return self._templates[key]
+
+    async def close(self) -> None:
+        templates, self._templates = list(self._templates.values()), {}
+        await asyncio.gather(*(t.close() for t in templates))
 
     async def poll(self, handle: LocalHandle) -> int | None:
         return handle.process.returncode

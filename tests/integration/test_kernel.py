@@ -11,6 +11,7 @@ import psutil
 import pytest
 from conftest import DOCKER_TEST_IMAGE
 from jupyter_client.manager import KernelManager
+from processes import is_worker_agent
 
 pytestmark = pytest.mark.integration
 
@@ -149,7 +150,7 @@ def processes_of(name: str) -> list[int]:
 def test_interrupt_during_run_cluster_stops_the_cluster_and_says_so(kernel, tmp_path, wait_gone):
     km, kc = kernel
     content, out = interrupt_once_training(km, kc, RUN_CLUSTER_FOREVER.format(shared=str(tmp_path)), 2)
-    agents = processes_of("cmlcluster.agent")
+    agents = [p.pid for p in psutil.process_iter() if is_worker_agent(p)]
     assert content["ename"] == "KeyboardInterrupt", out
     assert "interrupted; the TensorFlow cluster's 3 workers were stopped" in out
     assert wait_gone(agents, within=15) == []

@@ -18,6 +18,7 @@ import warnings
 
 import psutil
 import pytest
+from processes import is_worker_agent
 
 from cmlcluster import Session
 from cmlcluster.errors import ControllerError, WorkerError
@@ -110,10 +111,7 @@ def _agents_of(session: Session) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline", "environ"]):
         try:
-            if (
-                "cmlcluster.agent" in (p.info["cmdline"] or [])
-                and (p.info["environ"] or {}).get("CDSW_MASTER_ID") == session.id
-            ):
+            if is_worker_agent(p) and (p.info["environ"] or {}).get("CDSW_MASTER_ID") == session.id:
                 found.append(p)
         except psutil.Error:
             continue
