@@ -124,6 +124,8 @@ def run_program(
     traceback goes to stderr and gives exit code 1; SystemExit gives its code.
     A target function's return value is its exit code (None is 0).
     """
+    global _program_running
+    _program_running = True
     try:
         if files:
             unpack_files(files, files_in_cwd)
@@ -143,13 +145,27 @@ def run_program(
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
+    except ProgramStopped as e:
+        return -e.signal
     except BaseException:
         traceback.print_exc()
         return 1
     finally:
+        _program_running = False
         sys.stdout.flush()
         sys.stderr.flush()
     return 0
+
+
+_program_running = False  # whether run_program runs the worker's program now
+
+
+class ProgramStopped(BaseException):
+    """Raised in the worker's program by the stop signal's handler, which runs in it."""
+
+    def __init__(self, signal: int):
+        super().__init__(f"stopped by signal {signal}")
+        self.signal = signal
 
 
 def run_shell(command: str) -> int:
@@ -219,6 +235,10 @@ class AgentEngine(IPEngine):
     def _signal_stop(self, sig: int, frame: Any) -> None:
         AgentEngine.stop_signal = sig
         super()._signal_stop(sig, frame)
+        if _program_running:
+            # The engine stops once the program returns: end it now (its finally blocks run), not
+            # when the backend's grace runs out and the worker is killed.
+            raise ProgramStopped(sig)
 
     @default("connection_info_env")
     def _connection_from_session(self) -> str:
@@ -340,10 +360,19 @@ def main() -> None:
         os.kill(os.getpid(), AgentEngine.stop_signal)
 
 
-if __name__ == "__main__":
+def run_as_process() -> None:
+    """`python -m cmlcluster.agent`: a worker's agent, or, with --template, a local backend's template."""
     from .backends.local_template import TEMPLATE_FLAG, main_of_child
 
     if sys.argv[1:] == [TEMPLATE_FLAG]:
         import_kernel_without_debugger()  # once, for every worker the template forks
         main_of_child()  # returns in each worker the template forks: the local backend's workers
     main()
+
+
+if __name__ == "__main__":
+    # As the package's module, not as __main__: the session's calls (run_program, unpack_files) import
+    # cmlcluster.agent, whose state (the program running, the shipped files) must be the engine's.
+    from cmlcluster.agent import run_as_process as run
+
+    run()

@@ -657,6 +657,8 @@ class Session:
         self._flush_partial(worker)
         if code == 0:
             changed = worker.finish(SUCCEEDED, exit_code=0)
+        elif worker.stop_requested:  # the stop's signal ended the program (agent.ProgramStopped)
+            changed = worker.finish(STOPPED, exit_code=code)
         else:
             changed = worker.finish(
                 FAILED,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import selectors
@@ -45,6 +46,17 @@ from ..workers import PACKAGE_PARENT, WorkerSpec
 TEMPLATE_FLAG = "--template"
 AGENT_MODULE = "cmlcluster.agent"
 MAX_TEMPLATES = 4  # environments per session; each template is a process that lives as long
+# Imported by an engine as it starts (its shell's history database, completer and inspector, tornado's
+# asyncio loop, the IDNA codec of getaddrinfo), so imported once by the template too. Not numpy, which
+# the engine's serializer imports: its OpenBLAS starts threads as it loads.
+WARM_MODULES = (
+    "IPython.core.completerlib",
+    "IPython.core.oinspect",
+    "IPython.extensions.storemagic",
+    "encodings.idna",
+    "sqlite3",
+    "tornado.platform.asyncio",
+)
 # A worker's own variables, never in a template's environment: ids, its GPUs, its temp folder,
 # what it imports early, and the controller's key, which the agent takes out of its environment.
 OWN_VARIABLES = frozenset(
@@ -91,6 +103,9 @@ def _startup_variables(env: Mapping[str, str]) -> dict[str, str]:
 
 def serve() -> None:
     """The template's loop; returns only in a forked child, ready to run the agent's main()."""
+    for name in WARM_MODULES:
+        with contextlib.suppress(ImportError):  # another version of them may not have it
+            importlib.import_module(name)
     threads = len(os.listdir("/proc/self/task"))
     if threads > 1:  # a start-up hook (sitecustomize, a .pth file) started them
         _reply({"error": f"the template runs {threads} threads after its start, and fork copies only one"})

@@ -146,6 +146,27 @@ def test_raising_code_fails_with_exit_code_and_traceback_tail(session):
     assert "in train" in failure["message"]
 
 
+def test_stopping_a_running_program_ends_it_through_its_cleanup_with_the_stop_signal(session):
+    code = (
+        "import time\n"
+        "try:\n"
+        "    print('training', flush=True)\n"
+        "    time.sleep(600)\n"
+        "finally:\n"
+        "    print('saved a checkpoint', flush=True)\n"
+    )
+    [w] = session.launch_workers(1, cpu=1, memory=1, code=code)
+    deadline = time.monotonic() + 60
+    while "training" not in session.output(w):
+        assert time.monotonic() < deadline, "the program never started"
+        time.sleep(0.1)
+    [stopped] = session.stop_workers(w)
+    # The stop's signal ended the program where it was (its finally ran) and then the agent, as such:
+    # not the SIGKILL at the end of the stop's grace, which a program left running got.
+    assert (stopped["status"], stopped["exit_code"]) == ("stopped", -signal.SIGTERM)
+    assert "saved a checkpoint" in session.backend.output(session._workers[w["id"]].handle)  # its log
+
+
 def test_sys_exit_code_is_the_exit_code(session):
     [w] = session.launch_workers(1, cpu=1, memory=1, code="import sys; sys.exit(7)")
     [failure] = session.await_workers([w], timeout_seconds=60)["failures"]
