@@ -3,7 +3,8 @@
 Both start cold (controller, then N engines, until every engine is connected)
 in the same process, alternating, and the ratio of medians is printed
 (ours / ipyparallel). cmlcluster also learns each worker's address before it
-calls it running; ipyparallel's figure is start_and_connect_sync() with n=N.
+calls it running; ipyparallel's figure is start_and_connect_sync() with n=N. A third column:
+cmlcluster with workers started on their own, not forked from a template (LocalBackend(fork=False)).
 
     python bench/launch.py [--sizes 1 4 16] [--repeat 3]
 """
@@ -17,10 +18,11 @@ import time
 import ipyparallel as ipp
 
 from cmlcluster import Session
+from cmlcluster.backends.local import LocalBackend
 
 
-def ours(n: int) -> float:
-    with Session("local", echo=False) as session:
+def ours(n: int, fork: bool = True) -> float:
+    with Session(LocalBackend(fork=fork), echo=False) as session:
         t0 = time.perf_counter()
         # cpu=1: a smaller quota really throttles the engine (cgroups), which the baseline is not.
         workers = session.launch_workers(n, cpu=1, memory=1)
@@ -46,14 +48,18 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    print(f"{'N':>3} {'cmlcluster s':>13} {'ipyparallel s':>14} {'ratio':>6}  (medians of {args.repeat})")
+    print(
+        f"{'N':>3} {'cmlcluster s':>13} {'ipyparallel s':>14} {'ratio':>6} {'not forked s':>13} {'ratio':>6}"
+        f"  (medians of {args.repeat})"
+    )
     for n in args.sizes:
-        mine, theirs = [], []
+        mine, theirs, unforked = [], [], []
         for _ in range(args.repeat):
             mine.append(ours(n))
             theirs.append(baseline(n))
-        m, t = statistics.median(mine), statistics.median(theirs)
-        print(f"{n:>3} {m:>13.2f} {t:>14.2f} {m / t:>6.2f}", flush=True)
+            unforked.append(ours(n, fork=False))
+        m, t, u = statistics.median(mine), statistics.median(theirs), statistics.median(unforked)
+        print(f"{n:>3} {m:>13.2f} {t:>14.2f} {m / t:>6.2f} {u:>13.2f} {u / t:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":
