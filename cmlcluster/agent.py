@@ -233,11 +233,14 @@ class AgentEngine(IPEngine):
     stop_signal: int | None = None  # the signal that stopped it (the backend's stop), if one did
 
     def _signal_stop(self, sig: int, frame: Any) -> None:
+        global _program_running
         AgentEngine.stop_signal = sig
         super()._signal_stop(sig, frame)
         if _program_running:
             # The engine stops once the program returns: end it now (its finally blocks run), not
-            # when the backend's grace runs out and the worker is killed.
+            # when the backend's grace runs out and the worker is killed. Once: a second signal
+            # must not interrupt the program's cleanup.
+            _program_running = False
             raise ProgramStopped(sig)
 
     @default("connection_info_env")
