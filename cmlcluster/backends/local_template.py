@@ -45,7 +45,7 @@ from ..workers import PACKAGE_PARENT, WorkerSpec
 
 TEMPLATE_FLAG = "--template"
 AGENT_MODULE = "cmlcluster.agent"
-MAX_TEMPLATES = 4  # environments per session; each template is a process that lives as long
+MAX_TEMPLATES = 4  # environments per session: each template is a process as long as the session lives
 # Imported by an engine as it starts (its shell's history database, completer and inspector, tornado's
 # asyncio loop, the IDNA codec of getaddrinfo), so imported once by the template too. Not numpy, which
 # the engine's serializer imports: its OpenBLAS starts threads as it loads.

@@ -44,7 +44,7 @@ def templates() -> list[psutil.Process]:
     return found
 
 
-def run_described(fork: bool, tmp_path) -> list[dict]:
+def run_described(fork: bool) -> list[dict]:
     with Session(LocalBackend(fork=fork, gpus=["0", "1"]), echo=False) as s:
         workers = s.launch_workers(2, cpu=1, memory=1, nvidia_gpu=1, code=DESCRIBE)
         result = s.await_workers(workers, timeout_seconds=60)
@@ -61,7 +61,7 @@ def run_described(fork: bool, tmp_path) -> list[dict]:
 
 def test_forked_workers_are_what_workers_started_on_their_own_are(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    forked, started = run_described(True, tmp_path), run_described(False, tmp_path)
+    forked, started = run_described(True), run_described(False)
     assert [w.pop("parent_is_template") for w in forked] == [True, True]
     assert [w.pop("parent_is_template") for w in started] == [False, False]
     assert forked == started
