@@ -1,62 +1,104 @@
-"""Shared fixtures. Every test is checked for leaked worker and controller processes, containers and
-temp folders.
+"""Shared fixtures, and what a test run owns.
+
+A run owns only what it starts. Before any test, this file gives the run a tag (CMLCLUSTER_RUN_TAG,
+which every container of its sessions and test hosts carries as a label), a state folder for session
+records (CMLCLUSTER_STATE_DIR: `cmlcluster list` on this machine never shows the run's sessions) and a
+temp folder (TMPDIR) of its own, and makes the pytest process a child subreaper, so that every process
+the run starts stays in its tree, orphans included. After each test that can start anything, the leak
+checks look there and only there (tests/processes.py): a process of its tree, a container with its tag,
+a folder in its temp folder. A user's session running beside the suite is never listed, read or stopped
+(tests/integration/test_bystander.py proves it).
 
 Tests that take the `backend` fixture (or a `session` built on it) run once per backend: on local
 processes; on Docker containers made from the test image (scripts/docker_engine.sh), which
-run this machine's own Python through read-only bind mounts; and on three SSH hosts (containers
+run this machine's own Python through read-only bind mounts; on three SSH hosts (containers
 with their own IPs running key-only sshd, logged into as a non-root user, that do NOT see the
-tests' folders: see sshhosts.py).
+tests' folders: see sshhosts.py); and on pods of the stand-in Kubernetes cluster (tests/kubestandin).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import os
+import shutil
 import sys
 import tempfile
 import time
+import uuid
 
 import psutil
 import pytest
+
+from cmlcluster.backends.base import RUN_TAG_ENV
+
+# Set at import, before any test module or session reads them; subprocesses (kernels, the CLI) inherit them.
+RUN_TAG = f"tests-{uuid.uuid4().hex[:12]}"
+RUN_DIR = tempfile.mkdtemp(prefix=f"cmlcluster-{RUN_TAG}-")
+os.environ[RUN_TAG_ENV] = RUN_TAG
+os.environ["CMLCLUSTER_STATE_DIR"] = os.path.join(RUN_DIR, "state")
+os.environ["TMPDIR"] = os.path.join(RUN_DIR, "tmp")
+os.makedirs(os.environ["TMPDIR"])
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+import processes  # noqa: E402 - after the run's tag is set
+from processes import alive_after, cmlcluster_processes, own_tree, run_containers  # noqa: E402
 
 DOCKER_TEST_IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 BACKENDS = ("local", "docker", "ssh", "kubernetes")
 SSH_SLOTS = 4  # per test host
 KUBE_CLAIM = "tests-shared"  # the stand-in cluster's PersistentVolumeClaim: the tests' temp folder
+LEAK_GRACE = 15.0  # seconds for what a test stopped to be gone, before it counts as left behind
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
-LEAK_PATTERNS = (
-    "cmlcluster.agent",
-    "cmlcluster._controller",
-    "cmlcluster.backends.ssh_remote",
-    "ipyparallel.controller",
-    "ipyparallel.engine",
-    "cmlcluster.pytorch.launch",  # torchrun
-    "cmlcluster/pytorch/rank.py",  # the processes it starts
-)
+# Everything the leak checks reported, for the bystander test: none of it may be the bystander's.
+REPORTED: dict[str, list] = {"pids": [], "containers": []}
+BYSTANDER: dict = {}  # "handle": the running bystander (tests/bystander.py), when its test was collected
 
 
-def cmlcluster_processes() -> list[psutil.Process]:
-    """Live worker and controller processes, those inside containers included (zombies are gone)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["pid"] == os.getpid():
-            continue
-        if any(p in cmdline for p in LEAK_PATTERNS):
-            proc.info["cmdline_text"] = cmdline
-            found.append(proc)
-    return found
+def pytest_collection_modifyitems(config, items):
+    """The bystander's test runs last: it checks the bystander after everything else ran beside it."""
+    last = [item for item in items if item.get_closest_marker("bystander")]
+    items[:] = [item for item in items if item not in last] + last
 
 
-def alive_after(pids: list[int], within: float) -> list[int]:
-    """The pids still running (zombies count as gone) once `within` seconds have passed or all are gone."""
-    deadline = time.monotonic() + within
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    return alive
+def pytest_collection_finish(session):
+    # The bystander starts before this process adopts orphans, so that it is not the run's.
+    if any(item.get_closest_marker("bystander") for item in session.items):
+        import bystander
+
+        BYSTANDER["handle"] = bystander.start(DOCKER_TEST_IMAGE)
+    # A process whose parent dies comes to this process, not to init: it stays in the run's tree.
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The whole run leaves nothing: what is left of it now is reported, and then removed."""
+    handle = BYSTANDER.pop("handle", None)
+    if handle is not None:  # its test stopped it; this is for a run that ended before its test
+        try:
+            handle.stop()
+        except AssertionError:
+            pass
+        handle.remove()
+    left = [f"{p.pid} {processes.command_line(p)}" for p in cmlcluster_processes()]
+    containers = run_containers()
+    left += [f"container {c.name}" for c in containers]
+    for c in containers:
+        c.remove(force=True)
+    for p in own_tree():  # the run's, and only the run's
+        p.kill()
+    if left:
+        print(f"\nthe test run left behind: {left}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
+def checks_leaks(request) -> bool:
+    """Unit tests start nothing (the fake backend has no processes) and pay nothing for the checks."""
+    return "unit" not in request.node.path.parts
 
 
 @pytest.fixture
@@ -92,11 +134,7 @@ def nothing_left_on_ssh_hosts(request):
         return
     hosts = request.getfixturevalue("ssh_hosts")
     yield
-    deadline = time.monotonic() + 15
-    left = leftovers_on(hosts)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = leftovers_on(hosts)
+    left = settle(lambda: leftovers_on(hosts))
     assert not left, f"left on the SSH hosts: {left}"
 
 
@@ -205,58 +243,60 @@ def shell():
     cmlcluster.use_backend(None)
 
 
-def cmlcluster_containers() -> list:
-    try:
-        import docker
-
-        client = docker.from_env(timeout=10)
-        return client.containers.list(all=True, filters={"label": "cmlcluster.session"}, ignore_removed=True)
-    except Exception:  # no Docker engine: nothing to leak there
-        return []
+def settle(find):
+    """What `find()` still returns once LEAK_GRACE has passed or it returns nothing."""
+    deadline = time.monotonic() + LEAK_GRACE
+    found = find()
+    while found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = find()
+    return found
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_containers():
-    before = {c.id for c in cmlcluster_containers()}
+def no_leaked_containers(request):
+    """No container of the run's made during the test is left (the run's test hosts are kept)."""
+    if not checks_leaks(request):
+        yield
+        return
+    before = {c.id for c in run_containers()}
     yield
-    deadline = time.monotonic() + 15
-    leaked = [c for c in cmlcluster_containers() if c.id not in before]
-    while leaked and time.monotonic() < deadline:
-        time.sleep(0.2)
-        leaked = [c for c in cmlcluster_containers() if c.id not in before]
+    leaked = settle(lambda: [c for c in run_containers() if c.id not in before])
     names = [c.name for c in leaked]
-    for c in leaked:
+    REPORTED["containers"] += names
+    for c in leaked:  # do not let one leak fail every later test
         c.remove(force=True)
     assert not leaked, f"containers left behind: {names}"
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_processes():
+def no_leaked_processes(request):
+    """No worker, controller, rank or horovodrun started during the test is left in the run's tree."""
+    if not checks_leaks(request):
+        yield
+        return
     before = {p.pid for p in cmlcluster_processes()}
     yield
-    deadline = time.monotonic() + 15
-    leaked = [p for p in cmlcluster_processes() if p.pid not in before]
-    while leaked and time.monotonic() < deadline:
-        time.sleep(0.2)
-        leaked = [p for p in cmlcluster_processes() if p.pid not in before]
-    for p in leaked:  # do not let one leak fail every later test
+    leaked = settle(lambda: [p for p in cmlcluster_processes() if p.pid not in before])
+    described = [(p.pid, processes.command_line(p)) for p in leaked]
+    REPORTED["pids"] += [p.pid for p in leaked]
+    for p in leaked:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    assert not leaked, f"processes left behind: {[(p.pid, p.info['cmdline_text']) for p in leaked]}"
+    assert not leaked, f"processes left behind: {described}"
 
 
 def cmlcluster_temp_folders() -> set[str]:
-    """Session folders, SSH key folders and sshd homes in the system's temp folder."""
+    """Session folders, SSH key folders and sshd homes in the run's temp folder."""
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "cmlcluster-*")))
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_temp_folders():
+def no_leaked_temp_folders(request):
+    if not checks_leaks(request):
+        yield
+        return
     before = cmlcluster_temp_folders()
     yield
-    deadline = time.monotonic() + 15
-    leaked = cmlcluster_temp_folders() - before
-    while leaked and time.monotonic() < deadline:
-        time.sleep(0.2)
-        leaked = cmlcluster_temp_folders() - before
-    assert not leaked, f"temp folders left behind: {sorted(leaked)}"
+    leaked = settle(lambda: sorted(cmlcluster_temp_folders() - before))
+    assert not leaked, f"temp folders left behind: {leaked}"

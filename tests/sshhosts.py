@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cmlcluster.backends.base import run_tag_labels
+
 IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 USER = "alice"
 CONTAINER_LABEL = "cmlcluster.testhost"  # not cmlcluster.session: the leak checker counts those
@@ -250,7 +252,7 @@ def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "cml
             "command": ["/bin/sh", "-c", START_SCRIPT],
             "environment": {"AUTHORIZED_KEY": public_key, "SSHD_CONFIG": SSHD_CONFIG_TEXT},
             "network": network,
-            "labels": {CONTAINER_LABEL: "1", OWNER_LABEL: str(os.getpid())},
+            "labels": {CONTAINER_LABEL: "1", OWNER_LABEL: str(os.getpid()), **run_tag_labels()},
             "volumes": host_mounts(with_cmlcluster),
             "init": True,  # signals reach sshd, and orphans are reaped
             "detach": True,

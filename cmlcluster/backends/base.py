@@ -49,6 +49,17 @@ if TYPE_CHECKING:
 
 OUTPUT_TAIL_BYTES = 64 * 1024
 
+# A CI job or a test run sets CMLCLUSTER_RUN_TAG to find what its sessions started: every container
+# a backend makes carries it as the label cmlcluster.run-tag.
+RUN_TAG_ENV = "CMLCLUSTER_RUN_TAG"
+RUN_TAG_LABEL = "cmlcluster.run-tag"
+
+
+def run_tag_labels() -> dict[str, str]:
+    """{RUN_TAG_LABEL: tag} when the session's process has a run tag, else {}."""
+    tag = os.environ.get(RUN_TAG_ENV, "")
+    return {RUN_TAG_LABEL: tag} if tag else {}
+
 
 def signal_exit_code(code: int) -> int:
     """The contract's exit code: a process that a shell, docker-init or a container runtime reports

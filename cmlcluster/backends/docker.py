@@ -28,7 +28,7 @@ from .. import registry
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
 from ..workers import PACKAGE_PARENT, Resources, WorkerSpec
-from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
+from .base import Backend, Capabilities, SessionContext, log_tail, run_tag_labels, signal_exit_code
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
 DEFAULT_NETWORK = "cmlcluster"
@@ -223,6 +223,7 @@ class DockerBackend(Backend):
                 f"{LABEL}.worker": spec.worker_id,
                 f"{LABEL}.host": socket.gethostname(),
                 f"{LABEL}.pid": str(os.getpid()),
+                **run_tag_labels(),
             },
             "nano_cpus": int(spec.resources.cpu * 1e9),
             "mem_limit": f"{spec.resources.memory_mib}m",

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from processes import command_line, own_tree
 
 from browser.jupyterlab import CHROMIUM, TEMP_PREFIX, jupyter_lab, open_notebook, write_notebook
 
@@ -35,10 +36,10 @@ HARNESS_PROCESS_MARKS = ("jupyter-lab", f"{TEMP_PREFIX}jupyterlab-", "/usr/lib/c
 
 def harness_processes() -> dict[int, str]:
     found = {}
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(m in cmdline for m in HARNESS_PROCESS_MARKS):
-            found[proc.info["pid"]] = cmdline[:200]
+    for proc in own_tree():
+        cmdline = command_line(proc)
+        if any(m in cmdline for m in HARNESS_PROCESS_MARKS):
+            found[proc.pid] = cmdline[:200]
     return found
 
 

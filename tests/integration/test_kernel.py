@@ -11,7 +11,8 @@ import psutil
 import pytest
 from conftest import DOCKER_TEST_IMAGE
 from jupyter_client.manager import KernelManager
-from processes import is_worker_agent
+from processes import agents as all_agents
+from processes import running
 
 pytestmark = pytest.mark.integration
 
@@ -144,13 +145,13 @@ def interrupt_once_training(km, kc, code: str, expected: int) -> tuple[dict, str
 
 
 def processes_of(name: str) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if name in " ".join(p.info["cmdline"] or [])]
+    return [p.pid for p in running(name)]
 
 
 def test_interrupt_during_run_cluster_stops_the_cluster_and_says_so(kernel, tmp_path, wait_gone):
     km, kc = kernel
     content, out = interrupt_once_training(km, kc, RUN_CLUSTER_FOREVER.format(shared=str(tmp_path)), 2)
-    agents = [p.pid for p in psutil.process_iter() if is_worker_agent(p)]
+    agents = [p.pid for p in all_agents()]
     assert content["ename"] == "KeyboardInterrupt", out
     assert "interrupted; the TensorFlow cluster's 3 workers were stopped" in out
     assert wait_gone(agents, within=15) == []

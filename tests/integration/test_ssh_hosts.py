@@ -86,10 +86,11 @@ def test_a_host_that_drops_fails_its_workers_within_5_s_and_the_others_carry_on(
             victim = next(w for w in workers if records[w["id"]]["ip_address"] == hosts.hosts[0].ip)
             other = next(w for w in workers if w is not victim)
             hosts.hosts[0].kill()
-            dropped = time.monotonic()
             [failure] = s.await_workers([victim], timeout_seconds=30)["failures"]
-            took = time.monotonic() - dropped
-            assert failure["status"] == "failed" and took < 5, (took, failure)
+            # Reported while the other worker still prints its 10 s of steps: by the lost connection,
+            # not by a timeout.
+            assert "step 39" not in s.output(other), s.output(other)
+            assert failure["status"] == "failed", failure
             assert f"lost the SSH connection to {hosts.hosts[0].ip}" in failure["message"]
             # The other host's worker was not disturbed: it finishes its program.
             assert s.await_workers([other], timeout_seconds=60)["failures"] == []

@@ -20,6 +20,7 @@ import urllib.request
 
 import psutil
 import pytest
+from processes import command_line, own_tree
 
 from cmlcluster.errors import CmlClusterError, ConfigError
 from cmlcluster.tensorboard_server import DEFAULT_PORT, TensorBoard
@@ -43,19 +44,19 @@ def refused(host: str, port: int) -> bool:
 
 def group_members(pgid: int) -> list[int]:
     found = []
-    for proc in psutil.process_iter(["pid", "status"]):
+    for proc in own_tree():
         with contextlib.suppress(psutil.Error):
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.info["pid"]) == pgid:
-                found.append(proc.info["pid"])
+            if os.getpgid(proc.pid) == pgid:
+                found.append(proc.pid)
     return found
 
 
 def tensorboards_under(folder: str, but: str) -> list[psutil.Process]:
     """TensorBoard processes (and their data servers) reading a logdir in `folder`, save those naming `but`."""
     found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or but in cmdline:
+    for proc in own_tree():
+        cmdline = command_line(proc)
+        if but in cmdline:
             continue
         if "tensorboard" in cmdline and folder in cmdline:
             found.append(proc)

@@ -26,6 +26,8 @@ from typing import Any
 import docker
 import docker.errors
 
+from cmlcluster.backends.base import run_tag_labels
+
 from .api import ApiError, Store, invalid, now
 
 NODE = "standin-node"
@@ -360,7 +362,7 @@ class Kubelet:
             return
         limits = c["resources"].get("limits") or {}
         labels = {f"{LABEL}.pod": f"{rt.namespace}/{rt.name}", f"{LABEL}.uid": rt.uid}
-        labels.update({f"{LABEL}.cluster": self.cluster_id, f"{LABEL}.pid": str(os.getpid())})
+        labels.update({f"{LABEL}.cluster": self.cluster_id, f"{LABEL}.pid": str(os.getpid()), **run_tag_labels()})
         if limits.get(GPU):
             labels[f"{LABEL}.gpus"] = str(limits[GPU])  # recorded only: no GPU here
         options: dict[str, Any] = {
