@@ -20,6 +20,7 @@ registers, comma-separated; optional).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import logging
 import os
@@ -32,9 +33,12 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ipyparallel.engine.app import IPEngine
+from IPython import get_ipython
 from traitlets import default
 
 from . import control, shipping
@@ -120,8 +124,8 @@ def run_program(
 ) -> int:
     """Run the worker's program in this engine and return its exit code.
 
-    Behaves like ``python script`` / ``python -c code`` / ``sh -c cmd``: a
-    traceback goes to stderr and gives exit code 1; SystemExit gives its code.
+    Behaves like ``python script`` / ``python -c code``, code run as an IPython cell (run_cell): a
+    traceback goes to stderr and gives exit code 1; SystemExit gives its code; a stop signal -signal.
     A target function's return value is its exit code (None is 0).
     """
     global _program_running
@@ -133,11 +137,8 @@ def run_program(
             script = script_path(script)
             sys.argv = [script]
             runpy.run_path(script, run_name="__main__")
-        elif code.startswith("!"):
-            # The user asked for a shell command; the shell is the point.
-            return run_shell(code[1:])
         elif code:
-            exec(compile(code, "<worker code>", "exec"), {"__name__": "__main__"})  # noqa: S102
+            return run_cell(code)
         elif target:
             return int(call(target, *args) or 0)
     except SystemExit as e:
@@ -155,6 +156,75 @@ def run_program(
         sys.stdout.flush()
         sys.stderr.flush()
     return 0
+
+
+def run_cell(code: str) -> int:
+    """Run `code` as CML's engine, an IPython kernel, runs a cell; return its exit code.
+
+    Notebooks pass code as an indented triple-quoted string, with `!cmd` and `%magic` lines. A cell
+    that is one `!cmd` exits with the command's exit code, as ``sh -c cmd``; a `!cmd` among other
+    lines only sets ``_exit_code``, as in IPython. Runs in a namespace of its own, as ``__main__``.
+    """
+    source = cell_source(code)
+    compiled = compile(source, "<worker code>", "exec")
+    namespace: dict[str, Any] = {"__name__": "__main__", "get_ipython": get_ipython}
+    with shell_commands_into_streams(namespace):
+        exec(compiled, namespace)  # noqa: S102
+    return int(namespace.get("_exit_code", 0)) if is_one_shell_command(source) else 0
+
+
+def cell_source(code: str) -> str:
+    """The Python source IPython makes of a cell: common leading indentation dropped, `!cmd` lines as
+    ``get_ipython().system(...)``, `%magic` lines as ``get_ipython().run_line_magic(...)``."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return str(TransformerManager().transform_cell(code))
+
+
+_SYSTEM = ast.dump(ast.parse("get_ipython().system", mode="eval").body)
+
+
+def is_one_shell_command(source: str) -> bool:
+    """Whether a cell's source (cell_source) is one `!cmd` and nothing else."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    if len(body) != 1 or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call):
+        return False
+    return ast.dump(body[0].value.func) == _SYSTEM
+
+
+@contextmanager
+def shell_commands_into_streams(namespace: dict[str, Any]) -> Iterator[None]:
+    """While a cell runs, the engine shell's `!cmd` (its ``system``) runs through run_shell.
+
+    ipykernel's own runs the command in a terminal (pexpect), which merges stderr into stdout and ends
+    lines with CRLF; run_shell keeps the streams apart, copies them line by line, and ends the command
+    when the program is stopped. The exit code goes into the cell's namespace as ``_exit_code``, where
+    IPython puts it for a cell. Magics that run commands (%pip) go through it too.
+    """
+    shell = get_ipython()
+    if shell is None:  # not in an engine (nothing to run `!cmd`); the agent always is
+        yield
+        return
+
+    def system(cmd: str) -> None:
+        # depth=1: $name and {expr} are expanded in the cell's namespace, the caller of this function.
+        exit_code = run_shell(shell.var_expand(cmd, depth=1))
+        namespace["_exit_code"] = exit_code
+        if getattr(shell, "system_raise_on_error", False) and exit_code != 0:
+            raise subprocess.CalledProcessError(exit_code, cmd)
+
+    own = vars(shell).get("system")  # one set on the shell itself (ip.system = ip.system_raw) is kept
+    shell.system = system
+    try:
+        yield
+    finally:
+        if own is None:
+            del shell.system
+        else:
+            shell.system = own
 
 
 _program_running = False  # whether run_program runs the worker's program now

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .backends import Backend
+from .backends import Backend, resolve_backend
 from .errors import ConfigError
 from .session import Session
 
@@ -25,9 +25,13 @@ _backend_options: dict[str, Any] = {}
 def use_backend(backend: str | Backend | None, **options: Any) -> None:
     """Choose the default session's backend (and its options); only before it has workers.
 
-    ``None`` goes back to the backend CMLCLUSTER_BACKEND names (default "local").
+    ``None`` goes back to the backend CMLCLUSTER_BACKEND names (default "local"). An unknown
+    name, or an option the backend does not take, is refused here, before anything starts.
     """
     global _backend, _backend_options
+    # use_backend(None) alone only forgets a choice; CMLCLUSTER_BACKEND is checked when it is used.
+    if backend is not None or options:
+        resolve_backend(_named(backend), options)
     if _default is not None and not _default.closed and _default.list_workers():
         raise ConfigError(
             f"use_backend({backend!r}) after workers were launched on {_default.backend.name!r}; "
@@ -37,13 +41,17 @@ def use_backend(backend: str | Backend | None, **options: Any) -> None:
     _backend, _backend_options = backend, options
 
 
+def _named(backend: str | Backend | None) -> str | Backend:
+    """The backend chosen: the one given, else the one CMLCLUSTER_BACKEND names (default "local")."""
+    return backend if backend is not None else os.environ.get("CMLCLUSTER_BACKEND", "local")
+
+
 def get_session() -> Session:
     """The default session, started on first use."""
     global _default
     with _default_lock:
         if _default is None or _default.closed:
-            backend = _backend if _backend is not None else os.environ.get("CMLCLUSTER_BACKEND", "local")
-            _default = Session(backend, **_backend_options)
+            _default = Session(_named(_backend), **_backend_options)
         return _default
 
 
@@ -68,8 +76,8 @@ def launch_workers(
 ) -> list[dict[str, Any]]:
     """Launch n workers, each with `cpu` cores, `memory` GB and `nvidia_gpu` GPUs.
 
-    Each runs `script` (a path) or `code` (Python source; "!cmd" runs a shell
-    command), or with neither serves the control plane until stopped.
+    Each runs `script` (a path) or `code` (an IPython cell: indented source, `!cmd` and
+    `%magic` lines), or with neither serves the control plane until stopped.
     """
     return get_session().launch_workers(n, cpu, memory, nvidia_gpu, kernel, script, code, env)
 

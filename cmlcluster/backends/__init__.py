@@ -7,7 +7,10 @@ entry-point group ``cmlcluster.backends``.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -54,8 +57,14 @@ def backend_class(name: str) -> type[Backend]:
     return cls
 
 
-def make_backend(backend: str | Backend, **options: Any) -> Backend:
-    """A backend instance from a name (plus options) or an instance."""
+def resolve_backend(backend: str | Backend, options: Mapping[str, Any]) -> Backend | type[Backend]:
+    """The backend instance, or the class a name stands for; nothing is constructed or started.
+
+    Refuses what its construction would refuse for its names alone: an unknown backend name, options
+    with an instance, and options its class's constructor does not take (checked against its
+    signature, so that a typo is named before anything starts, not as a TypeError at the next launch).
+    Values are the constructor's to check: building a backend may read files or ask for GPUs.
+    """
     if isinstance(backend, Backend):
         if options:
             raise ConfigError(
@@ -64,7 +73,42 @@ def make_backend(backend: str | Backend, **options: Any) -> Backend:
         return backend
     if not isinstance(backend, str):
         raise ConfigError(f"backend={backend!r}: give a backend name such as 'local', or a Backend instance")
-    return backend_class(backend)(**options)
+    cls = backend_class(backend)
+    _check_options(backend, cls, options)
+    return cls
+
+
+def _check_options(name: str, cls: type[Backend], options: Mapping[str, Any]) -> None:
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a constructor Python cannot describe checks its own arguments
+        return
+    try:
+        signature.bind(**options)
+    except TypeError as e:
+        accepted = [
+            p.name
+            for p in signature.parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        takes = f"its options are {', '.join(accepted)}" if accepted else "it takes no options"
+        unknown = [option for option in options if option not in accepted]
+        if not unknown:  # a required option is missing (a third party's backend); bind says which
+            raise ConfigError(f"backend={name!r}: {e}; {takes}") from None
+        named = []
+        for option in unknown:
+            close = difflib.get_close_matches(option, accepted, n=1)
+            named.append(f"{option}={options[option]!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ConfigError(
+            f"backend={name!r} has no option {', '.join(named)}; {takes} "
+            f"(see help({cls.__module__}.{cls.__qualname__}))"
+        ) from None
+
+
+def make_backend(backend: str | Backend, **options: Any) -> Backend:
+    """A backend instance from a name (plus options) or an instance."""
+    resolved = resolve_backend(backend, options)
+    return resolved if isinstance(resolved, Backend) else resolved(**options)
 
 
 __all__ = [
@@ -75,4 +119,5 @@ __all__ = [
     "backend_class",
     "known_backends",
     "make_backend",
+    "resolve_backend",
 ]

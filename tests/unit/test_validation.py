@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cmlcluster import ConfigError, Session
+import cmlcluster
+from cmlcluster import ConfigError, Session, api
 from cmlcluster.backends import backend_class, known_backends, make_backend
 from cmlcluster.backends.fake import FakeBackend
 
@@ -65,6 +66,73 @@ def test_unknown_backend_lists_known_ones():
         ConfigError, match=r"backend='kubernetes-typo' is not a known backend; choose one of .*fake.*local"
     ):
         Session("kubernetes-typo")
+
+
+@pytest.fixture
+def default_backend(monkeypatch):
+    """The default session's backend choice, as a test leaves it: put back afterwards."""
+    monkeypatch.setattr(api, "_backend", api._backend)
+    monkeypatch.setattr(api, "_backend_options", api._backend_options)
+    yield
+    cmlcluster.stop_session()
+
+
+def refuse_to_connect(monkeypatch):
+    """Building or using a Docker backend now fails the test: use_backend must not reach the engine."""
+    from cmlcluster.backends import docker
+
+    def connect(*args, **kwargs):
+        raise AssertionError("use_backend connected to Docker")
+
+    monkeypatch.setattr(docker, "connect", connect)
+    monkeypatch.setattr(docker, "visible_gpus", connect)  # what the constructor asks
+
+
+@pytest.mark.parametrize(
+    "backend, options, message",
+    [
+        ("nosuchbackend", {}, r"backend='nosuchbackend' is not a known backend; choose one of .*docker.*local"),
+        (
+            "docker",
+            {"imagee": "x"},
+            r"backend='docker' has no option imagee='x' \(did you mean image\?\); its options are image, network,",
+        ),
+        ("local", {"gpus": ["0"], "memory": 4}, r"backend='local' has no option memory=4; its options are gpus, "),
+        ("local", {"limits": False}, r"has no option limits=False \(did you mean apply_limits\?\)"),
+        (42, {}, "backend=42: give a backend name such as 'local', or a Backend instance"),
+        (FakeBackend(), {"gpus": ["0"]}, "pass them to its class"),
+    ],
+)
+def test_use_backend_refuses_a_bad_name_or_option_at_once(default_backend, monkeypatch, backend, options, message):
+    refuse_to_connect(monkeypatch)
+    cmlcluster.use_backend("fake")
+    with pytest.raises(ConfigError, match=message):
+        cmlcluster.use_backend(backend, **options)
+    assert (api._backend, api._backend_options) == ("fake", {})  # the choice before it stands
+    assert api._default is None  # nothing started
+
+
+def test_use_backend_refuses_an_option_of_the_environments_backend(default_backend, monkeypatch):
+    monkeypatch.setenv("CMLCLUSTER_BACKEND", "docker")
+    refuse_to_connect(monkeypatch)
+    with pytest.raises(ConfigError, match=r"backend='docker' has no option hosts=\['a'\]; its options are image,"):
+        cmlcluster.use_backend(None, hosts=["a"])
+
+
+def test_session_refuses_a_bad_option_with_the_same_message():
+    with pytest.raises(ConfigError, match=r"backend='fake' has no option gpu=\['0'\] \(did you mean gpus\?\)"):
+        Session("fake", gpu=["0"])
+
+
+def test_use_backend_takes_good_choices_without_building_them(default_backend, monkeypatch):
+    refuse_to_connect(monkeypatch)
+    cmlcluster.use_backend("docker", image="python:3.11", mount_cwd=False)
+    assert (api._backend, api._backend_options) == ("docker", {"image": "python:3.11", "mount_cwd": False})
+    backend = FakeBackend()
+    cmlcluster.use_backend(backend)
+    assert cmlcluster.get_session().backend is backend
+    cmlcluster.use_backend(None)
+    assert (api._backend, api._backend_options) == (None, {})
 
 
 def test_registry_finds_builtin_backends_through_entry_points():
