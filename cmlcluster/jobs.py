@@ -184,7 +184,7 @@ class Job:
     def stop(self) -> None:
         """Finish the job and stop every member."""
         self.finish()
-        if not self.session.closed:
+        if self.worker_ids and not self.session.closed:  # none named would stop every worker of the session
             self.session.stop_workers(*self.worker_ids)
 
     def raise_if_failed(self) -> None:
@@ -274,6 +274,9 @@ def launch_job(
             )
         return Job(session, members, name, on_failure)
     except BaseException:
-        if not session.closed:
-            session.stop_workers(*(r["id"] for _, r in launched if "id" in r))
+        started = [r["id"] for _, r in launched if "id" in r]
+        # Only what this launch started: stop_workers() with no ids would stop every worker of the
+        # session (a run_torch refused for its GPUs would take the user's other workers with it).
+        if started and not session.closed:
+            session.stop_workers(*started)
         raise

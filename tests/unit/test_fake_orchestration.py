@@ -196,3 +196,15 @@ def test_one_backend_object_serves_one_open_session_at_a_time():
     with Session(backend, echo=False) as third:  # once closed, a session lets it go
         [w] = third.launch_workers(1, cpu=1, memory=1, code="pass")
         assert third.await_workers([w], timeout_seconds=10)["failures"] == []
+
+
+def test_a_job_refused_before_it_starts_leaves_the_sessions_other_workers_running():
+    from cmlcluster.jobs import Role, launch_job
+    from cmlcluster.workers import Resources
+
+    with fake_session(FakeWorker(), gpus=["0"]) as s:
+        [idle] = s.launch_workers(1, cpu=1, memory=1)
+        assert s.await_workers([idle], wait_for_completion=False, timeout_seconds=10)["failures"] == []
+        with pytest.raises(ConfigError, match="nvidia_gpu=2"):  # one GPU here
+            launch_job(s, [Role("node", 1, Resources(cpu=1, memory=1, nvidia_gpu=2))], "test job")
+        assert [w["status"] for w in s.list_workers()] == ["running"]
