@@ -15,8 +15,11 @@ fi
 for tool in cmake g++; do
     command -v "$tool" >/dev/null || { echo "build_horovod.sh: $tool is missing (apt-get install cmake g++)" >&2; exit 1; }
 done
-tf=$($py -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null) || {
-    echo "build_horovod.sh: TensorFlow is not installed in .venv; install tensorflow-cpu==2.15.1 first" >&2; exit 1; }
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
+tf=$($py -c "import tensorflow as tf; print(tf.__version__)" 2>"$err") || {
+    echo "build_horovod.sh: TensorFlow does not import in .venv ($(tail -1 "$err"));" \
+        "scripts/install.sh tensorflow installs tensorflow-cpu==2.15.1 (or repairs the one there)" >&2; exit 1; }
 if [ "$(printf '%s\n' "$tf" 2.15.99 | sort -V | tail -1)" != 2.15.99 ]; then
     echo "build_horovod.sh: Horovod $HOROVOD_VERSION builds against TensorFlow <= 2.15, and .venv has $tf;" \
         "use a venv with tensorflow-cpu==2.15.1 (or tensorflow==2.15.1) for Horovod" >&2
@@ -36,5 +39,9 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
             -w "$cache.tmp" "horovod==$HOROVOD_VERSION"
     mv "$cache.tmp"/horovod-*.whl "$cache"/ && rm -rf "$cache.tmp"
 fi
-$py -m pip install -q --disable-pip-version-check "$cache"/horovod-*.whl
+# With the installed TensorFlow pinned, as scripts/install.sh does: Horovod's requirements are resolved
+# with TensorFlow's, never upgrading those under it.
+tf_pins=$($py scripts/tensorflow_pins.py)
+read -ra pins <<< "$tf_pins"
+$py -m pip install -q --disable-pip-version-check "$cache"/horovod-*.whl "${pins[@]}"
 .venv/bin/horovodrun --check-build

@@ -8,6 +8,8 @@
 #                               source, cached), Debian's Docker engine, sshd and chromium, the test image,
 #                               and .venv-tf2.21, where the TensorFlow tests run again on TensorFlow 2.21
 # Other words are the package's extras (widgets, docker, pytorch, ...), comma-separated.
+# Any words, in any order, any number of times: whatever TensorFlow .venv holds keeps its own requirements
+# (every pip install into .venv names it, pinned: scripts/tensorflow_pins.py), and each run ends with pip check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 words="${1:-}"
@@ -48,10 +50,23 @@ if [ "${#missing[@]}" -gt 0 ]; then
     apt_install "${missing[@]}"
 fi
 
+# pip check of a venv; $2: a pattern of the lines a --no-deps install makes on purpose.
+pip_check() {
+    local out
+    out=$("$1/bin/python" -m pip check 2>&1) && return 0
+    out=$(grep -v -e "${2:-^$}" <<< "$out") || return 0
+    printf 'install.sh: %s has broken requirements:\n%s\n' "$1" "$out" >&2
+    exit 1
+}
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-pins=()
-if $tensorflow && ! .venv/bin/python -c "import tensorflow" >/dev/null 2>&1; then
+# pip resolves only what it is asked for and its requirements, and would upgrade TensorFlow's (numpy, ...)
+# under it for an extra that asks for newer ones: the TensorFlow that .venv holds, pinned, enters every
+# install (a broken one is repaired); where there is none and one is asked for, the one installed here.
+tf_pins=$(.venv/bin/python scripts/tensorflow_pins.py)
+read -ra pins <<< "$tf_pins"
+if $tensorflow && [ "${#pins[@]}" -eq 0 ]; then
     pins=("${TENSORFLOW[@]}")
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}" "${pins[@]}"
@@ -65,6 +80,8 @@ if $dev; then
     .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check -e ".[docker]" \
         "$NEWEST_TENSORFLOW" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
     .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --no-deps "$NEWEST_TF_KERAS"
-    bash scripts/build_horovod.sh
+    pip_check .venv-tf2.21 "^tf-keras [^ ]* requires tensorflow, which is not installed"
+    bash scripts/build_horovod.sh  # against .venv's TensorFlow, pinned as above
     bash scripts/docker_engine.sh  # starts dockerd when none answers; makes the test image
 fi
+pip_check .venv
