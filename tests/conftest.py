@@ -44,6 +44,7 @@ tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 import processes  # noqa: E402 - after the run's tag is set
 from processes import alive_after, cmlcluster_processes, own_tree, run_containers  # noqa: E402
+from sshhosts import CONTAINER_LABEL as TEST_HOST_LABEL  # noqa: E402
 
 DOCKER_TEST_IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 BACKENDS = ("local", "docker", "ssh", "kubernetes")
@@ -255,13 +256,14 @@ def settle(find):
 
 @pytest.fixture(autouse=True)
 def no_leaked_containers(request):
-    """No container of the run's made during the test is left (the run's test hosts are kept)."""
+    """No container of the run's made during the test is left (but the run's SSH test hosts)."""
     if not checks_leaks(request):
         yield
         return
     before = {c.id for c in run_containers()}
     yield
-    leaked = settle(lambda: [c for c in run_containers() if c.id not in before])
+    # The SSH test hosts stay for the whole run (a session fixture, perhaps started by this test).
+    leaked = settle(lambda: [c for c in run_containers() if c.id not in before and TEST_HOST_LABEL not in c.labels])
     names = [c.name for c in leaked]
     REPORTED["containers"] += names
     for c in leaked:  # do not let one leak fail every later test

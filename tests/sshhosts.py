@@ -40,7 +40,7 @@ from cmlcluster.backends.base import run_tag_labels
 
 IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 USER = "alice"
-CONTAINER_LABEL = "cmlcluster.testhost"  # not cmlcluster.session: the leak checker counts those
+CONTAINER_LABEL = "cmlcluster.testhost"  # the per-test leak check leaves these: they serve the whole run
 OWNER_LABEL = "cmlcluster.testhost.pid"  # the test process that started it
 NETWORK_LABEL = "cmlcluster.testhosts"
 SSHD_CONFIG = "/etc/ssh/sshd_config_test"

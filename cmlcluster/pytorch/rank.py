@@ -5,7 +5,10 @@
 
 A failure leaves its traceback in torchrun's error file (as torch's ``record`` would), so
 that the session can name the failed rank and quote it. Rank 0 pickles the function's return
-value into RESULT. Only the standard library and torch are imported here.
+value into RESULT. The exit status is what the script decided: the process ends through
+cmlcluster._exit, which does what Python's exit does but leaves without finalizing the
+interpreter, where Gloo's threads can abort a rank that finished. Only the standard library,
+torch and cmlcluster._exit are imported here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import signal
 import sys
 import traceback
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
 
@@ -60,10 +63,11 @@ def run_function(call_file: str, result_file: str) -> None:
 def release_process_group() -> None:
     """Destroy the default process group if the user's code left it, while the interpreter is whole.
 
-    Left to interpreter exit, Gloo's threads can still hold work whose tensors reach into Python,
-    and the process aborts ("terminate called without an active exception", SIGABRT) after the
-    user's code succeeded (pytorch/pytorch#190489). Only after success: a rank that failed exits
-    as it is, since destroying a group that other ranks still use can hang.
+    Gloo's threads stop before the atexit handlers run, as when the script destroys it itself.
+    This alone does not keep a rank that finished from aborting at exit ("terminate called
+    without an active exception", SIGABRT, pytorch/pytorch#190489): a DDP model, say, holds the
+    group alive; exit_now does. Only after success: a rank that failed exits as it is, since
+    destroying a group that other ranks still use can hang.
     """
     import torch.distributed as dist
 
@@ -78,11 +82,13 @@ def user_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> NoReturn:
     die_with_parent()
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # run by path: this package's modules are not the user's top-level ones
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from cmlcluster._exit import exit_now, status_of
 
     errors = ErrorHandler()
     errors.initialize()
@@ -93,18 +99,23 @@ def main(argv: list[str]) -> None:
             run_script(argv[0], argv[1:])
         else:
             sys.exit("usage: python -m cmlcluster.pytorch.rank SCRIPT [ARGS...] | --function CALL RESULT")
+        status = 0
     except SystemExit as e:
-        if e.code in (None, 0):
-            release_process_group()
-        raise
+        status = status_of(e)
     except BaseException as e:
         # As `python script` would show it, and in torchrun's error file for the session: the
         # exception from the user's code, without this wrapper's frames.
         e.__traceback__ = user_frames(e.__traceback__)
         errors.record_exception(e)
         traceback.print_exception(e)
-        sys.exit(1)
-    release_process_group()
+        status = 1
+    if status == 0:
+        try:
+            release_process_group()
+        except Exception:  # the script's work is done: say so, but it stays a success
+            traceback.print_exc()
+    # The script's end decides: not what Gloo's threads do while the interpreter finalizes.
+    exit_now(status)
 
 
 if __name__ == "__main__":
