@@ -251,9 +251,11 @@ def kill_9_while_this_process_coordinates(session, victim_role):
     assert sorted(w["status"] for w in session.list_workers()) == ["failed", "stopped", "stopped"]
     # TensorFlow's preemption handler waited for the lost worker in update_server_def, forever, and
     # the next cluster's connect then changed the eager context under it: a segfault, one run in two.
+    # A thread may pass through update_server_def for a while (closing the contexts of the stopped
+    # tasks); none may stay. The deadline is a hang guard: 3 s failed a loaded CI run on TensorFlow 2.21.
     try:
-        wait_until(lambda: not threads_in_update_server_def(), timeout=3, what="no thread in update_server_def")
-    except AssertionError:  # name the threads and where they wait (seen once on TensorFlow 2.21, unexplained)
+        wait_until(lambda: not threads_in_update_server_def(), timeout=60, what="no thread in update_server_def")
+    except AssertionError:  # name the threads and where they wait
         raise AssertionError(f"threads left in update_server_def: {stacks_in_update_server_def()}") from None
 
     # A notebook re-runs the cell: the next cluster in the same process trains.
