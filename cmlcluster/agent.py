@@ -21,6 +21,7 @@ registers, comma-separated; optional).
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import logging
 import os
@@ -128,8 +129,8 @@ def run_program(
     traceback goes to stderr and gives exit code 1; SystemExit gives its code; a stop signal -signal.
     A target function's return value is its exit code (None is 0).
     """
-    global _program_running
-    _program_running = True
+    global _program_running, _in_program
+    _program_running = _in_program = True
     try:
         if files:
             unpack_files(files, files_in_cwd)
@@ -155,6 +156,7 @@ def run_program(
         _program_running = False
         sys.stdout.flush()
         sys.stderr.flush()
+        _in_program = False
     return 0
 
 
@@ -227,7 +229,8 @@ def shell_commands_into_streams(namespace: dict[str, Any]) -> Iterator[None]:
             shell.system = own
 
 
-_program_running = False  # whether run_program runs the worker's program now
+_program_running = False  # whether run_program runs the worker's program now (until a stop interrupts it)
+_in_program = False  # whether run_program has yet to return: the program, or its cleanup after a stop
 
 
 class ProgramStopped(BaseException):
@@ -312,6 +315,41 @@ class AgentEngine(IPEngine):
             # must not interrupt the program's cleanup.
             _program_running = False
             raise ProgramStopped(sig)
+
+    def restore_output(self) -> None:
+        # ipyparallel's stop points sys.stdout/err back at the process's own as the engine shuts down.
+        # A program the stop interrupts runs its cleanup after that (its finally blocks): what it
+        # prints then must reach the session like all it printed before, not only the worker's log
+        # (where it also lost the race with the agent's end: the fd copier is a thread).
+        if not _in_program:
+            super().restore_output()
+
+    def start(self) -> None:
+        try:
+            super().start()
+        finally:
+            if AgentEngine.stop_signal is not None:
+                self._send_what_is_queued()
+
+    def _send_what_is_queued(self) -> None:
+        """Before the agent dies of a stop's signal, what its engine holds leaves for the controller:
+        the program's last output and idle status (the IOPub thread's) and its reply, left queued on
+        the shell stream when the stop stopped the engine's loop (lost in about 1 stop of 3 before).
+        The session reports a stopped worker's end once these are in."""
+        import zmq
+        from ipykernel.iostream import IOPubThread
+
+        kernel = getattr(self, "kernel", None)
+        if kernel is None:  # stopped before it registered: nothing was asked of it
+            return
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(Exception):
+            kernel.shell_stream.flush(zmq.POLLOUT)
+        if isinstance(kernel.iopub_socket, IOPubThread):
+            with contextlib.suppress(Exception):
+                kernel.iopub_socket.stop()  # sends what it holds, then ends
 
     @default("connection_info_env")
     def _connection_from_session(self) -> str:

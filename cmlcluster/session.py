@@ -39,6 +39,7 @@ from .workers import (
     SUCCEEDED,
     TAIL_LINES,
     TIMEDOUT,
+    Ending,
     Program,
     Resources,
     Worker,
@@ -50,6 +51,9 @@ log = logging.getLogger("cmlcluster")
 
 STOP_GRACE = 5.0  # seconds between TERM and KILL
 LOST_CONTACT_GRACE = 5.0  # after an engine unregisters, how long the backend gets to report the exit
+# Once a worker's process is gone, how long its end waits for its program's result and last output,
+# still on their way over the control plane (a stopped program's cleanup prints as the stop ends it).
+EXIT_OUTPUT_GRACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Session:
         self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI layer
         self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_watchers: dict[str, asyncio.Task[None]] = {}
+        self._programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, run to its ending
         self._partial: dict[tuple[str, str], str] = {}
         self.closed = False
         _live_sessions.add(self)
@@ -507,9 +512,16 @@ class Session:
         return worker.to_dict()
 
     async def _watch_exit(self, worker: Worker) -> None:
+        # A worker's end is reported once all of its output is in: what its process wrote (the
+        # backend's wait() returns once output() holds it all) and what its program printed.
         code = await self.backend.wait(worker.handle)
+        program_ending = await self._program_ending_at_exit(worker)
         self._flush_partial(worker)
-        if worker.stop_requested:
+        ending = worker.ending or program_ending
+        if ending is not None:  # decided before (see _end), or by its program; its place is free now
+            exit_code = code if ending.exit_code is None else ending.exit_code
+            changed = worker.finish(ending.status, exit_code=exit_code, message=ending.message)
+        elif worker.stop_requested:
             changed = worker.finish(STOPPED, exit_code=code)
         else:
             reason = self.backend.exit_reason(worker.handle)
@@ -566,9 +578,8 @@ class Session:
                     lambda s, t: self._on_output(worker, s, t),
                 )
             except Exception as e:
-                if worker.finish(FAILED, message=f"worker {worker.id} could not unpack the files shipped to it: {e}"):
-                    self._changed(worker)
-                    await self.backend.stop(worker.handle, STOP_GRACE)
+                message = f"worker {worker.id} could not unpack the files shipped to it: {e}"
+                await self._end(worker, Ending(FAILED, message=message))
                 return
             if worker.finished:
                 return
@@ -581,7 +592,7 @@ class Session:
 
     async def _fail_silent(self, worker: Worker, error: Exception) -> None:
         """A worker registered but its engine does not answer: fail it, saying what is known, and stop it."""
-        if worker.finished:
+        if worker.finished or worker.ending is not None:
             return  # it exited meanwhile; the exit watcher said why
         code = await self.backend.poll(worker.handle)
         process = "is still running" if code is None else f"exited with code {code}"
@@ -589,10 +600,8 @@ class Session:
             f"worker {worker.id} (engine {worker.engine_id}) registered with the controller but did not "
             f"answer ({error}); its process {process}{self._tail_for_message(worker)}"
         )
-        if worker.finish(FAILED, exit_code=code, message=message):
+        if await self._end(worker, Ending(FAILED, exit_code=code, message=message)):
             log.warning("cmlcluster: %s", message)
-            self._changed(worker)
-            await self.backend.stop(worker.handle, STOP_GRACE)
 
     async def _run_later(self, workers: list[Worker], program: Program) -> list[dict[str, Any]]:
         for w in workers:
@@ -639,42 +648,69 @@ class Session:
             self._flush_partial(worker)
 
     async def _run_program(self, worker: Worker) -> None:
-        control = self._control
-        assert control is not None
         worker.program_started = True
+        program = asyncio.ensure_future(self._program_ending(worker))
+        self._programs[worker.id] = program
         try:
-            code = await control.run_program(
-                worker.engine_id, worker.program, lambda s, t: self._on_output(worker, s, t)
-            )
+            ending = await program
         except Exception as e:
             if not worker.finished:
                 # Let the backend report the exit first; its exit code says more.
                 await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
-            if worker.finish(FAILED, message=f"worker {worker.id} failed: {e}"):
-                self._changed(worker)
-                await self.backend.stop(worker.handle, STOP_GRACE)
+            await self._end(worker, Ending(FAILED, message=f"worker {worker.id} failed: {e}"))
             return
+        # Like a CML worker, it ends when its program does.
+        await self._end(worker, ending)
+
+    async def _program_ending(self, worker: Worker) -> Ending:
+        """Run the worker's program; how the worker ends, once the program's output has all come in."""
+        control = self._control
+        assert control is not None
+        code = await control.run_program(worker.engine_id, worker.program, lambda s, t: self._on_output(worker, s, t))
         self._flush_partial(worker)
         if code == 0:
-            changed = worker.finish(SUCCEEDED, exit_code=0)
-        elif worker.stop_requested:  # the stop's signal ended the program (agent.ProgramStopped)
-            changed = worker.finish(STOPPED, exit_code=code)
-        else:
-            changed = worker.finish(
-                FAILED,
-                exit_code=code,
-                message=f"worker {worker.id} exited with code {code}{self._tail_for_message(worker)}",
-            )
-        if changed:
-            self._changed(worker)
-        # Like a CML worker, it ends when its program does.
-        await self.backend.stop(worker.handle, STOP_GRACE)
+            return Ending(SUCCEEDED, exit_code=0)
+        if worker.stop_requested:  # the stop's signal ended the program (agent.ProgramStopped)
+            return Ending(STOPPED, exit_code=code)
+        message = f"worker {worker.id} exited with code {code}{self._tail_for_message(worker)}"
+        return Ending(FAILED, exit_code=code, message=message)
+
+    async def _program_ending_at_exit(self, worker: Worker) -> Ending | None:
+        """Its program's ending, for a worker whose process is gone: its result and last output may
+        trail the process's end over the control plane (EXIT_OUTPUT_GRACE). None: no program, or
+        none that ended with a result (its engine died with it)."""
+        program = self._programs.get(worker.id)
+        if program is None:
+            return None
+        if not program.done():
+            await asyncio.wait([program], timeout=EXIT_OUTPUT_GRACE)
+        if not program.done() or program.cancelled() or program.exception() is not None:
+            return None
+        return program.result()
 
     async def _on_lost_contact(self, worker: Worker) -> None:
         await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
-        if worker.finish(FAILED, message=f"worker {worker.id} lost contact with the controller (no heartbeat)"):
-            self._changed(worker)
+        message = f"worker {worker.id} lost contact with the controller (no heartbeat)"
+        await self._end(worker, Ending(FAILED, message=message))
+
+    async def _end(self, worker: Worker, ending: Ending) -> bool:
+        """End a worker whose end is decided (its program returned, it failed): stop its process and
+        report the end once the backend has the process gone. What is reported finished has given
+        its place back (a host's slot, its GPUs): a launch right after fits, and never shares them
+        with a process still cleaning up. False if its end was decided or reported already.
+        """
+        if worker.finished or worker.ending is not None:
+            return False
+        worker.ending = ending
+        try:
             await self.backend.stop(worker.handle, STOP_GRACE)
+        finally:
+            # The exit watcher reports it as the process goes (_watch_exit); if the backend never
+            # sees it go (it could not stop it), it is reported all the same.
+            await asyncio.wait([self._exit_watchers[worker.id]], timeout=STOP_GRACE)
+            if worker.finish(ending.status, exit_code=ending.exit_code, message=ending.message):
+                self._changed(worker)
+        return True
 
     def _on_output(self, worker: Worker, stream: str, text: str) -> None:
         key = (worker.id, stream)

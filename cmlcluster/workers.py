@@ -92,6 +92,15 @@ def _iso(timestamp: float | None) -> str | None:
     return dt.datetime.fromtimestamp(timestamp, dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How a worker ends, decided while its process is still on its way out (see Session._end)."""
+
+    status: str
+    exit_code: int | None = None  # None: the process's, once it is gone
+    message: str | None = None
+
+
 @dataclass(eq=False)
 class Worker:
     """The session's record of one worker."""
@@ -111,6 +120,7 @@ class Worker:
     exit_code: int | None = None
     message: str | None = None
     stop_requested: bool = False
+    ending: Ending | None = None  # decided, reported once its process is gone
     handle: Any = None
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES_KEPT))
 

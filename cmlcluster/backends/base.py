@@ -16,9 +16,16 @@ Lifecycle, all methods called from the session's event loop:
 - ``poll(handle)`` returns None while the process is alive (and for a handle
   whose start has not returned yet there is no handle to poll), else its exit
   code; a process killed by signal N reports -N.
-- ``wait(handle)`` returns the exit code once the process has ended.
+- ``wait(handle)`` returns the exit code once the process has ended *and* its
+  output has been read to its end: what it wrote last (a stopped program's
+  cleanup, say) is in ``output(handle)`` before the session hears of its end.
+  A backend whose output arrives through a stream of its own (a container's or
+  a pod's log) waits for that stream's end, at most OUTPUT_DRAIN_SECONDS after
+  the exit; one whose process writes straight into the session's log file has
+  nothing to wait for.
 - ``stop(handle, grace)`` ends the process: TERM, then KILL after ``grace``
-  seconds. Idempotent: stopping a stopped worker is a no-op, never an error.
+  seconds, and returns once it has ended, its output read as for ``wait``.
+  Idempotent: stopping a stopped worker is a no-op, never an error.
 - ``output(handle)`` is the raw output of the process so far (the last part
   of it), for failure messages when the control plane saw nothing.
 - ``exit_reason(handle)`` may say why a process ended when its exit code alone
@@ -48,6 +55,9 @@ if TYPE_CHECKING:
 
 
 OUTPUT_TAIL_BYTES = 64 * 1024
+# How long an ended worker's exit waits for the rest of its output stream (a container's or a pod's
+# log, copied by a thread of the backend's): bounded, so that a stuck stream cannot hide an end.
+OUTPUT_DRAIN_SECONDS = 5.0
 
 # A CI job or a test run sets CMLCLUSTER_RUN_TAG to find what its sessions started: every container
 # a backend makes carries it as the label cmlcluster.run-tag.
@@ -155,13 +165,18 @@ class Backend(abc.ABC):
     async def poll(self, handle: Any) -> int | None: ...
 
     @abc.abstractmethod
-    async def wait(self, handle: Any) -> int: ...
+    async def wait(self, handle: Any) -> int:
+        """The exit code, once the process has ended and output() holds all it wrote (at most
+        OUTPUT_DRAIN_SECONDS after the exit): the session reports a worker's end only after this."""
 
     @abc.abstractmethod
-    async def stop(self, handle: Any, grace: float = 5.0) -> None: ...
+    async def stop(self, handle: Any, grace: float = 5.0) -> None:
+        """TERM, KILL after `grace` s; returns once the process has ended, its output read as for wait().
+        Idempotent."""
 
     @abc.abstractmethod
-    def output(self, handle: Any) -> str: ...
+    def output(self, handle: Any) -> str:
+        """What the process wrote to its stdout and stderr so far (its log), the last part of it."""
 
     def exit_reason(self, handle: Any) -> str | None:
         """Why the process ended, when the backend knows more than its exit code (None otherwise)."""

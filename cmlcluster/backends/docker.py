@@ -5,7 +5,8 @@ host and pid), so `cmlcluster cleanup` can find what a dead session left. The
 containers are started with --rm and --init: when a worker's agent exits (its
 program is done, it was stopped, or its controller went away) the container
 is gone too. Its output is streamed into the session's folder as it is
-printed, so it survives the container.
+printed, so it survives the container; a worker's exit is reported once that
+stream has ended (the container's last lines are in), as the contract asks.
 
 The controller listens on the network's gateway, the host's own address on
 that network, which every container reaches.
@@ -28,7 +29,15 @@ from .. import registry
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
 from ..workers import PACKAGE_PARENT, Resources, WorkerSpec
-from .base import Backend, Capabilities, SessionContext, log_tail, run_tag_labels, signal_exit_code
+from .base import (
+    OUTPUT_DRAIN_SECONDS,
+    Backend,
+    Capabilities,
+    SessionContext,
+    log_tail,
+    run_tag_labels,
+    signal_exit_code,
+)
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
 DEFAULT_NETWORK = "cmlcluster"
@@ -69,7 +78,8 @@ class DockerHandle:
     worker_id: str
     log_path: str
     gpus: list[str]
-    exited: asyncio.Future[int]
+    exited: asyncio.Future[int]  # the container is gone (removed), with this exit code
+    copied: asyncio.Future[None]  # its log stream has ended: all of its output is in log_path
     released: bool = field(default=False)
 
 
@@ -254,14 +264,16 @@ class DockerBackend(Backend):
             log_path=os.path.join(log_dir, f"{spec.worker_id}.log"),
             gpus=gpus,
             exited=loop.create_future(),
+            copied=loop.create_future(),
         )
         _thread(f"wait-{spec.worker_id}", self._wait_for_exit, handle, loop)
         try:
             await self._call(container.start)
         except Exception as e:
+            handle.copied.set_result(None)  # nothing ran: no output to wait for
             await self.stop(handle, 0)
             raise BackendError(f"could not start container for worker {spec.worker_id}: {_explain(e)}") from e
-        _thread(f"logs-{spec.worker_id}", self._copy_output, handle)
+        _thread(f"logs-{spec.worker_id}", self._copy_output, handle, loop)
         return handle
 
     def _wait_for_exit(self, handle: DockerHandle, loop: asyncio.AbstractEventLoop) -> None:
@@ -279,17 +291,36 @@ class DockerBackend(Backend):
         with contextlib.suppress(RuntimeError):  # the session's loop is gone
             loop.call_soon_threadsafe(report)
 
-    def _copy_output(self, handle: DockerHandle) -> None:
-        with contextlib.suppress(Exception), open(handle.log_path, "ab") as log:
-            for chunk in handle.container.logs(stream=True, follow=True, stdout=True, stderr=True):
-                log.write(chunk)
-                log.flush()
+    def _copy_output(self, handle: DockerHandle, loop: asyncio.AbstractEventLoop) -> None:
+        # Runs on its own thread. The followed log ends once the container has stopped and all of
+        # its output has been sent, which can be after the container is gone (seen: 6,000 lines
+        # behind when the exit watcher's "removed" came); so an exit is reported after this ends.
+        try:
+            with contextlib.suppress(Exception), open(handle.log_path, "ab") as log:
+                for chunk in handle.container.logs(stream=True, follow=True, stdout=True, stderr=True):
+                    log.write(chunk)
+                    log.flush()
+        finally:
+
+            def report() -> None:
+                if not handle.copied.done():
+                    handle.copied.set_result(None)
+
+            with contextlib.suppress(RuntimeError):  # the session's loop is gone
+                loop.call_soon_threadsafe(report)
+
+    async def _ended(self, handle: DockerHandle) -> int:
+        """The exit code once the container is gone and its log has been copied to its end (at most
+        OUTPUT_DRAIN_SECONDS later: a stream that never ends must not hide the exit)."""
+        code = await asyncio.shield(handle.exited)
+        await asyncio.wait([handle.copied], timeout=OUTPUT_DRAIN_SECONDS)
+        return code
 
     async def poll(self, handle: DockerHandle) -> int | None:
         return handle.exited.result() if handle.exited.done() else None
 
     async def wait(self, handle: DockerHandle) -> int:
-        code = await asyncio.shield(handle.exited)
+        code = await self._ended(handle)
         self._release(handle)
         return code
 
@@ -306,6 +337,8 @@ class DockerBackend(Backend):
                     await self._call(handle.container.remove, force=True)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(handle.exited), 10)
+        if handle.exited.done():
+            await self._ended(handle)
         self._release(handle)
 
     def _release(self, handle: DockerHandle) -> None:

@@ -39,6 +39,9 @@ class FakeWorker:
     exit_code: int = 0  # what its program returns
     dies_after: float | None = None  # its process dies this long after start...
     death_code: int = -9  # ...with this exit code
+    exit_time: float = 0.0  # seconds its process takes to go once stopped (its cleanup)
+    cleanup_output: tuple[str, ...] = ()  # what its program prints as a stop ends it (its finally blocks)...
+    cleanup_delay: float = 0.0  # ...reaching the session this long after its process is gone, with its result
 
 
 @dataclass(eq=False)
@@ -125,9 +128,12 @@ class FakeBackend(Backend):
         return handle.exited.result() if handle.exited.done() else None
 
     async def wait(self, handle: FakeHandle) -> int:
+        # Its process output (a death notice) is written before it ends: output() holds all of it.
         return await asyncio.shield(handle.exited)
 
     async def stop(self, handle: FakeHandle, grace: float = 5.0) -> None:
+        if not handle.exited.done() and handle.script.exit_time:
+            await asyncio.wait([handle.exited], timeout=min(handle.script.exit_time, grace))
         handle.end(SIGTERM_EXIT)
 
     def output(self, handle: FakeHandle) -> str:
@@ -169,6 +175,13 @@ class FakeControl(ControlPlane):
         finally:
             running.cancel()
         if handle.exited.done():
+            if handle.script.cleanup_output and handle.exited.result() == SIGTERM_EXIT:
+                # Stopped: the agent's program ends through its cleanup and says so, and that news
+                # travels over the control plane, after the backend has seen the process go.
+                await asyncio.sleep(handle.script.cleanup_delay)
+                for line in handle.script.cleanup_output:
+                    on_output("stdout", line + "\n")
+                return SIGTERM_EXIT
             raise CmlClusterError(f"engine {engine_id} died while running its program")
         return handle.script.exit_code
 

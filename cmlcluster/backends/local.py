@@ -130,6 +130,7 @@ class LocalBackend(Backend):
         return handle.process.returncode
 
     async def wait(self, handle: LocalHandle) -> int:
+        # The process writes into its log file itself: once it has exited, output() holds all of it.
         code = await handle.process.wait()
         self._release(handle)
         return code

@@ -25,15 +25,25 @@ from cmlcluster.workers import Resources, WorkerSpec
 
 pytestmark = pytest.mark.integration
 
+BURST = "for i in range(20000): print('line', i)\nprint('the last line', flush=True)\n"
 PROGRAMS = {
     "serve": "import time; print('up', flush=True); time.sleep(120)",
     "exit 3": "print('leaving', flush=True); raise SystemExit(3)",
     "killed": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    # Much output at the very end: of a program that ends, and of one that a stop ends (its cleanup).
+    "burst, exit 0": BURST,
+    "burst when stopped": "import signal, sys, time\n"
+    "def stop(*_):\n" + "".join("    " + line + "\n" for line in BURST.splitlines()) + "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "print('up', flush=True)\n"
+    "time.sleep(120)\n",
 }
 FAKE = {  # the same programs, as the fake plays them
     "serve": FakeWorker(),
     "exit 3": FakeWorker(dies_after=0.05, death_code=3),
     "killed": FakeWorker(dies_after=0.05, death_code=-9),
+    "burst, exit 0": FakeWorker(dies_after=0.05, death_code=0),
+    "burst when stopped": FakeWorker(),
 }
 
 
@@ -138,12 +148,36 @@ def test_output_is_kept_for_failure_messages(contract):
     async def scenario():
         handle = await backend.start(spec("exit 3"))
         assert await asyncio.wait_for(backend.wait(handle), 60) == 3
-        for _ in range(50):  # output may trail the exit by a moment (a container's log stream)
-            if expected in backend.output(handle):
+        assert expected in backend.output(handle)  # at once: wait() returns once the output is all in
+        await backend.stop(handle)
+
+    run(scenario())
+
+
+def test_output_is_complete_once_wait_or_stop_returns(contract):
+    # The session reports a worker's end once wait() (or stop()) returns, and quotes output() then:
+    # what the process wrote last is there, however much of it came at the end.
+    backend, spec = contract
+    fake = isinstance(backend, FakeBackend)
+
+    async def scenario():
+        ends = await backend.start(spec("burst, exit 0"))
+        assert await asyncio.wait_for(backend.wait(ends), 60) == 0
+        last = "fake worker contract-0 died with code 0" if fake else "the last line"  # the fake's: its death notice
+        assert backend.output(ends).splitlines()[-1] == last
+        await backend.stop(ends)
+
+        stopped = await backend.start(spec("burst when stopped"))
+        for _ in range(300):  # its handler is set once it says "up"
+            if fake or "up" in backend.output(stopped):
                 break
             await asyncio.sleep(0.1)
-        assert expected in backend.output(handle)
-        await backend.stop(handle)
+        await asyncio.wait_for(backend.stop(stopped, grace=20), 60)
+        if not fake:
+            assert backend.output(stopped).splitlines()[-1] == "the last line"
+        assert await asyncio.wait_for(backend.wait(stopped), 10) == (-15 if fake else 0)
+        if not fake:
+            assert backend.output(stopped).splitlines()[-1] == "the last line"
 
     run(scenario())
 

@@ -6,6 +6,7 @@ killed session. After each, conftest checks every host for a process or temp fol
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -46,6 +47,19 @@ def test_workers_fill_hosts_by_free_slots_as_a_non_root_user_and_too_many_are_re
         with pytest.raises(ConfigError, match=r"n=1 workers with 1 GPUs each do not fit"):
             s.launch_workers(1, cpu=0.2, memory=0.5, nvidia_gpu=1)
         assert len(s.list_workers()) == 5  # nothing more started
+
+
+def test_workers_reported_finished_have_given_their_slots_back(ssh_hosts):
+    # Two hosts of 2 slots: 4 workers run a program to its end, and at once 4 more start. A worker's
+    # slot comes back when its ssh process exits, after its program ended: await_workers reports it
+    # finished only then, so the last one to finish does not hold its slot against the next launch.
+    two = dataclasses.replace(ssh_hosts, hosts=ssh_hosts.hosts[:2])
+    with Session(ssh_backend(two, slots=2), echo=False) as s:
+        first = s.launch_workers(4, cpu=0.2, memory=0.5, code="print('done')")
+        done = s.await_workers(first, wait_for_completion=True, timeout_seconds=60)
+        assert [w["status"] for w in done["workers"]] == ["succeeded"] * 4, done["failures"]
+        workers = up(s, 4)  # refused while one held its slot: "free now: ...: 2 slots, ...: 1 slots"
+        assert sorted(Counter(w["ip_address"] for w in workers).values()) == [2, 2]
 
 
 def test_only_env_and_cmlclusters_own_variables_reach_a_worker_on_another_machine(ssh_hosts, monkeypatch):

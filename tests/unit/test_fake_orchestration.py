@@ -208,3 +208,20 @@ def test_a_job_refused_before_it_starts_leaves_the_sessions_other_workers_runnin
         with pytest.raises(ConfigError, match="nvidia_gpu=2"):  # one GPU here
             launch_job(s, [Role("node", 1, Resources(cpu=1, memory=1, nvidia_gpu=2))], "test job")
         assert [w["status"] for w in s.list_workers()] == ["running"]
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [FakeWorker(exit_time=0.3), FakeWorker(exit_code=2, exit_time=0.3), FakeWorker(answers=False, exit_time=0.3)],
+    ids=["succeeded", "failed", "never-answered"],
+)
+def test_a_worker_reported_finished_has_given_its_gpus_back(plan):
+    # Its process takes a while to go once its end is decided (it cleans up): await_workers reports
+    # it only once the process is gone, so the next launch fits, and never shares a GPU with it.
+    with fake_session(plan, plan, gpus=["0", "1"]) as s:
+        first = s.launch_workers(2, cpu=1, memory=1, nvidia_gpu=1, code="pass")
+        ended = s.await_workers(first, wait_for_completion=True, timeout_seconds=10)
+        assert ended["workers"] + ended["failures"] and all(w["status"] != "timedout" for w in ended["failures"])
+        assert all(s.backend.handles[i].exited.done() for i in (0, 1))
+        second = s.launch_workers(2, cpu=1, memory=1, nvidia_gpu=1)  # refused if they still held their GPUs
+        assert sorted(s.backend.handles[i].gpus[0] for i in (2, 3)) == ["0", "1"], second

@@ -35,7 +35,7 @@ from ...errors import BackendError, ConfigError
 from ...ports import route_address
 from ...registry import alive
 from ...workers import Resources, WorkerSpec
-from ..base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
+from ..base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import manifests
 from .manifests import PodOptions, SharedVolume
 
@@ -45,7 +45,6 @@ log = logging.getLogger("cmlcluster.kubernetes")
 # before it ran) has no exit code; the contract needs one, and exit_reason says what happened.
 NO_EXIT_CODE = 255
 WATCH_SECONDS = 10  # each watch request ends after this long and is resumed: close() waits at most this
-LOG_DRAIN_SECONDS = 5.0  # how long an ended pod's exit waits for the rest of its log
 STOP_CONFIRM_SECONDS = 30.0  # after a pod's grace period, how long its deletion may take to show in the watch
 IN_CLUSTER_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # A container waiting for one of these reasons will not start without someone changing something.
@@ -580,7 +579,8 @@ class KubernetesBackend(Backend):
         if handle.log_thread is None:
             report()
             return
-        drained = asyncio.ensure_future(asyncio.to_thread(handle.log_thread.join, LOG_DRAIN_SECONDS))
+        # The contract's wait(): the exit is reported once the pod's log has been read to its end.
+        drained = asyncio.ensure_future(asyncio.to_thread(handle.log_thread.join, OUTPUT_DRAIN_SECONDS))
         drained.add_done_callback(report)
 
     def _follow_log(self, handle: PodHandle) -> None:
@@ -621,7 +621,8 @@ class KubernetesBackend(Backend):
         return code
 
     async def stop(self, handle: PodHandle, grace: float = 5.0) -> None:
-        if handle.ended:
+        if handle.ended:  # its exit is reported once its log is read (_end): so is its stop
+            await asyncio.shield(handle.exited)
             return
         handle.deleting = True
         await asyncio.to_thread(self._delete_pod, handle.name, grace)
@@ -630,6 +631,7 @@ class KubernetesBackend(Backend):
         except asyncio.TimeoutError:  # the watch said nothing: it is deleted, whatever it ended with
             unconfirmed = f"its pod {handle.name} was deleted; the API never confirmed its end"
             self._end(handle, NO_EXIT_CODE, unconfirmed, ran=False)
+            await asyncio.shield(handle.exited)
 
     def _delete_pod(self, name: str, grace: float) -> None:
         from kubernetes.client.rest import ApiException
