@@ -276,6 +276,12 @@ class Session:
         w = self._resolve(worker)
         return self._read(lambda: "\n".join(w.output))
 
+    def worker_log(self, worker: str | Mapping[str, Any]) -> str:
+        """The last part of what the worker's process wrote (its log, as its backend keeps it): what it
+        printed before it reached the controller, say, which output() never sees."""
+        w = self._resolve(worker)
+        return self.backend.output(w.handle) if w.handle is not None else ""
+
     def worker_pid(self, worker: str | Mapping[str, Any]) -> int | None:
         """The worker's process id on this machine; None when it runs elsewhere (a container, a host)."""
         w = self._resolve(worker)

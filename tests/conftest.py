@@ -35,7 +35,9 @@ from cmlcluster.backends.base import RUN_TAG_ENV
 
 # Set at import, before any test module or session reads them; subprocesses (kernels, the CLI) inherit them.
 RUN_TAG = f"tests-{uuid.uuid4().hex[:12]}"
-RUN_DIR = tempfile.mkdtemp(prefix=f"cmlcluster-{RUN_TAG}-")
+# Not named cmlcluster-*: what the run's programs write under its temp folder on an SSH host (a script's
+# checkpoints, say) is theirs, not a session folder that a leak check looks for.
+RUN_DIR = tempfile.mkdtemp(prefix=f"{RUN_TAG}-")
 os.environ[RUN_TAG_ENV] = RUN_TAG
 os.environ["CMLCLUSTER_STATE_DIR"] = os.path.join(RUN_DIR, "state")
 os.environ["TMPDIR"] = os.path.join(RUN_DIR, "tmp")

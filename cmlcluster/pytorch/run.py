@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import queue
+import re
 import sys
 import threading
 import time
@@ -40,6 +41,12 @@ NODE = "cmlcluster.pytorch.node"
 OUTPUT_LINES_KEPT = 10_000  # per rank, in the result
 STOPPED_NODES_WAIT = 10.0  # seconds to wait for the other nodes' calls to end once the run failed
 LOST_WORKER_WAIT = 5.0  # seconds for a node's worker status to arrive after its call failed
+# After a node reports a failed rank, how long the other nodes' failures may take to arrive before the
+# run names one: a rank's death breaks its peers' collectives within moments, and the peer whose
+# torchrun ends first must not be named for a failure that only followed the real one.
+FAILURE_WINDOW = 2.0
+# The message of a rank that failed because a peer went away (Gloo's and NCCL's words for it).
+PEER_LOST = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused|NCCL communicator was aborted")
 
 log = logging.getLogger("cmlcluster")
 
@@ -223,6 +230,8 @@ class _Run:
         self.result = result
         self.replies: queue.Queue[tuple[int, dict[str, Any] | BaseException]] = queue.Queue()
         self.running: set[int] = set()  # nodes whose reply has not come
+        self.failed_ranks: list[tuple[int, dict[str, Any]]] = []  # (node, its first failure), not yet named
+        self.first_failed_at: float | None = None
         self.nodes = {m.worker_id: i for i, m in enumerate(job.members)}
         self.output: dict[int, deque[str]] = {}
         self.unsubscribe = session.subscribe(self._on_event)
@@ -255,9 +264,35 @@ class _Run:
             try:
                 node_rank, reply = self.replies.get(timeout=0.1)
             except queue.Empty:
+                self._name_failure_when_due()
                 continue
             self.running.discard(node_rank)
             self._on_reply(node_rank, reply)
+            self._name_failure_when_due()
+
+    def _name_failure_when_due(self) -> None:
+        """Once every node has answered, or FAILURE_WINDOW after the first failed rank: fail the job,
+        naming the failure that started it (one not caused by a lost peer, then the earliest)."""
+        if self.first_failed_at is None or self.failed:
+            return
+        if self.running and time.monotonic() - self.first_failed_at < FAILURE_WINDOW:
+            return
+        node_rank, first = min(
+            self.failed_ranks, key=lambda nf: (bool(PEER_LOST.search(nf[1]["message"])), nf[1]["timestamp"])
+        )
+        member = self.job.members[node_rank]
+        self.result.failure = RankFailure(
+            rank=first["rank"],
+            local_rank=first["local_rank"],
+            node_rank=node_rank,
+            host=member.address,
+            exit_code=first["exit_code"],
+            message=first["message"],
+            traceback=first["traceback"],
+        )
+        self.job.fail(
+            JobFailure(member, FAILED, first["exit_code"], str(self.result.failure), member.address, first["traceback"])
+        )
 
     def _on_reply(self, node_rank: int, reply: dict[str, Any] | BaseException) -> None:
         member = self.job.members[node_rank]
@@ -277,21 +312,13 @@ class _Run:
             return  # a consequence of the first failure
         first = reply["failures"][0] if reply["failures"] else None
         if first is None:
-            reason = reply["error"] or f"torchrun on node {node_rank} exited with code {reply['exit_code']}"
-            self.job.fail(JobFailure(member, FAILED, reply["exit_code"], reason, member.address))
+            if self.first_failed_at is None:  # else a failed rank named soon says more
+                reason = reply["error"] or f"torchrun on node {node_rank} exited with code {reply['exit_code']}"
+                self.job.fail(JobFailure(member, FAILED, reply["exit_code"], reason, member.address))
             return
-        self.result.failure = RankFailure(
-            rank=first["rank"],
-            local_rank=first["local_rank"],
-            node_rank=node_rank,
-            host=member.address,
-            exit_code=first["exit_code"],
-            message=first["message"],
-            traceback=first["traceback"],
-        )
-        self.job.fail(
-            JobFailure(member, FAILED, first["exit_code"], str(self.result.failure), member.address, first["traceback"])
-        )
+        self.failed_ranks.append((node_rank, first))
+        if self.first_failed_at is None:
+            self.first_failed_at = time.monotonic()
 
 
 def _run(

@@ -95,7 +95,7 @@ def test_a_launch_that_changes_how_python_starts_gets_workers_started_on_their_o
     s.await_workers(workers, timeout_seconds=60)
     for w in workers:
         record = described(s, w["id"])
-        assert f"hook ran in {record['pid']}" in s.backend.output(s._workers[w["id"]].handle)  # its log
+        assert f"hook ran in {record['pid']}" in s.worker_log(w)  # its log
         assert record["parent"] == os.getpid()
     assert templates() == []
 
@@ -128,7 +128,7 @@ def test_a_template_whose_start_up_started_threads_does_not_fork(tmp_path, monke
         workers = s.launch_workers(2, cpu=1, memory=1, code=DESCRIBE)
         assert s.await_workers(workers, timeout_seconds=60)["failures"] == []
         assert [described(s, w["id"])["parent"] for w in workers] == [os.getpid()] * 2
-        log = os.path.join(s._dir, "workers", "template-0.log")
+        log = os.path.join(s.session_dir, "workers", "template-0.log")
         deadline = time.monotonic() + 10
         while templates() and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -1,7 +1,7 @@
 """The TensorFlow tests again, on the newest TensorFlow: 2.21 in .venv-tf2.21 (scripts/install.sh dev).
 
 The coordinator of parameter-server training is the test process itself, so these tests run in that
-venv's own pytest: test_tensorflow.py on every backend, and the faults of test_faults.py that involve
+venv's own pytest: test_tensorflow.py on local workers, and the faults of test_faults.py that involve
 TensorFlow and not Horovod (which does not build against TensorFlow >= 2.16). tf.keras is tf_keras
 there (TF_USE_LEGACY_KERAS=1), as the fix cmlcluster gives users says; what Keras 3 does is
 test_keras_fit_as_coordinator_trains_or_fails_at_once_saying_how_to_get_keras_2, in a child process.
@@ -28,9 +28,9 @@ TESTS = [
     "tests/integration/test_faults.py::test_kill_9_of_a_parameter_server_while_this_process_coordinates",
     "tests/unit/test_tf_versions.py",
 ]
-# The version is what this run tests, on local, docker and ssh workers. The kubernetes backend runs the
-# same tests with the main TensorFlow (this environment has no Kubernetes client).
-BACKENDS = ["-k", "not kubernetes"]
+# The version is what this run tests: on local workers. The other backends run the same tests with the
+# main TensorFlow; what they change (where a task runs) does not depend on TensorFlow's version.
+BACKENDS = ["-k", "not docker and not ssh and not kubernetes"]
 
 
 @pytest.mark.timeout(2400)
@@ -57,4 +57,4 @@ def test_the_tensorflow_tests_pass_on_the_newest_tensorflow(tmp_path):
     assert run.returncode == 0, text[-30000:]
     counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (\w+)", summary))
     # Nothing failed, skipped or errored.
-    assert counts.get("passed", 0) >= 30 and not set(counts) - {"passed", "deselected", "warning", "warnings"}, summary
+    assert counts.get("passed", 0) >= 15 and not set(counts) - {"passed", "deselected", "warning", "warnings"}, summary
