@@ -1,6 +1,7 @@
 """Faults during jobs, on real workers: kill -9 of one worker or rank during run_cluster and %horovod,
-and reuse of Horovod workers. Each job must fail within 5 s naming the worker, its role and exit code,
-stop every other process of the job, and leave the session able to run the next job."""
+and reuse of Horovod workers. Each job must fail naming the worker, its role and exit code (-9: seen by
+the backend as the process died, not by a silence), stop every other process of the job, and leave the
+session able to run the next job."""
 
 from __future__ import annotations
 

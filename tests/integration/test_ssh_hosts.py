@@ -87,7 +87,7 @@ def test_gpu_ids_per_host_go_to_the_workers_that_asked(ssh_hosts):
         assert s.call(plain, "os:getenv", "CUDA_VISIBLE_DEVICES") == ""
 
 
-def test_a_host_that_drops_fails_its_workers_within_5_s_and_the_others_carry_on():
+def test_a_host_that_drops_fails_its_workers_while_the_others_carry_on():
     with start_hosts(2) as hosts:
         with Session(ssh_backend(hosts, slots=1), echo=False) as s:
             code = "import time\nfor i in range(40):\n    print('step', i, flush=True)\n    time.sleep(0.25)\n"
