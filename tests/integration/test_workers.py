@@ -385,12 +385,13 @@ def test_a_worker_frozen_longer_than_the_silence_it_allows_lives_on(local_sessio
 def test_workers_whose_controller_stops_answering_exit_and_say_why(local_session):
     workers = local_session.launch_workers(2, cpu=0.5, memory=0.5)
     assert local_session.await_workers(workers, wait_for_completion=False, timeout_seconds=40)["failures"] == []
-    [controller] = [p.pid for p in running("cmlcluster._controller") if local_session.id in command_line(p)]
-    os.killpg(controller, signal.SIGSTOP)  # it leads a process group of its own
+    # The controller and its lifeline lead a process group of their own.
+    [group] = {os.getpgid(p.pid) for p in running("cmlcluster._controller") if local_session.id in command_line(p)}
+    os.killpg(group, signal.SIGSTOP)
     try:
         done = local_session.await_workers(workers, timeout_seconds=40)
     finally:
-        os.killpg(controller, signal.SIGCONT)
+        os.killpg(group, signal.SIGCONT)
     assert done["workers"] == [] and len(done["failures"]) == 2, done
     for failure in done["failures"]:
         assert failure["status"] == "failed"
