@@ -92,7 +92,8 @@ def pytest_sessionfinish(session, exitstatus):
     for c in containers:
         c.remove(force=True)
     for p in own_tree():  # the run's, and only the run's
-        p.kill()
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            p.kill()
     if left:
         print(f"\nthe test run left behind: {left}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
