@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DDP_SCRIPT = str(ROOT / "worker_scripts" / "torch_ddp_train.py")
@@ -67,6 +68,24 @@ def check(name: str, ok: bool, detail: str = "") -> bool:
 
 def info(text: str) -> None:
     print(f"INFO: {text}", flush=True)
+
+
+def run_and_show(what: str, *args: Any, **kwargs: Any) -> Any:
+    """run_torch(*args, nvidia_gpu=1, ...) with its output shown and its ok checked; None if it raised."""
+    from cmlcluster import run_torch
+
+    t0 = time.monotonic()
+    try:
+        result = run_torch(*args, nvidia_gpu=1, cpu=4, memory=8, echo=False, **kwargs)
+    except Exception:
+        check(f"run_torch({what}, nvidia_gpu=1) ran", False, traceback.format_exc())
+        return None
+    info(f"run_torch({what}): {result!r} in {time.monotonic() - t0:.1f} s; hosts {result.hosts}")
+    for rank, lines in result.output.items():
+        for line in lines:
+            print(f"    [rank {rank}] {line}", flush=True)
+    check(f"run_torch({what}, nvidia_gpu=1): result.ok", result.ok, result.message)
+    return result
 
 
 def described(session, worker: dict) -> dict:
@@ -281,23 +300,12 @@ def tiny_ddp(steps: int) -> dict:
 
 
 def torch_runs(s, count: int) -> None:
-    from cmlcluster import run_torch
 
     backend = s.backend
     args = argparse.Namespace(**ARGS)
-    t0 = time.monotonic()
-    try:
-        result = run_torch(
-            DDP_SCRIPT, ["--epochs", str(args.epochs)], nnodes=1, nvidia_gpu=1, cpu=4, memory=8, session=s, echo=False
-        )
-    except Exception:
-        check("run_torch(torch_ddp_train.py, nvidia_gpu=1) ran", False, traceback.format_exc())
+    result = run_and_show("torch_ddp_train.py", DDP_SCRIPT, ["--epochs", str(args.epochs)], nnodes=1, session=s)
+    if result is None:
         return
-    info(f"run_torch(script): {result!r} in {time.monotonic() - t0:.1f} s; hosts {result.hosts}")
-    for rank, lines in result.output.items():
-        for line in lines:
-            print(f"    [rank {rank}] {line}", flush=True)
-    check("run_torch(torch_ddp_train.py, nvidia_gpu=1): result.ok", result.ok, result.message)
     lines = result.output.get(0, [])
     check("the DDP script ran on cuda:0 with NCCL", any("(cuda:0, nccl)" in x for x in lines), str(lines[:2]))
     check(
@@ -306,17 +314,9 @@ def torch_runs(s, count: int) -> None:
     )
     check("the GPU is free again after run_torch", backend.gpus.free == backend.gpus.all, str(backend.gpus.free))
 
-    t0 = time.monotonic()
-    try:
-        result = run_torch(tiny_ddp, [args.steps], nvidia_gpu=1, cpu=4, memory=8, session=s, echo=False)
-    except Exception:
-        check("run_torch(function, nvidia_gpu=1) ran", False, traceback.format_exc())
+    result = run_and_show("function", tiny_ddp, [args.steps], session=s)
+    if result is None:
         return
-    info(f"run_torch(function): {result!r} in {time.monotonic() - t0:.1f} s")
-    for rank, lines in result.output.items():
-        for line in lines:
-            print(f"    [rank {rank}] {line}", flush=True)
-    check("run_torch(function, nvidia_gpu=1): result.ok", result.ok, result.message)
     value = result.value or {}
     info(f"rank 0's value: {json.dumps(value)}")
     losses = value.get("losses", [])
