@@ -11,8 +11,8 @@ from ..errors import ConfigError
 
 DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")  # what torch.distributed.init_process_group accepts
 DEFAULT_JOIN_TIMEOUT = 120  # seconds for every node to reach the rendezvous
-# torchrun --tee prefixes each line of a local process with its role and local rank: "[default1]:".
-TEE_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$", re.DOTALL)
+# torchrun --tee prefixes what a local process writes with its role and local rank: "[default1]:".
+TEE_HEADER = re.compile(r"\[default(\d+)\]:")
 RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$", re.DOTALL)  # how a rank's line reaches the session
 
 
@@ -76,15 +76,43 @@ def torchrun_args(
     ]  # fmt: skip
 
 
-def rank_label(line: str, node_rank: int, nproc_per_node: int) -> tuple[int | None, str]:
-    """(global rank, text) of a teed line; (None, line) for torchrun's own lines.
+class TeedLines:
+    """Whole lines, each with its global rank, from torchrun's teed output, one output line at a time.
 
+    torchrun's tail thread writes each readline() of a process's log behind its header, and
+    readline() returns part of a line when the process has written only part of it (an
+    unbuffered print writes its text and its newline apart): "[default1]:script finished"
+    then "[default1]:\n" arrive as one line, "[default1]:script finished[default1]:". So a
+    header may come mid-line, and a process's line ends only at a newline after its own header.
     A static rendezvous numbers ranks node by node: node_rank x nproc_per_node + local rank.
     """
-    match = TEE_PREFIX.match(line)
-    if match is None:
-        return None, line
-    return node_rank * nproc_per_node + int(match.group(1)), match.group(2)
+
+    def __init__(self, node_rank: int, nproc_per_node: int):
+        self.first_rank = node_rank * nproc_per_node
+        self.partial: dict[int, str] = {}  # global rank -> its line so far
+
+    def feed(self, line: str) -> list[tuple[int | None, str]]:
+        """(global rank, text) of each line that ends here; rank None for torchrun's own lines."""
+        headers = list(TEE_HEADER.finditer(line))
+        if not headers:
+            return [(None, line)]
+        lines: list[tuple[int | None, str]] = []
+        if headers[0].start() > 0:  # torchrun's own text before a process's
+            lines.append((None, line[: headers[0].start()]))
+        for header, after in zip(headers, [*headers[1:], None]):
+            rank = self.first_rank + int(header.group(1))
+            text = self.partial.pop(rank, "") + line[header.end() : after.start() if after else None]
+            if after is None:
+                lines.append((rank, text))
+            else:
+                self.partial[rank] = text  # the next header came before this line's newline
+        return lines
+
+    def flush(self) -> list[tuple[int | None, str]]:
+        """The parts of lines left when the output ends."""
+        lines: list[tuple[int | None, str]] = sorted(self.partial.items())
+        self.partial.clear()
+        return lines
 
 
 def parse_rank_line(text: str) -> tuple[int, str] | None:

@@ -104,6 +104,7 @@ def _relay(process: subprocess.Popen[bytes], node_rank: int, nproc: int, rank0_o
     assert process.stdout is not None and process.stderr is not None
     targets: dict[IO[bytes], Any] = {process.stdout: sys.stdout, process.stderr: sys.stderr}
     partial: dict[IO[bytes], bytes] = {pipe: b"" for pipe in targets}
+    teed = {pipe: commands.TeedLines(node_rank, nproc) for pipe in targets}
     with selectors.DefaultSelector() as selector:
         for pipe in targets:
             selector.register(pipe, selectors.EVENT_READ)
@@ -116,8 +117,10 @@ def _relay(process: subprocess.Popen[bytes], node_rank: int, nproc: int, rank0_o
                     lines = [partial.pop(pipe)] if partial[pipe] else []
                 else:
                     *lines, partial[pipe] = (partial[pipe] + chunk).split(b"\n")
-                for raw in lines:
-                    rank, text = commands.rank_label(raw.decode(errors="replace"), node_rank, nproc)
+                labelled = [line for raw in lines for line in teed[pipe].feed(raw.decode(errors="replace"))]
+                if not chunk:
+                    labelled += teed[pipe].flush()
+                for rank, text in labelled:
                     if rank is None:
                         print(text, file=targets[pipe])
                     elif rank == 0 or not rank0_only:

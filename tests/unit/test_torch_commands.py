@@ -75,15 +75,26 @@ def test_torchrun_argv_is_a_static_rendezvous_at_worker_0():
 
 
 def test_teed_lines_get_their_global_rank():
-    assert commands.rank_label("[default1]:loss 0.5", node_rank=2, nproc_per_node=4) == (9, "loss 0.5")
-    assert commands.rank_label("[default0]:", 0, 1) == (0, "")
-    assert commands.rank_label("W1122 torch/distributed/run.py:874] warning", 1, 2) == (
-        None,
-        "W1122 torch/distributed/run.py:874] warning",
-    )
+    teed = commands.TeedLines(node_rank=2, nproc_per_node=4)
+    assert teed.feed("[default1]:loss 0.5") == [(9, "loss 0.5")]
+    assert teed.feed("[default0]:") == [(8, "")]
+    assert teed.feed("W1122 torch/distributed/run.py:874] warning") == [(None, "W1122 torch/distributed/run.py:874] warning")]
+    assert teed.flush() == []
     assert commands.parse_rank_line("[rank 9] loss 0.5") == (9, "loss 0.5")
     assert commands.parse_rank_line("[rank 9]loss") is None
     assert commands.parse_rank_line("epoch 3") is None
+
+
+def test_a_line_torchrun_read_in_parts_is_put_back_together():
+    # torchrun's tail thread puts its header before each part it read: seen in CI, an unbuffered print's
+    # text and newline arrived as "[default1]:script finished[default1]:".
+    teed = commands.TeedLines(node_rank=0, nproc_per_node=2)
+    assert teed.feed("[default1]:script finished[default1]:") == [(1, "script finished")]
+    # Parts of two processes' lines interleave; each line ends at its own newline.
+    assert teed.feed("[default1]:epo[default0]:loss 0.5") == [(0, "loss 0.5")]
+    assert teed.feed("[default1]:ch 3") == [(1, "epoch 3")]
+    assert teed.feed("[default0]:no newline yet[default1]:done") == [(1, "done")]
+    assert teed.flush() == [(0, "no newline yet")]
 
 
 def test_script_arguments_are_strings():
