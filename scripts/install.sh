@@ -78,7 +78,7 @@ if $dev; then
     [ -x .venv-tf2.21/bin/python ] || python3 -m venv .venv-tf2.21
     .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
     .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check -e ".[docker]" \
-        "$NEWEST_TENSORFLOW" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
+        "$NEWEST_TENSORFLOW" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "psutil>=5.9"
     .venv-tf2.21/bin/python -m pip install -q --disable-pip-version-check --no-deps "$NEWEST_TF_KERAS"
     pip_check .venv-tf2.21 "^tf-keras [^ ]* requires tensorflow, which is not installed"
     bash scripts/build_horovod.sh  # against .venv's TensorFlow, pinned as above

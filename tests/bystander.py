@@ -40,8 +40,20 @@ class Bystander:
         (self.folder / "stop").touch()
         return _read_when_there(self.folder / "stopped.json", timeout)
 
+    def stopped(self) -> bool:
+        return (self.folder / "stopped.json").exists()
+
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def save(self, path: str) -> None:
+        """For the run's other processes (pytest-xdist's workers): the test may run in any of them."""
+        _write(Path(path), {"folder": str(self.folder), "ready": self.ready})
+
+    @classmethod
+    def saved(cls, path: str) -> Bystander:
+        data = json.loads(Path(path).read_text())
+        return cls(Path(data["folder"]), data["ready"])
 
 
 def _read_when_there(path: Path, timeout: float, pid: int = 0) -> dict:
@@ -58,7 +70,8 @@ def _read_when_there(path: Path, timeout: float, pid: int = 0) -> dict:
 def start(image: str, timeout: float = 120.0) -> Bystander:
     """Start the bystander and return once its workers run."""
     folder = Path(tempfile.mkdtemp(prefix="cmlcluster-bystander-", dir="/tmp"))
-    env = {k: v for k, v in os.environ.items() if k not in (RUN_TAG_ENV, "CMLCLUSTER_STATE_DIR")}
+    run_only = (RUN_TAG_ENV, "CMLCLUSTER_STATE_DIR", "CMLCLUSTER_TESTS_ROOT", "PYTEST_XDIST_WORKER")
+    env = {k: v for k, v in os.environ.items() if k not in run_only}
     env |= {"CMLCLUSTER_STATE_DIR": str(folder / "state"), "TMPDIR": str(folder / "tmp")}
     (folder / "tmp").mkdir()
     log = open(folder / "bystander.log", "wb")

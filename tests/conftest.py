@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import json
 import os
 import shutil
 import sys
@@ -33,11 +34,19 @@ import pytest
 
 from cmlcluster.backends.base import RUN_TAG_ENV
 
+# A run is this pytest process and, with pytest-xdist (`-n 2` in pyproject.toml), its workers. The first
+# process, the root, makes the run's folder and tag; each worker gets a tag of its own below the root's
+# ("<root tag>-gw0"), so that its leak checks see only what it started and the root's last sweep sees all.
+ROOT_ENV = "CMLCLUSTER_TESTS_ROOT"  # the root's folder, for every process of the run
+IS_ROOT = ROOT_ENV not in os.environ
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "" in the root
 # Set at import, before any test module or session reads them; subprocesses (kernels, the CLI) inherit them.
-RUN_TAG = f"tests-{uuid.uuid4().hex[:12]}"
+RUN_TAG = f"tests-{uuid.uuid4().hex[:12]}" if IS_ROOT else f"{os.environ[RUN_TAG_ENV]}-{WORKER or os.getpid()}"
 # Not named cmlcluster-*: what the run's programs write under its temp folder on an SSH host (a script's
 # checkpoints, say) is theirs, not a session folder that a leak check looks for.
-RUN_DIR = tempfile.mkdtemp(prefix=f"{RUN_TAG}-")
+RUN_DIR = tempfile.mkdtemp(prefix=f"{RUN_TAG}-")  # a worker's is in the root's temp folder
+ROOT_DIR = RUN_DIR if IS_ROOT else os.environ[ROOT_ENV]
+os.environ[ROOT_ENV] = ROOT_DIR
 os.environ[RUN_TAG_ENV] = RUN_TAG
 os.environ["CMLCLUSTER_STATE_DIR"] = os.path.join(RUN_DIR, "state")
 os.environ["TMPDIR"] = os.path.join(RUN_DIR, "tmp")
@@ -55,43 +64,90 @@ KUBE_CLAIM = "tests-shared"  # the stand-in cluster's PersistentVolumeClaim: the
 LEAK_GRACE = 15.0  # seconds for what a test stopped to be gone, before it counts as left behind
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
-# Everything the leak checks reported, for the bystander test: none of it may be the bystander's.
-REPORTED: dict[str, list] = {"pids": [], "containers": []}
-BYSTANDER: dict = {}  # "handle": the running bystander (tests/bystander.py), when its test was collected
+# What every process of the run shares, in the root's folder: what the leak checks reported and the
+# tests that finished (one JSON line each, appended), and the bystander (tests/bystander.py).
+REPORTS = os.path.join(ROOT_DIR, "reported.jsonl")
+FINISHED = os.path.join(ROOT_DIR, "finished.jsonl")
+BYSTANDER = os.path.join(ROOT_DIR, "bystander.json")
+
+
+def append_line(path: str, record) -> None:
+    """One JSON line, appended in one write: processes of the run append to the same file at once."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_lines(path: str) -> list:
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        return [json.loads(line) for line in f]
+    return []
 
 
 def pytest_collection_modifyitems(config, items):
-    """The bystander's test runs last: it checks the bystander after everything else ran beside it."""
+    """The longest file first (pytest-xdist's other worker does the rest meanwhile), and the bystander's
+    test last: it checks the bystander after everything else ran beside it."""
+    first = [item for item in items if getattr(item.module, "LONGEST", False)]
     last = [item for item in items if item.get_closest_marker("bystander")]
-    items[:] = [item for item in items if item not in last] + last
+    items[:] = first + [item for item in items if item not in first + last] + last
 
 
 def pytest_collection_finish(session):
-    # The bystander starts before this process adopts orphans, so that it is not the run's.
-    if any(item.get_closest_marker("bystander") for item in session.items):
-        import bystander
+    """In every process that runs tests (without xdist, the root)."""
+    if IS_ROOT and any(item.get_closest_marker("bystander") for item in session.items):
+        start_bystander()
+    become_subreaper()
 
-        BYSTANDER["handle"] = bystander.start(DOCKER_TEST_IMAGE)
-    # A process whose parent dies comes to this process, not to init: it stays in the run's tree.
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """In the root, under xdist, as each worker has collected (the tests start once all have)."""
+    if os.path.exists(BYSTANDER) or not any("test_bystander.py::" in i for i in ids):
+        return
+    start_bystander()
+    become_subreaper()  # a worker that crashes leaves its orphans in the run's tree
+
+
+def start_bystander() -> None:
+    """Before this process adopts orphans, so that the bystander is not the run's."""
+    import bystander
+
+    bystander.start(DOCKER_TEST_IMAGE).save(BYSTANDER)
+
+
+def become_subreaper() -> None:
+    """A process whose parent dies comes to this process, not to init: it stays in the run's tree."""
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
+def pytest_runtest_logfinish(nodeid, location):
+    append_line(FINISHED, nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """In the root: a test whose worker crashed will not say it finished."""
+    append_line(FINISHED, crashitem)
+
+
+@pytest.hookimpl(trylast=True)  # after xdist has ended its workers
 def pytest_sessionfinish(session, exitstatus):
-    """The whole run leaves nothing: what is left of it now is reported, and then removed."""
-    handle = BYSTANDER.pop("handle", None)
-    if handle is not None:  # its test stopped it; this is for a run that ended before its test
-        try:
-            handle.stop()
-        except AssertionError:
-            pass
+    """Every process of the run leaves nothing of its own: what is left now is reported, then removed.
+    The root also stops the bystander if its test did not, and sweeps every worker's containers."""
+    if IS_ROOT and os.path.exists(BYSTANDER):
+        import bystander
+
+        handle = bystander.Bystander.saved(BYSTANDER)
+        if not handle.stopped():  # its test stops it; this is for a run that ended before its test
+            with contextlib.suppress(AssertionError):
+                handle.stop()
         handle.remove()
     left = [f"{p.pid} {processes.command_line(p)}" for p in cmlcluster_processes()]
-    containers = run_containers()
+    containers = run_containers(whole_run=IS_ROOT)
     left += [f"container {c.name}" for c in containers]
     for c in containers:
         c.remove(force=True)
-    for p in own_tree():  # the run's, and only the run's
+    for p in own_tree():  # this process's, and only its
         with contextlib.suppress(psutil.Error):  # gone meanwhile
             p.kill()
     if left:
@@ -150,9 +206,7 @@ def kube(tmp_path_factory):
 
     shared = str(tmp_path_factory.getbasetemp())
     # A node big enough for any test's workers: its scheduler is real, and 2 CPUs would hold few pods.
-    with StandInCluster(
-        network="cmlcluster-kube", node_cpu="64", node_memory="256Gi", host_python=True, claims={KUBE_CLAIM: shared}
-    ) as cluster:
+    with StandInCluster(node_cpu="64", node_memory="256Gi", host_python=True, claims={KUBE_CLAIM: shared}) as cluster:
         yield cluster
 
 
@@ -268,7 +322,8 @@ def no_leaked_containers(request):
     # The SSH test hosts stay for the whole run (a session fixture, perhaps started by this test).
     leaked = settle(lambda: [c for c in run_containers() if c.id not in before and TEST_HOST_LABEL not in c.labels])
     names = [c.name for c in leaked]
-    REPORTED["containers"] += names
+    if names:
+        append_line(REPORTS, {"containers": names})
     for c in leaked:  # do not let one leak fail every later test
         c.remove(force=True)
     assert not leaked, f"containers left behind: {names}"
@@ -284,7 +339,8 @@ def no_leaked_processes(request):
     yield
     leaked = settle(lambda: [p for p in cmlcluster_processes() if p.pid not in before])
     described = [(p.pid, processes.command_line(p)) for p in leaked]
-    REPORTED["pids"] += [p.pid for p in leaked]
+    if leaked:
+        append_line(REPORTS, {"pids": [p.pid for p in leaked]})
     for p in leaked:
         with contextlib.suppress(psutil.Error):
             p.kill()

@@ -59,18 +59,21 @@ def own_tree() -> list[psutil.Process]:
     return _live(psutil.Process().children(recursive=True))
 
 
-def run_containers(**filters) -> list:
-    """This run's containers (running or not); [] where no Docker engine answers."""
+def run_containers(*, whole_run: bool = False, **filters) -> list:
+    """This process's containers (running or not), or with whole_run those of every process of the run
+    (their tags begin with this one: conftest.py); [] where no Docker engine answers."""
     if not RUN_TAG:
         return []
     try:
         import docker
 
         client = docker.from_env(timeout=10)
-        label = [f"{RUN_TAG_LABEL}={RUN_TAG}", *filters.pop("label", [])]
-        return client.containers.list(all=True, filters={"label": label, **filters}, ignore_removed=True)
+        tag = RUN_TAG_LABEL if whole_run else f"{RUN_TAG_LABEL}={RUN_TAG}"
+        label = [tag, *filters.pop("label", [])]
+        found = client.containers.list(all=True, filters={"label": label, **filters}, ignore_removed=True)
     except Exception:  # no Docker engine: nothing of the run there
         return []
+    return [c for c in found if c.labels.get(RUN_TAG_LABEL, "").startswith(RUN_TAG)]
 
 
 def run_processes() -> list[psutil.Process]:

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -217,8 +218,9 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "cmlcluster-hosts") -> TestHosts:
-    """Start n test hosts on `network` (created when missing) and return them once sshd answers on each.
+def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "") -> TestHosts:
+    """Start n test hosts on `network` (created when missing; by default one of their own, so that runs
+    and pytest-xdist's workers may each have hosts at once) and return them once sshd answers on each.
 
     The caller must close() the result (or use it as a context manager).
     """
@@ -226,6 +228,7 @@ def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "cml
 
     client = docker.from_env(timeout=60, max_pool_size=max(10, n + 2))
     tempdir = tempfile.mkdtemp(prefix="sshhosts-")  # not cmlcluster-*: the leak checker watches those
+    network = network or f"cmlcluster-hosts-{uuid.uuid4().hex[:12]}"
     hosts = TestHosts(
         hosts=[],
         user=USER,

@@ -87,7 +87,10 @@ class DockerBackend(Backend):
     """Options (image and host_python also from CMLCLUSTER_DOCKER_IMAGE, CMLCLUSTER_DOCKER_HOST_PYTHON=1):
 
     image: the worker image (cmlcluster, Python and, for Horovod, sshd and Horovod in it).
-    network: a user-defined bridge network, created when missing.
+    network: a user-defined bridge network, created when missing and then kept, as Docker keeps its own
+        bridge: every session on this engine shares it, and removing it when one session ends would
+        pull it from under another starting at that moment (and move its gateway, where its
+        controller listens).
     volumes: {host path: container path} (or "host:container[:ro]" strings), shared by every worker:
         data, checkpoints, logs, like the EFS mount of the AWS template.
     host_python: bind-mount this host's /usr, Python environment and cmlcluster read-only, so
@@ -122,7 +125,6 @@ class DockerBackend(Backend):
         self._gpus = GpuPool(list(gpu_ids) if gpu_ids is not None else visible_gpus())
         self._client: Any = None
         self._gateway: str | None = None
-        self._created_network = False
         # Containers start and stop in parallel; the SDK blocks, so each call gets a thread.
         # Made per session (attach), so that the backend serves the next session after close().
         self._pool: ThreadPoolExecutor | None = None
@@ -169,13 +171,15 @@ class DockerBackend(Backend):
                 network = client.networks.create(
                     self.network, driver="bridge", check_duplicate=True, labels={f"{LABEL}.network": "1"}
                 )
-                self._created_network = True
             except docker.errors.APIError as e:
-                raise ConfigError(
-                    f"network={self.network!r} could not be created: {e.explanation or e}. If its address range "
-                    "clashes with another network, remove that one or create this one yourself with a free "
-                    f"--subnet (docker network create --subnet 10.201.0.0/24 {self.network})"
-                ) from None
+                try:
+                    network = client.networks.get(self.network)  # another session made it meanwhile
+                except docker.errors.NotFound:
+                    raise ConfigError(
+                        f"network={self.network!r} could not be created: {e.explanation or e}. If its address "
+                        "range clashes with another network, remove that one or create this one yourself with a "
+                        f"free --subnet (docker network create --subnet 10.201.0.0/24 {self.network})"
+                    ) from None
             network.reload()
         if network.attrs.get("Driver") != "bridge":
             raise ConfigError(
@@ -351,14 +355,10 @@ class DockerBackend(Backend):
 
     async def close(self) -> None:
         if self._client is not None:
-            if self._created_network:
-                # Another session may still use it; then it stays, and the last one out removes it.
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(lambda: self._client.networks.get(self.network).remove())
             await asyncio.to_thread(self._client.close)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-        self._client, self._pool, self._created_network = None, None, False
+        self._client, self._pool = None, None
 
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         assert self._pool is not None, "attach() first"

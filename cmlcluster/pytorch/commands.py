@@ -99,7 +99,7 @@ class TeedLines:
         lines: list[tuple[int | None, str]] = []
         if headers[0].start() > 0:  # torchrun's own text before a process's
             lines.append((None, line[: headers[0].start()]))
-        for header, after in zip(headers, [*headers[1:], None]):
+        for header, after in zip(headers, [*headers[1:], None], strict=True):
             rank = self.first_rank + int(header.group(1))
             text = self.partial.pop(rank, "") + line[header.end() : after.start() if after else None]
             if after is None:

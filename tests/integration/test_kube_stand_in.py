@@ -147,8 +147,8 @@ def test_pod_life_log_labels_and_garbage_collection(cluster, api):
     assert phases[0] == "Pending" and "Running" in phases and phases[-1] == "Failed", phases
     running = next(p for _, p in seen if p.status.phase == "Running")
     (container,) = cluster.containers()
-    assert "cmlcluster-kube" in container.attrs["NetworkSettings"]["Networks"]
-    subnet = docker.from_env().networks.get("cmlcluster-kube").attrs["IPAM"]["Config"][0]["Subnet"]
+    assert cluster.network_name in container.attrs["NetworkSettings"]["Networks"]
+    subnet = docker.from_env().networks.get(cluster.network_name).attrs["IPAM"]["Config"][0]["Subnet"]
     assert ipaddress.ip_address(running.status.pod_ip) in ipaddress.ip_network(subnet)
     assert running.status.host_ip == cluster.gateway
     assert running.status.container_statuses[0].ready and running.status.container_statuses[0].state.running

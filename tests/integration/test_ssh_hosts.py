@@ -140,7 +140,7 @@ def test_unknown_or_changed_host_keys_are_refused_and_trust_on_first_use_is_aske
 
 
 def test_a_host_without_cmlcluster_is_refused_before_anything_starts(ssh_hosts):
-    with start_hosts(1, with_cmlcluster=False, network="cmlcluster-hosts-bare") as bare:
+    with start_hosts(1, with_cmlcluster=False) as bare:
         known = Path(ssh_hosts.known_hosts).read_text() + Path(bare.known_hosts).read_text()
         both = Path(bare.known_hosts).with_name("both_known_hosts")
         both.write_text(known)

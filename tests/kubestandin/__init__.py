@@ -35,7 +35,7 @@ _LIVE: set[str] = set()  # this process's open clusters: their containers are no
 class StandInCluster:
     def __init__(
         self,
-        network: str = "cmlcluster-kube",
+        network: str = "",
         namespaces: Iterable[str] = ("default",),
         node_gpus: int = 0,
         node_cpu: str = "2",
@@ -44,10 +44,10 @@ class StandInCluster:
         host_python: bool = True,
         mount_paths: Iterable[str] = (),
     ):
-        self.network_name = network
         self.namespaces = tuple(namespaces)
         self.claims = dict(claims or {})
         self.id = uuid.uuid4().hex[:12]
+        self.network_name = network or f"cmlcluster-kube-{self.id}"  # its own: clusters may run at once
         capacity = {"cpu": str(node_cpu), "memory": str(node_memory), "pods": "110"}
         if node_gpus:
             capacity[GPU] = str(node_gpus)

@@ -78,7 +78,8 @@ def test_teed_lines_get_their_global_rank():
     teed = commands.TeedLines(node_rank=2, nproc_per_node=4)
     assert teed.feed("[default1]:loss 0.5") == [(9, "loss 0.5")]
     assert teed.feed("[default0]:") == [(8, "")]
-    assert teed.feed("W1122 torch/distributed/run.py:874] warning") == [(None, "W1122 torch/distributed/run.py:874] warning")]
+    warning = "W1122 torch/distributed/run.py:874] warning"
+    assert teed.feed(warning) == [(None, warning)]
     assert teed.flush() == []
     assert commands.parse_rank_line("[rank 9] loss 0.5") == (9, "loss 0.5")
     assert commands.parse_rank_line("[rank 9]loss") is None
