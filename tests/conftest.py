@@ -44,7 +44,8 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "" in the root
 RUN_TAG = f"tests-{uuid.uuid4().hex[:12]}" if IS_ROOT else f"{os.environ[RUN_TAG_ENV]}-{WORKER or os.getpid()}"
 # Not named cmlcluster-*: what the run's programs write under its temp folder on an SSH host (a script's
 # checkpoints, say) is theirs, not a session folder that a leak check looks for.
-RUN_DIR = tempfile.mkdtemp(prefix=f"{RUN_TAG}-")  # a worker's is in the root's temp folder
+# A worker's folder lies beside the root's, not in it: chromium's socket path (at most 107 bytes) is in it.
+RUN_DIR = tempfile.mkdtemp(prefix=f"{RUN_TAG}-", dir=None if IS_ROOT else os.path.dirname(os.environ[ROOT_ENV]))
 ROOT_DIR = RUN_DIR if IS_ROOT else os.environ[ROOT_ENV]
 os.environ[ROOT_ENV] = ROOT_DIR
 os.environ[RUN_TAG_ENV] = RUN_TAG
@@ -153,7 +154,10 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\nthe test run left behind: {left}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    shutil.rmtree(RUN_DIR, ignore_errors=True)
+    # The root's folder and, as their tags begin with its, its workers' (one that crashed leaves its own).
+    mine = glob.glob(os.path.join(os.path.dirname(RUN_DIR), f"{RUN_TAG}-*")) if IS_ROOT else [RUN_DIR]
+    for folder in mine:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def checks_leaks(request) -> bool:
