@@ -14,7 +14,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from .errors import CmlClusterError
 
@@ -146,37 +147,26 @@ def cleanup_sessions(dry_run: bool, namespace: str | None = None) -> int:
         anything = True
         done = registry.clean(record, dry_run)
         print(f"session {record['id']} (pid {record['pid']} is gone): {verb} {', '.join(done) or 'nothing'}")
-    from .backends import docker
-    from .errors import ConfigError
-
-    try:
-        names = docker.cleanup(dry_run=dry_run)
-    except ConfigError:  # no Docker engine (or SDK) here: no containers to look for
-        names = []
-    for name in names:
+    for what in _backend_cleanups(dry_run, {"namespace": namespace}):
         anything = True
-        print(f"{verb} container {name}")
-    for name in _kubernetes_cleanup(dry_run, namespace):
-        anything = True
-        print(f"{verb} {name}")
+        print(f"{verb} {what}")
     if not anything:
         print("nothing to clean up: everything cmlcluster started belongs to a running session")
     return 0
 
 
-def _kubernetes_cleanup(dry_run: bool, namespace: str | None) -> list[str]:
-    """What dead sessions of this host left on the Kubernetes cluster of the current configuration
-    (the kubeconfig, or this pod's cluster); nothing when there is none or no client."""
-    from .backends.kubernetes import backend
+def _backend_cleanups(dry_run: bool, options: dict[str, Any]) -> Iterator[str]:
+    """What each registered backend that has something to look at here ended (containers, pods)."""
+    from .backends import backend_class, known_backends
     from .errors import ConfigError
 
-    try:
-        return backend.cleanup(backend.KubernetesBackend(namespace=namespace), dry_run=dry_run)
-    except ConfigError:  # no cluster configured here
-        return []
-    except Exception as e:  # a cluster is configured but did not answer: say so, clean the rest
-        print(f"the Kubernetes cluster was not checked: {e}", file=sys.stderr)
-        return []
+    for name in known_backends():
+        try:
+            yield from backend_class(name).cleanup(dry_run, options)
+        except ConfigError:  # nothing of it here: no engine, no cluster configured, no client installed
+            continue
+        except Exception as e:  # configured, but it did not answer: say so, clean the rest
+            print(f"the {name} backend was not checked: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -428,7 +428,7 @@ class Session:
             os.chmod(self._dir, 0o700)  # holds the controller's keys
             self._record = registry.Recorder(self)
         if not self._attached:
-            self.backend.attach(SessionContext(session_id=self.id, session_dir=self._dir))
+            await self.backend.attach(SessionContext(session_id=self.id, session_dir=self._dir))
             self._attached = True
         control = self.backend.control_plane() or IPyParallelControl()
         control.on_engine = self._on_engine
@@ -478,7 +478,7 @@ class Session:
         env: dict[str, str],
         cwd: str,
     ) -> list[dict[str, Any]]:
-        self.backend.check(n, resources)
+        await self.backend.check(n, resources)
         control = await self._ensure_started()
         specs = [self._make_spec(resources, env, cwd, control) for _ in range(n)]
         workers = [Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs]

@@ -292,17 +292,13 @@ def session(backend):
 
 @pytest.fixture
 def shell():
-    """A real IPython shell with cmlcluster's magics loaded; afterwards the default session is stopped
-    and its backend is the default again (a test's use_backend must not follow the next test)."""
+    """A real IPython shell with cmlcluster's magics loaded (the default session it uses is stopped
+    afterwards: default_session_as_found)."""
     from IPython.core.interactiveshell import InteractiveShell
-
-    import cmlcluster
 
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "cmlcluster")
-    yield ip
-    cmlcluster.stop_session()
-    cmlcluster.use_backend(None)
+    return ip
 
 
 def settle(find):
@@ -365,3 +361,15 @@ def no_leaked_temp_folders(request):
     yield
     leaked = settle(lambda: sorted(cmlcluster_temp_folders() - before))
     assert not leaked, f"temp folders left behind: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def default_session_as_found(no_leaked_containers, no_leaked_processes, no_leaked_temp_folders):
+    """After each test, no default session and no backend choice: a test's use_backend (or run_horovod's
+    reuse=True, which makes one) must not follow the next test in this process. Set up after the leak
+    checks (it takes them), so torn down before them: the default session's workers are the test's."""
+    yield
+    api = sys.modules.get("cmlcluster.api")
+    if api is not None and (api._default is not None or api._backend is not None):
+        api.stop_session()
+        api.use_backend(None)

@@ -1,8 +1,8 @@
-"""Backends by name.
+"""Backends by name: the one registry.
 
-Built-in backends are listed as lazy import strings (so importing cmlcluster
-never imports docker or kubernetes); third-party backends register under the
-entry-point group ``cmlcluster.backends``.
+Built-in backends are listed here as lazy import strings (so importing cmlcluster
+never imports docker or kubernetes); other packages' backends register under the
+entry-point group ``cmlcluster.backends``, and cannot take a built-in's name.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
 
 
 def _entry_points() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in BUILTIN}
 
 
 def known_backends() -> list[str]:
@@ -39,7 +39,7 @@ def known_backends() -> list[str]:
 
 def backend_class(name: str) -> type[Backend]:
     """The class registered under `name`; an unknown name lists the known ones."""
-    target = _entry_points().get(name) or BUILTIN.get(name, ("", ""))[0]
+    target = BUILTIN.get(name, ("", ""))[0] or _entry_points().get(name, "")
     if not target:
         raise ConfigError(
             f"backend={name!r} is not a known backend; choose one of {', '.join(known_backends())} "

@@ -4,7 +4,9 @@ Modelled on JupyterHub's Spawner. A backend starts, polls, waits for, stops and
 reads the output of worker processes somewhere, with the resources asked for.
 It knows nothing of ipyparallel, statuses or CML; the session does all that.
 
-Lifecycle, all methods called from the session's event loop:
+Lifecycle, all methods called from the session's event loop. A method that may block (on a
+network, an engine, an API server) is async, and runs its blocking client on a thread, so that
+the loop that carries every worker's events never waits on one backend:
 
 - ``attach(context)`` once per session, before its first ``start``. One backend object serves
   one open session at a time; after ``close()`` it may be attached to the next one.
@@ -32,6 +34,10 @@ Lifecycle, all methods called from the session's event loop:
   does not (its host stopped answering, say).
 - ``close()`` once, after every worker has been stopped.
 
+And one class method, outside any session: ``cleanup(dry_run, options)`` ends what sessions of
+this host whose process is gone left with this backend (``cmlcluster cleanup`` calls it on every
+registered backend).
+
 A backend also *declares* what its workers are (``capabilities()``), so that the
 core never branches on a backend's name and never assumes a worker shares the
 session's host. Everything a worker needs from the session reaches it as data in
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -130,7 +137,9 @@ class Backend(abc.ABC):
     context: SessionContext
     _serving: str | None = None  # the id of the open session this backend serves
 
-    def attach(self, context: SessionContext) -> None:
+    async def attach(self, context: SessionContext) -> None:
+        """Once per session, before its first start: connect, prepare (networks, logins), and
+        raise ConfigError if this backend cannot serve here. Subclasses call this first."""
         if self._serving is not None:
             raise ConfigError(
                 f"this {self.name} backend object already serves session {self._serving}, which is open; "
@@ -155,14 +164,18 @@ class Backend(abc.ABC):
         """A control plane of the backend's own; None means the real ipyparallel one."""
         return None
 
-    def check(self, n: int, resources: Resources) -> None:  # noqa: B027 - optional hook
-        """Raise ConfigError if n workers with these resources can never start here."""
+    async def check(self, n: int, resources: Resources) -> None:  # noqa: B027 - optional hook
+        """Raise ConfigError if n workers with these resources can never start here: before each
+        launch, before anything of it starts (the first launch's comes before attach)."""
 
     @abc.abstractmethod
-    async def start(self, spec: WorkerSpec) -> Any: ...
+    async def start(self, spec: WorkerSpec) -> Any:
+        """The handle of a process started for `spec` (its argv, env, cwd, resources), once it has
+        been created; raises BackendError, leaving nothing of that worker behind, when it cannot."""
 
     @abc.abstractmethod
-    async def poll(self, handle: Any) -> int | None: ...
+    async def poll(self, handle: Any) -> int | None:
+        """None while the process is alive, else its exit code (-N for signal N)."""
 
     @abc.abstractmethod
     async def wait(self, handle: Any) -> int:
@@ -184,3 +197,15 @@ class Backend(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend itself holds (networks, cgroups...)."""
+
+    @classmethod
+    def cleanup(cls, dry_run: bool, options: Mapping[str, Any]) -> list[str]:
+        """End what sessions of this host whose process is gone left here (containers, pods): the
+        names of what was ended (or, with dry_run, would be). `options` are the command line's (the
+        Kubernetes namespace, say); a backend reads those it knows. Raises ConfigError when there is
+        nothing to look at here (no engine, no cluster configured, no client installed).
+
+        Worker processes and session folders on this host are the session records' (registry.py),
+        for every backend; this is for what lives elsewhere.
+        """
+        return []

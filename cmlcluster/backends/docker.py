@@ -131,7 +131,10 @@ class DockerBackend(Backend):
 
     # ---------------------------------------------------------------- before anything starts
 
-    def check(self, n: int, resources: Resources) -> None:
+    async def check(self, n: int, resources: Resources) -> None:
+        await asyncio.to_thread(self._check, n, resources)
+
+    def _check(self, n: int, resources: Resources) -> None:
         client = self._client or connect()
         self._client = client
         import docker.errors
@@ -154,10 +157,10 @@ class DockerBackend(Backend):
             if self._gpus.all:
                 self._gpus.check(n, resources)
 
-    def attach(self, context: SessionContext) -> None:
-        super().attach(context)
-        self._client = self._client or connect()
-        self._gateway = self._ensure_network()
+    async def attach(self, context: SessionContext) -> None:
+        await super().attach(context)
+        self._client = self._client or await asyncio.to_thread(connect)
+        self._gateway = await asyncio.to_thread(self._ensure_network)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cmlcluster-docker")
 
     def _ensure_network(self) -> str:
@@ -360,6 +363,10 @@ class DockerBackend(Backend):
             self._pool.shutdown(wait=False)
         self._client, self._pool = None, None
 
+    @classmethod
+    def cleanup(cls, dry_run: bool, options: Mapping[str, Any]) -> list[str]:
+        return [f"container {name}" for name in remove_orphans(dry_run=dry_run)]
+
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         assert self._pool is not None, "attach() first"
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: function(*args, **kwargs))
@@ -399,16 +406,18 @@ def _split_volume(volume: str) -> tuple[str, str]:
     return host, target
 
 
-def cleanup(client: Any = None, *, dry_run: bool = False) -> list[str]:
+def remove_orphans(client: Any = None, *, dry_run: bool = False) -> list[str]:
     """Remove containers labelled for a session whose process is gone; returns their names.
 
     A container belongs to a live session when its labelled pid runs on this host.
-    Containers of sessions on other hosts are left alone.
+    Containers of sessions on other hosts are left alone, and under a run tag (CMLCLUSTER_RUN_TAG:
+    a CI job's, a test run's) so are those of other runs.
     """
     client = client or connect()
     removed = []
     host = socket.gethostname()
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL}.session"}, ignore_removed=True):
+    labels = [f"{LABEL}.session", *(f"{k}={v}" for k, v in run_tag_labels().items())]
+    for container in client.containers.list(all=True, filters={"label": labels}, ignore_removed=True):
         labels = container.labels
         if labels.get(f"{LABEL}.host") != host:
             continue

@@ -93,7 +93,7 @@ class FakeBackend(Backend):
     def control_plane(self) -> ControlPlane:
         return self.control
 
-    def check(self, n: int, resources: Resources) -> None:
+    async def check(self, n: int, resources: Resources) -> None:
         self._gpus.check(n, resources)
 
     async def start(self, spec: WorkerSpec) -> FakeHandle:

@@ -58,7 +58,7 @@ class LocalBackend(Backend):
         # This machine, this user, this environment: workers inherit the session's variables.
         return Capabilities(own_address=False, session_host=True, python=sys.executable, shared_paths=("/",))
 
-    def check(self, n: int, resources: Resources) -> None:
+    async def check(self, n: int, resources: Resources) -> None:
         self._gpus.check(n, resources)
 
     async def start(self, spec: WorkerSpec) -> LocalHandle:

@@ -197,7 +197,7 @@ class SSHBackend(Backend):
 
     # ---------------------------------------------------------------- before anything starts
 
-    def check(self, n: int, resources: Resources) -> None:
+    async def check(self, n: int, resources: Resources) -> None:
         self._place(n, resources)  # raises when they do not fit
 
     def _place(self, n: int, resources: Resources) -> list[Host]:
@@ -219,10 +219,10 @@ class SSHBackend(Backend):
             chosen.append(host)
         return chosen
 
-    def attach(self, context: SessionContext) -> None:
-        super().attach(context)
+    async def attach(self, context: SessionContext) -> None:
+        await super().attach(context)
         if not self._checked:
-            self.preflight()
+            await asyncio.to_thread(self.preflight)
             self._checked = True
 
     def preflight(self) -> None:

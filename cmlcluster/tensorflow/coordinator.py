@@ -73,6 +73,12 @@ Tasks = frozenset[tuple[str, int, str]]  # a cluster's remote tasks: (job, index
 
 _failed: set[Tasks] = set()  # the clusters whose job failed (fail()), by their remote tasks
 RECOVERY_POLL_SECONDS = 0.2  # how often a waiting preemption handler looks again
+# How long every lost task must go on accepting connections to count as back. A task killed with
+# SIGKILL still accepts while the kernel tears its process down (its memory is unmapped before its
+# files close: long for TensorFlow's gigabytes on a loaded machine), and the job's failure (fail())
+# comes a moment after the backend sees the exit: a handler let through on one such connect then
+# waited in update_server_def for good (CI, two test processes on two cores: 5 tests failed).
+RECOVERY_SETTLE_SECONDS = 5.0
 
 
 def _remote_tasks(server_def: Any) -> Tasks:
@@ -129,11 +135,17 @@ PREEMPTION_HANDLER_THREAD = "WorkerPreemptionHandler"
 
 
 def _wait_for_lost_tasks(ctx: Any, server_def: Any) -> None:
-    """Return once every task accepts connections; never, once fail() was called for them, or once
-    this process coordinates another cluster (whose tasks may even reuse these addresses)."""
+    """Return once every task has accepted connections for RECOVERY_SETTLE_SECONDS; never, once fail()
+    was called for them, or once this process coordinates another cluster (whose tasks may even reuse
+    these addresses)."""
     tasks = _remote_tasks(server_def)
+    accepting_since: float | None = None
     while tasks not in _failed and ctx.get_server_def() is server_def:
-        if all(_accepts(address) for _, _, address in tasks):
+        if not all(_accepts(address) for _, _, address in tasks):
+            accepting_since = None
+        elif accepting_since is None:
+            accepting_since = time.monotonic()
+        elif time.monotonic() - accepting_since >= RECOVERY_SETTLE_SECONDS:
             return
         time.sleep(RECOVERY_POLL_SECONDS)
     # Parked for good, as TensorFlow would have been in update_server_def, but without touching

@@ -71,7 +71,7 @@ def contract(request):
     else:
         backend = backend_class(name)()
     folder = tempfile.mkdtemp(prefix="cmlcluster-contract-")
-    backend.attach(SessionContext(session_id=f"contract{os.getpid()}", session_dir=folder))
+    asyncio.run(backend.attach(SessionContext(session_id=f"contract{os.getpid()}", session_dir=folder)))
     counter = iter(range(100))
 
     def spec(program: str) -> WorkerSpec:
@@ -185,4 +185,4 @@ def test_output_is_complete_once_wait_or_stop_returns(contract):
 def test_a_launch_that_can_never_fit_is_refused_before_anything_starts(contract):
     backend, _ = contract
     with pytest.raises(ConfigError, match=r"nvidia_gpu=64|do not fit"):
-        backend.check(1000, Resources(cpu=1, memory=1, nvidia_gpu=64))
+        run(backend.check(1000, Resources(cpu=1, memory=1, nvidia_gpu=64)))

@@ -3,6 +3,7 @@ deaths, teardown after a killed session, `cmlcluster cleanup`, and the errors us
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 from conftest import DOCKER_TEST_IMAGE
 
 from cmlcluster import ConfigError, Session
-from cmlcluster.backends.docker import DockerBackend, cleanup
+from cmlcluster.backends.base import SessionContext, run_tag_labels
+from cmlcluster.backends.docker import DockerBackend, remove_orphans
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +107,7 @@ def test_gpu_requests_are_device_requests_for_each_workers_own_gpus(client, tmp_
     # No GPU here: check what would be sent, and that Docker itself accepts and records it.
     backend = DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, gpu_ids=["0", "1", "2", "3"])
     with Session(backend, echo=False) as s:
-        backend.attach(type("Context", (), {"session_id": s.id, "session_dir": str(tmp_path)})())
+        asyncio.run(backend.attach(SessionContext(session_id=s.id, session_dir=str(tmp_path))))
         from cmlcluster.workers import Resources, WorkerSpec
 
         spec = WorkerSpec("w-0", 0, (sys.executable, "-m", "cmlcluster.agent"), {}, Resources(1, 1, 2), str(tmp_path))
@@ -122,7 +124,7 @@ def test_gpu_requests_are_device_requests_for_each_workers_own_gpus(client, tmp_
             created.remove(force=True)
         # Without known ids, the request is by count.
         by_count = DockerBackend(image=DOCKER_TEST_IMAGE, gpu_ids=[])
-        by_count.attach(type("Context", (), {"session_id": s.id, "session_dir": str(tmp_path)})())
+        asyncio.run(by_count.attach(SessionContext(session_id=s.id, session_dir=str(tmp_path))))
         assert by_count.container_options(spec, [])["device_requests"][0]["Count"] == 2
     # This engine has no GPU runtime: a GPU launch is refused before anything starts, saying why.
     with Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as s:
@@ -178,7 +180,8 @@ def test_killed_session_process_leaves_no_container_within_10_seconds(client):
 def test_cleanup_removes_containers_of_dead_sessions_only(client):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs
-    labels = {"cmlcluster.session": "feed00", "cmlcluster.host": os.uname().nodename}
+    # The run's tag: under one, `cmlcluster cleanup` looks only at its run's containers.
+    labels = {"cmlcluster.session": "feed00", "cmlcluster.host": os.uname().nodename, **run_tag_labels()}
     orphan = client.containers.run(
         DOCKER_TEST_IMAGE,
         ["/usr/bin/sleep", "600"],
@@ -194,7 +197,7 @@ def test_cleanup_removes_containers_of_dead_sessions_only(client):
         labels={**labels, "cmlcluster.worker": "feed00-1", "cmlcluster.pid": str(os.getpid())},
     )
     try:
-        assert cleanup(dry_run=True) == [orphan.name]
+        assert remove_orphans(dry_run=True) == [orphan.name]
         out = subprocess.run(
             [sys.executable, "-m", "cmlcluster", "cleanup"], capture_output=True, text=True, check=True
         ).stdout

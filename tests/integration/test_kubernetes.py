@@ -22,7 +22,7 @@ from processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.kubernetes import manifests
-from cmlcluster.backends.kubernetes.backend import cleanup
+from cmlcluster.backends.kubernetes.backend import delete_orphans
 from cmlcluster.errors import ConfigError
 
 pytestmark = pytest.mark.integration
@@ -250,12 +250,12 @@ def test_cleanup_ends_what_a_killed_session_left_on_the_cluster(kube):
         session.wait()
     assert len(kube.pods()) == 2
     backend = kube_backend(kube)
-    would = cleanup(backend, dry_run=True)
+    would = delete_orphans(backend, dry_run=True)
     assert len(would) == 3 and len(kube.pods()) == 2  # two pods and the Secret; a dry run ends nothing
-    assert sorted(cleanup(backend)) == sorted(would)
+    assert sorted(delete_orphans(backend)) == sorted(would)
     wait_until(lambda: not kube.pods() and not kube.containers(), timeout=30, what="the pods to go")
     assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]
-    assert cleanup(backend) == []
+    assert delete_orphans(backend) == []
 
 
 def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):

@@ -213,8 +213,9 @@ def test_a_worker_killed_mid_run_fails_it_and_stops_the_others(backend_name, tmp
 
 
 INTERRUPTED = """
-import sys
+import faulthandler, signal, sys
 from cmlcluster import Session, run_torch
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it waits, should it not end
 with Session("local", echo=False) as session:
     run_torch(sys.argv[1], nnodes=2, nproc_per_node=1, session=session, echo=False)
 """
@@ -223,11 +224,18 @@ with Session("local", echo=False) as session:
 def test_ctrl_c_stops_every_process_and_the_next_run_is_not_blocked(tmp_path, wait_gone):
     script = tmp_path / "long.py"
     script.write_text(LONG)
-    session = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(script)])
+    log = tmp_path / "session.log"
+    with log.open("wb") as out:
+        session = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(script)], stdout=out, stderr=out)
     try:
         ranks = wait_until(lambda: len(found := processes_running(script)) >= 2 and found, what="both ranks")
         session.send_signal(signal.SIGINT)
-        assert session.wait(30) != 0
+        try:
+            assert session.wait(60) != 0  # a hang guard: it ends in seconds
+        except subprocess.TimeoutExpired:
+            session.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"Ctrl-C did not end it; its output and threads:\n{log.read_text()}") from None
     finally:
         session.kill()
         session.wait()

@@ -135,9 +135,50 @@ def test_use_backend_takes_good_choices_without_building_them(default_backend, m
     assert (api._backend, api._backend_options) == (None, {})
 
 
-def test_registry_finds_builtin_backends_through_entry_points():
-    assert {"local", "fake"} <= set(known_backends())
+class OrphanBackend(FakeBackend):
+    """Another package's backend, registered by entry point, that finds something to clean up."""
+
+    @classmethod
+    def cleanup(cls, dry_run, options):
+        return [f"pod {options['namespace']}/left{' (dry run)' if dry_run else ''}"]
+
+
+class UnreachableBackend(FakeBackend):
+    @classmethod
+    def cleanup(cls, dry_run, options):
+        raise RuntimeError("its API did not answer")
+
+
+def registered(monkeypatch, **backends):
+    """Entry points of the group cmlcluster.backends, as an installed package would register them."""
+    import importlib.metadata
+
+    import cmlcluster.backends as registry
+
+    points = [
+        importlib.metadata.EntryPoint(name, f"{__name__}:{cls.__name__}", registry.ENTRY_POINT_GROUP)
+        for name, cls in backends.items()
+    ]
+    monkeypatch.setattr(registry, "entry_points", lambda group: [p for p in points if p.group == group])
+
+
+def test_one_registry_built_ins_first_then_other_packages(monkeypatch):
+    assert set(known_backends()) == {"local", "fake", "docker", "ssh", "kubernetes"}
     assert backend_class("fake") is FakeBackend
+    registered(monkeypatch, acme=OrphanBackend, local=UnreachableBackend)
+    assert "acme" in known_backends() and backend_class("acme") is OrphanBackend
+    assert backend_class("local").__name__ == "LocalBackend"  # a package cannot take a built-in's name
+
+
+def test_cleanup_asks_every_registered_backend(monkeypatch, capsys):
+    from cmlcluster.__main__ import cleanup_sessions
+
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    registered(monkeypatch, acme=OrphanBackend, flaky=UnreachableBackend)
+    assert cleanup_sessions(dry_run=True, namespace="team") == 0
+    out, err = capsys.readouterr()
+    assert "would end pod team/left (dry run)" in out
+    assert "the flaky backend was not checked: its API did not answer" in err
 
 
 def test_backend_instance_with_options_is_refused():

@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,7 +228,16 @@ class KubernetesBackend(Backend):
 
     # ---------------------------------------------------------------- before anything starts
 
-    def check(self, n: int, resources: Resources) -> None:
+    @classmethod
+    def cleanup(cls, dry_run: bool, options: Mapping[str, Any]) -> list[str]:
+        """What dead sessions of this host left on the cluster of the current configuration (the
+        kubeconfig, or this pod's cluster), in options["namespace"] or the configuration's."""
+        return delete_orphans(cls(namespace=options.get("namespace")), dry_run=dry_run)
+
+    async def check(self, n: int, resources: Resources) -> None:
+        await asyncio.to_thread(self._check, n, resources)
+
+    def _check(self, n: int, resources: Resources) -> None:
         if not self.image:
             raise ConfigError(
                 "image=None: give the worker image pods run, e.g. use_backend('kubernetes', "
@@ -328,9 +337,9 @@ class KubernetesBackend(Backend):
 
     # ---------------------------------------------------------------- session
 
-    def attach(self, context: SessionContext) -> None:
-        super().attach(context)
-        self._connect()
+    async def attach(self, context: SessionContext) -> None:
+        await super().attach(context)
+        await asyncio.to_thread(self._connect)
         self._secret = None
         self._handles = {}
         watching = self._watching = _Watching()
@@ -773,7 +782,7 @@ def _default_namespace(in_cluster: bool) -> str:
     return "default"
 
 
-def cleanup(backend: KubernetesBackend | None = None, *, dry_run: bool = False) -> list[str]:
+def delete_orphans(backend: KubernetesBackend | None = None, *, dry_run: bool = False) -> list[str]:
     """Delete the Secrets of this host's sessions whose process is gone; their pods go with them
     (the garbage collector; deleted here too, so that nothing waits for it). Returns what was
     (or, with dry_run, would be) deleted, as "namespace/name". Sessions of other hosts are left alone.
