@@ -424,6 +424,7 @@ class NotebookPage:
     dialogs: list[str] = field(default_factory=list)
     notifications: list[str] = field(default_factory=list)
     screenshots: list[Path] = field(default_factory=list)
+    network_changed: int = 0  # requests Chromium dropped as this host's interfaces changed (see open_notebook)
 
     # -- events
 
@@ -431,7 +432,9 @@ class NotebookPage:
         location = message.location or {}
         where = f" ({location.get('url', '')}:{location.get('lineNumber', '')})" if location.get("url") else ""
         text = f"{message.text}{where}"
-        if message.type == "error" and not any(p.search(text) for p in self.ignore_console):
+        if message.type == "error" and NETWORK_CHANGED in text:
+            self.network_changed += 1
+        elif message.type == "error" and not any(p.search(text) for p in self.ignore_console):
             self.console_errors.append(text)
         elif message.type == "warning":
             self.console_warnings.append(text)
@@ -583,6 +586,10 @@ class NotebookPage:
         return state
 
 
+# Chromium's error for a request dropped because the host's network interfaces changed.
+NETWORK_CHANGED = "net::ERR_NETWORK_CHANGED"
+
+
 @contextlib.contextmanager
 def open_notebook(
     server: LabServer,
@@ -630,7 +637,19 @@ def open_notebook(
                 page.on("pageerror", nb._on_page_error)
                 page.on("crash", lambda _: nb.page_errors.append("the page crashed"))
                 page.goto(server.lab_url(notebook), wait_until="domcontentloaded", timeout=load_timeout * 1000)
-                nb.wait_until_idle(load_timeout)
+                try:
+                    nb.wait_until_idle(load_timeout)
+                except HarnessError:
+                    if not nb.network_changed:
+                        raise
+                    # Docker adding or removing a container's interface on this host (the other test process's
+                    # containers) makes Chromium drop its requests in flight: net::ERR_NETWORK_CHANGED, and
+                    # JupyterLab's "Server Connection Error" before its kernel session exists. Nothing ran
+                    # yet: load the notebook again, once.
+                    nb.dialogs.clear()
+                    nb.network_changed = 0
+                    page.reload(wait_until="domcontentloaded", timeout=load_timeout * 1000)
+                    nb.wait_until_idle(load_timeout)
                 try:
                     yield nb
                 except BaseException as e:  # pytest's failures are BaseExceptions

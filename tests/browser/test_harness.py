@@ -72,7 +72,9 @@ def test_widgets_render_in_jupyterlab_in_chromium(tmp_path):
 
     with jupyter_lab(tmp_path) as lab, open_notebook(lab, "probe.ipynb", artifact_name="test_harness-probe") as nb:
         nb.run_all(timeout=120)
-        started = {p.pid: " ".join(p.cmdline())[:200] for p in psutil.Process().children(recursive=True)}
+        # command_line(): a child may be a zombie meanwhile (this process reaps the run's orphans), whose
+        # cmdline() raises.
+        started = {p.pid: command_line(p)[:200] for p in psutil.Process().children(recursive=True)}
         page = nb.page
 
         bar = page.locator(".widget-hprogress")
