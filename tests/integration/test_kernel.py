@@ -47,7 +47,14 @@ def run(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
         elif msg["msg_type"] == "error":
             out.append("\n".join(msg["content"]["traceback"]))
 
-    reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+    # After a cell ends in an error, ipykernel aborts the execute requests that reach it before
+    # its own "stop aborting" marker does (kernelbase._abort_queues): a cell sent the moment the
+    # error reply arrives can come back "aborted" without running. Jupyter's Run would send it again.
+    for _ in range(10):
+        reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        if reply["content"]["status"] != "aborted":
+            break
+        time.sleep(0.1)
     return reply["content"], "".join(out)
 
 
