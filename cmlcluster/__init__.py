@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__
+
 # Imported when first used, not with the package: every worker's agent runs as
 # `python -m cmlcluster.agent`, which imports this package first and needs none of the
 # session's side (0.13 s of CPU in each worker's start).
@@ -69,9 +71,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_MODULE_OF})
-
-
-__version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: object) -> None:

@@ -33,3 +33,16 @@ def descendants(pid: int) -> list[int]:
         found.append(child)
         todo += children.get(child, [])
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether a process of this id runs on this machine (another user's counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

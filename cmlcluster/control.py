@@ -26,19 +26,12 @@ from typing import Any
 from ._controller import LISTENING_FILE
 from .errors import ControllerError
 from .ports import ports_to_listen_on
+from .wire import CONNECTION_ENV, CONTROLLER_START_TIMEOUT, HEARTBEAT_MS
 from .workers import Program
 
-# The controller's ping period. The hub announces a new engine at the beat after the first ping
-# it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start.
-HEARTBEAT_MS = 250
 HUB_SILENCE_MS = 10_000  # an engine silent this long is unregistered (ipyparallel's 10 misses of 1 s)
-CONTROLLER_START_TIMEOUT = 60.0
 DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
 OUTPUT_DRAIN_TIMEOUT = 5.0
-# How an agent gets the controller's connection info (agent_env): in this variable, or in a file
-# that this one names (a pod's mounted Secret: kubernetes/manifests.py).
-CONNECTION_ENV = "CMLCLUSTER_CONNECTION"
-CONNECTION_FILE_ENV = "CMLCLUSTER_CONNECTION_FILE"
 
 EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
 OutputCallback = Callable[[str, str], None]  # (stream name, text)

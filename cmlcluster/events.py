@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 MAX_BACKLOG = 10_000  # events queued for one subscriber before its output lines are dropped
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .events import Event
     from .session import Session
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 # A failed job's other members get this long between TERM and KILL: their peer is gone, and a
 # program blocked in user code (a training step, a wait on the dead peer) would use all of it.

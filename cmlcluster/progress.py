@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from . import live, wire
 from .errors import ConfigError
 from .events import OutputLine, Progress
 
@@ -36,10 +37,7 @@ def report(
         print(MARKER + encode(progress), flush=True)
         return
     if session is None:
-        from .session import live_sessions  # here: workers import this module and never start a session
-
-        sessions = live_sessions()
-        session = sessions[-1] if sessions else None
+        session = live.newest()
     if session is not None:
         session.publish(progress)
     else:
@@ -69,7 +67,7 @@ def _in_worker() -> bool:
 
     Not CDSW_ENGINE_ID: CML sets it in the notebook's own session too.
     """
-    return any(name in os.environ for name in ("CMLCLUSTER_ENGINE_ID", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"))
+    return any(name in os.environ for name in (wire.ENGINE_ID_ENV, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"))
 
 
 def _task_name() -> str:

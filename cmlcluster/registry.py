@@ -19,12 +19,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ._proc import alive
 from .events import Event, WorkerStatus
 
 if TYPE_CHECKING:
     from .session import Session
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 
 def folder() -> str:
@@ -102,18 +103,6 @@ def records() -> list[dict[str, Any]]:
         record["alive"] = record.get("host") == socket.gethostname() and alive(int(record.get("pid", 0)))
         found.append(record)
     return found
-
-
-def alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def clean(record: dict[str, Any], dry_run: bool = False) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from .errors import ConfigError
 from .workers import Resources
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 
 def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:

@@ -11,11 +11,53 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
+from .workers import Program
 
 DEFAULT_LIMIT_MB = 50.0  # per archive; CMLCLUSTER_SHIP_LIMIT_MB changes it
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """Files on their way to workers that do not see them (see plan)."""
+
+    files: bytes  # a tar.gz, or b"" when the workers see everything already
+    in_cwd: bool  # unpacked into the worker's own working folder, else into a private folder
+    names: dict[str, str]  # a path on the session's machine -> how a program in the worker names it
+
+    def program(self, **fields: Any) -> Program:
+        """A Program carrying these files."""
+        return Program(files=self.files, files_in_cwd=self.in_cwd, **fields)
+
+
+def plan(scripts: Iterable[str], working_folder: bool, sees: Callable[[str], bool], cwd: str) -> Shipment:
+    """What must travel so that workers can run these scripts (and, if asked, see the working folder).
+
+    `sees(path)`: whether the workers see a path of this machine at that path (the backend's
+    Capabilities.sees): nothing travels to them (local processes, a mounted folder).
+    """
+    in_cwd = not sees(cwd)  # then the worker's working folder is its own
+    folder = cwd if working_folder and in_cwd else None
+    names: dict[str, str] = {}
+    files: dict[str, str] = {}
+    for script in scripts:
+        path = os.path.abspath(script)
+        if sees(path):
+            names[script] = path
+        elif folder is not None and path.startswith(folder.rstrip("/") + "/"):
+            names[script] = os.path.relpath(path, folder)  # travels with the folder
+        else:
+            name = os.path.basename(path)
+            while name in files and files[name] != path:
+                name = f"_{name}"  # two scripts of the same name from different folders
+            files[name] = path
+            names[script] = name
+    archive = pack(files, folder) if files or folder else b""
+    return Shipment(archive, in_cwd, names)
 
 
 def limit_bytes() -> int:

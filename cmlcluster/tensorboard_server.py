@@ -15,7 +15,8 @@ notebook as a link.
 
 It runs until `stop()`, the end of a ``with`` block, or the end of this Python
 process (the module holds a reference to every running TensorBoard, so dropping
-yours does not kill it by garbage collection).
+yours does not kill it by garbage collection). How its process is launched,
+probed and ended is in tensorboard_process.py.
 """
 
 from __future__ import annotations
@@ -23,11 +24,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import html
-import http.client
 import importlib.util
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,23 +34,27 @@ import time
 from types import TracebackType
 from typing import Any
 
-from . import _lifeline
-from ._proc import descendants, signal_group
 from .errors import CmlClusterError, ConfigError
+from .tensorboard_process import (
+    HOST,
+    PORT_IN_USE,
+    SERVING,
+    answers,
+    child_pid,
+    end_group,
+    free_port,
+    hint,
+    launch,
+    port_free,
+    quote_log,
+    read_from,
+)
 
 __all__ = ["DEFAULT_PORT", "TensorBoard"]
 
 DEFAULT_PORT = 6006  # TensorBoard's own default, taken when free
-HOST = "127.0.0.1"
-RELOAD_INTERVAL = 5  # seconds between TensorBoard's scans of the logdir
-STOP_GRACE = 5.0  # seconds between TERM and KILL
 BIND_ATTEMPTS = 5  # free ports tried when another process takes the one picked first
 POLL_INTERVAL = 0.2
-LOG_LINES = 20  # quoted in errors
-
-# TensorBoard prints these (tensorboard/program.py); the first only once it holds the port.
-_SERVING = "at http://{host}:{port}/"
-_PORT_IN_USE = "could not bind to port"
 
 _running: set[TensorBoard] = set()
 _atexit_lock = threading.Lock()
@@ -115,7 +117,7 @@ class TensorBoard:
                 f"TensorBoard is not installed in this Python ({sys.executable}): "
                 "pip install tensorboard (TensorFlow brings it), then restart the kernel"
             )
-        if port is not None and not _port_free(port):
+        if port is not None and not port_free(port):
             raise CmlClusterError(
                 f"port {port} on {HOST} is in use (another TensorBoard?): pass another port, or port=None to pick one"
             )
@@ -130,12 +132,12 @@ class TensorBoard:
         try:
             for attempt in range(1, BIND_ATTEMPTS + 1):
                 if chosen is None:
-                    chosen = DEFAULT_PORT if attempt == 1 and _port_free(DEFAULT_PORT) else _free_port()
+                    chosen = DEFAULT_PORT if attempt == 1 and port_free(DEFAULT_PORT) else free_port()
                 log_from = os.fstat(fd).st_size  # this attempt's output starts here
                 board = cls(
                     logdir=logdir,
                     port=chosen,
-                    process=_launch(logdir, chosen, fd),
+                    process=launch(logdir, chosen, fd),
                     log_path=log_path,
                     own_log=session_dir is None,
                 )
@@ -156,7 +158,7 @@ class TensorBoard:
                 chosen = None
             raise CmlClusterError(
                 f"TensorBoard found no free port on {HOST} in {BIND_ATTEMPTS} tries (other processes took each first)"
-                + _quote_log(log_path, 0, shown=session_dir is not None)
+                + quote_log(log_path, 0, shown=session_dir is not None)
             )
         except BaseException:
             if session_dir is None:
@@ -173,26 +175,26 @@ class TensorBoard:
         server answering on a port it failed to bind (a TensorBoard started at the
         same moment, both finding 6006 free) must not pass for it.
         """
-        serving = _SERVING.format(host=HOST, port=self._port)
+        serving = SERVING.format(host=HOST, port=self._port)
         while True:
             code = self._process.poll()
-            text = _read_from(self._log_path, log_from)
+            text = read_from(self._log_path, log_from)
             if code is not None:
-                if _PORT_IN_USE in text:
+                if PORT_IN_USE in text:
                     return False
                 raise CmlClusterError(
                     f"TensorBoard on {self._logdir!r} exited with code {code} before answering on {self.url}"
-                    + _quote_log(self._log_path, log_from, shown=not self._own_log)
-                    + _hint(text)
+                    + quote_log(self._log_path, log_from, shown=not self._own_log)
+                    + hint(text)
                 )
-            if serving in text and _answers(self._port, timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                self._pid = _child_pid(self._process.pid) or self._process.pid
+            if serving in text and answers(self._port, timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                self._pid = child_pid(self._process.pid) or self._process.pid
                 return True
             if time.monotonic() > deadline:
                 raise CmlClusterError(
                     f"TensorBoard on {self._logdir!r} did not answer on {self.url} in time "
                     "(pass a larger timeout= if this machine is busy)"
-                    + _quote_log(self._log_path, log_from, shown=not self._own_log)
+                    + quote_log(self._log_path, log_from, shown=not self._own_log)
                 )
             time.sleep(POLL_INTERVAL)
 
@@ -258,7 +260,7 @@ class TensorBoard:
         with self._lock:
             if not self._stopped:
                 self._stopped = True
-                _end_group(self._process)
+                end_group(self._process)
                 _running.discard(self)
         if remove_log:
             with contextlib.suppress(FileNotFoundError):
@@ -301,122 +303,6 @@ def _check_logdir(logdir: Any) -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"logdir={logdir!r} is a file, not a folder: pass the folder that holds the event files")
     return path
-
-
-def _launch(logdir: str, port: int, log_fd: int) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
-        f"--logdir={logdir}",
-        f"--host={HOST}",
-        f"--port={port}",
-        f"--reload_interval={RELOAD_INTERVAL}",
-    ]
-    # Its own process group under a lifeline: stdin is a pipe whose only write end
-    # this process holds (non-inheritable), so when this process ends, the group is killed.
-    return subprocess.Popen(
-        [sys.executable, _lifeline.__file__, "--", *argv],
-        stdin=subprocess.PIPE,
-        stdout=log_fd,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _end_group(process: subprocess.Popen[bytes]) -> None:
-    """TERM TensorBoard (it then removes its own temp files), KILL what is left of the group after the grace, reap."""
-    pgid = process.pid
-    if process.returncode is None:
-        # To the lifeline only, which passes it on once: TensorBoard takes a second TERM
-        # as the order to die at once, skipping its cleanup (so no TERM to the whole group).
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-    # Wait without reaping: while the leader is unreaped its pid (the group id) cannot be reused, so
-    # the KILL below reaches only what is left of this group (TensorBoard's data server, say).
-    deadline = time.monotonic() + STOP_GRACE
-    while time.monotonic() < deadline and not _exited(process.pid):
-        time.sleep(0.05)
-    signal_group(pgid, signal.SIGKILL)
-    process.wait()
-    assert process.stdin is not None
-    process.stdin.close()
-
-
-def _exited(pid: int) -> bool:
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # already reaped
-        return True
-
-
-def _child_pid(parent: int) -> int | None:
-    """The direct child of `parent` (the lifeline runs one: TensorBoard)."""
-    for pid in descendants(parent):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rpartition(")")[2].split()[1]) == parent:
-                    return pid
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
-
-
-def _port_free(port: int) -> bool:
-    """Whether TensorBoard could bind `port` on 127.0.0.1 now (as it does: SO_REUSEADDR)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    """A port free on 127.0.0.1 now; another process may take it before TensorBoard does (start retries)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _answers(port: int, timeout: float) -> bool:
-    """GET / on 127.0.0.1:port returns 200 and a TensorBoard page (http.client: no proxy from the environment)."""
-    connection = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    try:
-        connection.request("GET", "/")
-        response = connection.getresponse()
-        return response.status == 200 and b"tensorboard" in response.read().lower()
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
-
-
-def _read_from(path: str, offset: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _quote_log(path: str, offset: int, shown: bool) -> str:
-    """The last lines TensorBoard wrote since `offset`; the path only when the file is kept (`shown`)."""
-    where = f" ({path})" if shown else ""
-    lines = _read_from(path, offset).splitlines()[-LOG_LINES:]
-    if not lines:
-        return f"; its log{where} is empty"
-    return f". Last lines of its log{where}:\n" + "\n".join("    " + line for line in lines)
-
-
-def _hint(text: str) -> str:
-    if "No module named 'tensorboard" in text:
-        return f"\nTensorBoard is not importable in {sys.executable}: pip install tensorboard"
-    if "Permission denied" in text:
-        return "\nTensorBoard cannot read the logdir: check its permissions"
-    return ""
 
 
 def _keep(board: TensorBoard) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
-import math
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import checks
 from .errors import ConfigError
 
 # The folder that holds this cmlcluster package: first on the PYTHONPATH of workers that see it,
@@ -189,13 +189,13 @@ def validate_launch(
     cwd: str,
 ) -> Program:
     """Refuse bad input before anything starts; return what the workers will run."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not checks.whole(n, 1):
         raise ConfigError(f"n={n!r}: the number of workers must be an integer of at least 1")
     for name, value in (("cpu", cpu), ("memory", memory)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not checks.number(value, above=0):
             unit = " (GB)" if name == "memory" else ""
             raise ConfigError(f"{name}={value!r}: {name}{unit} must be a number greater than 0, e.g. {name}=1")
-    if isinstance(nvidia_gpu, bool) or not isinstance(nvidia_gpu, int) or nvidia_gpu < 0:
+    if not checks.whole(nvidia_gpu, 0):
         raise ConfigError(f"nvidia_gpu={nvidia_gpu!r}: must be a whole number of GPUs, 0 or more")
     if kernel not in ("python3", "python"):
         raise ConfigError(f"kernel={kernel!r}: only Python workers are supported; use kernel='python3'")

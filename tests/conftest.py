@@ -217,7 +217,7 @@ def kube(tmp_path_factory):
 def kube_backend(cluster, **options):
     """A kubernetes backend on the stand-in cluster; options replace the defaults."""
     from cmlcluster.backends.kubernetes.backend import KubernetesBackend
-    from cmlcluster.backends.kubernetes.manifests import SharedVolume
+    from cmlcluster.backends.kubernetes.options import SharedVolume
 
     settings = dict(
         image=DOCKER_TEST_IMAGE,

@@ -52,7 +52,7 @@ import abc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from ..errors import ConfigError
 from ..workers import Resources, WorkerSpec
@@ -131,7 +131,16 @@ class SessionContext:
     session_dir: str
 
 
-class Backend(abc.ABC):
+HandleT = TypeVar("HandleT")
+
+
+class Backend(abc.ABC, Generic[HandleT]):
+    """Where worker processes run (the contract is this module's docstring, and docs/guide/writing-a-backend.md).
+
+    Typed by its handle: what identifies one started process to the backend (a process, a
+    container, a pod). The session keeps each worker's handle and gives it back, untouched.
+    """
+
     name: ClassVar[str]
 
     context: SessionContext
@@ -164,38 +173,38 @@ class Backend(abc.ABC):
         """A control plane of the backend's own; None means the real ipyparallel one."""
         return None
 
-    async def check(self, n: int, resources: Resources) -> None:  # noqa: B027 - optional hook
+    async def check(self, n: int, resources: Resources) -> None:
         """Raise ConfigError if n workers with these resources can never start here: before each
         launch, before anything of it starts (the first launch's comes before attach)."""
 
     @abc.abstractmethod
-    async def start(self, spec: WorkerSpec) -> Any:
+    async def start(self, spec: WorkerSpec) -> HandleT:
         """The handle of a process started for `spec` (its argv, env, cwd, resources), once it has
         been created; raises BackendError, leaving nothing of that worker behind, when it cannot."""
 
     @abc.abstractmethod
-    async def poll(self, handle: Any) -> int | None:
+    async def poll(self, handle: HandleT) -> int | None:
         """None while the process is alive, else its exit code (-N for signal N)."""
 
     @abc.abstractmethod
-    async def wait(self, handle: Any) -> int:
+    async def wait(self, handle: HandleT) -> int:
         """The exit code, once the process has ended and output() holds all it wrote (at most
         OUTPUT_DRAIN_SECONDS after the exit): the session reports a worker's end only after this."""
 
     @abc.abstractmethod
-    async def stop(self, handle: Any, grace: float = 5.0) -> None:
+    async def stop(self, handle: HandleT, grace: float = 5.0) -> None:
         """TERM, KILL after `grace` s; returns once the process has ended, its output read as for wait().
         Idempotent."""
 
     @abc.abstractmethod
-    def output(self, handle: Any) -> str:
+    def output(self, handle: HandleT) -> str:
         """What the process wrote to its stdout and stderr so far (its log), the last part of it."""
 
-    def exit_reason(self, handle: Any) -> str | None:
+    def exit_reason(self, handle: HandleT) -> str | None:
         """Why the process ended, when the backend knows more than its exit code (None otherwise)."""
         return None
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:
         """Release what the backend itself holds (networks, cgroups...)."""
 
     @classmethod

@@ -9,7 +9,8 @@ printed, so it survives the container; a worker's exit is reported once that
 stream has ended (the container's last lines are in), as the contract asks.
 
 The controller listens on the network's gateway, the host's own address on
-that network, which every container reaches.
+that network, which every container reaches. What concerns the engine itself (its
+client, the image, the network, orphans' cleanup) is in docker_engine.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .. import registry
 from ..errors import BackendError, ConfigError
 from ..resources import GpuPool, visible_gpus
 from ..workers import PACKAGE_PARENT, Resources, WorkerSpec
@@ -38,38 +38,19 @@ from .base import (
     run_tag_labels,
     signal_exit_code,
 )
-
-DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
-DEFAULT_NETWORK = "cmlcluster"
-LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, .host, .pid
+from .docker_engine import (
+    DEFAULT_IMAGE,
+    DEFAULT_NETWORK,
+    LABEL,
+    check_gpu_runtime,
+    check_image,
+    connect,
+    ensure_network,
+    gpu_request,
+    remove_orphans,
+)
 
 T = TypeVar("T")
-
-
-def connect(timeout: int = 30) -> Any:
-    """A docker SDK client, or a ConfigError that says how to start the engine."""
-    try:
-        import docker
-    except ImportError as e:
-        raise ConfigError("the docker backend needs the docker SDK: pip install 'cmlcluster[docker]'") from e
-    try:
-        client = docker.from_env(timeout=timeout, max_pool_size=64)
-        client.ping()
-    except Exception as e:
-        raise ConfigError(
-            f"no Docker engine answers ({e}). Start it: `dockerd &` as root, or `systemctl start docker`; "
-            "scripts/docker_engine.sh does it for the tests"
-        ) from None
-    return client
-
-
-def gpu_request(gpu_ids: Sequence[str], count: int) -> Any:
-    """The device request for a worker's GPUs: these ids, or (ids unknown) any `count` of them."""
-    from docker.types import DeviceRequest
-
-    if gpu_ids:
-        return DeviceRequest(device_ids=list(gpu_ids), capabilities=[["gpu"]])
-    return DeviceRequest(count=count, capabilities=[["gpu"]])
 
 
 @dataclass(eq=False)
@@ -83,7 +64,7 @@ class DockerHandle:
     released: bool = field(default=False)
 
 
-class DockerBackend(Backend):
+class DockerBackend(Backend[DockerHandle]):
     """Options (image and host_python also from CMLCLUSTER_DOCKER_IMAGE, CMLCLUSTER_DOCKER_HOST_PYTHON=1):
 
     image: the worker image (cmlcluster, Python and, for Horovod, sshd and Horovod in it).
@@ -137,63 +118,17 @@ class DockerBackend(Backend):
     def _check(self, n: int, resources: Resources) -> None:
         client = self._client or connect()
         self._client = client
-        import docker.errors
-
-        try:
-            client.images.get(self.image)
-        except docker.errors.ImageNotFound:
-            raise ConfigError(
-                f"image={self.image!r} is not on this Docker engine; build it (docker build -t {self.image} .) "
-                "or pass image= (the tests use cmlcluster-test:latest from scripts/docker_engine.sh)"
-            ) from None
+        check_image(client, self.image)
         if resources.nvidia_gpu:
-            runtimes = client.info().get("Runtimes", {})
-            if "nvidia" not in runtimes:
-                raise ConfigError(
-                    f"nvidia_gpu={resources.nvidia_gpu}: this Docker engine has no GPU runtime (runtimes: "
-                    f"{', '.join(sorted(runtimes)) or 'none'}); install the NVIDIA Container Toolkit and run "
-                    "`nvidia-ctk runtime configure --runtime=docker`, then restart dockerd"
-                )
+            check_gpu_runtime(client, resources.nvidia_gpu)
             if self._gpus.all:
                 self._gpus.check(n, resources)
 
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
         self._client = self._client or await asyncio.to_thread(connect)
-        self._gateway = await asyncio.to_thread(self._ensure_network)
+        self._gateway = await asyncio.to_thread(ensure_network, self._client, self.network)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cmlcluster-docker")
-
-    def _ensure_network(self) -> str:
-        import docker.errors
-
-        client = self._client
-        try:
-            network = client.networks.get(self.network)
-        except docker.errors.NotFound:
-            try:
-                network = client.networks.create(
-                    self.network, driver="bridge", check_duplicate=True, labels={f"{LABEL}.network": "1"}
-                )
-            except docker.errors.APIError as e:
-                try:
-                    network = client.networks.get(self.network)  # another session made it meanwhile
-                except docker.errors.NotFound:
-                    raise ConfigError(
-                        f"network={self.network!r} could not be created: {e.explanation or e}. If its address "
-                        "range clashes with another network, remove that one or create this one yourself with a "
-                        f"free --subnet (docker network create --subnet 10.201.0.0/24 {self.network})"
-                    ) from None
-            network.reload()
-        if network.attrs.get("Driver") != "bridge":
-            raise ConfigError(
-                f"network={self.network!r} uses the {network.attrs.get('Driver')!r} driver; the docker backend "
-                "needs a user-defined bridge network (pass another network=)"
-            )
-        configs = (network.attrs.get("IPAM") or {}).get("Config") or []
-        gateways = [c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]]
-        if not gateways:
-            raise ConfigError(f"network={self.network!r} has no IPv4 gateway; workers could not reach the session")
-        return str(gateways[0])
 
     def controller_ip(self) -> str:
         assert self._gateway is not None, "attach() first"
@@ -404,28 +339,3 @@ def _split_volume(volume: str) -> tuple[str, str]:
     if not sep or not target:
         raise ConfigError(f"volumes: {volume!r} should be 'host path:container path[:ro]'")
     return host, target
-
-
-def remove_orphans(client: Any = None, *, dry_run: bool = False) -> list[str]:
-    """Remove containers labelled for a session whose process is gone; returns their names.
-
-    A container belongs to a live session when its labelled pid runs on this host.
-    Containers of sessions on other hosts are left alone, and under a run tag (CMLCLUSTER_RUN_TAG:
-    a CI job's, a test run's) so are those of other runs.
-    """
-    client = client or connect()
-    removed = []
-    host = socket.gethostname()
-    labels = [f"{LABEL}.session", *(f"{k}={v}" for k, v in run_tag_labels().items())]
-    for container in client.containers.list(all=True, filters={"label": labels}, ignore_removed=True):
-        labels = container.labels
-        if labels.get(f"{LABEL}.host") != host:
-            continue
-        pid = int(labels.get(f"{LABEL}.pid", "0"))
-        if registry.alive(pid):
-            continue
-        removed.append(container.name)
-        if not dry_run:
-            with contextlib.suppress(Exception):
-                container.remove(force=True)
-    return removed

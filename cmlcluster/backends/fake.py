@@ -64,7 +64,7 @@ class FakeHandle:
                 task.cancel()
 
 
-class FakeBackend(Backend):
+class FakeBackend(Backend[FakeHandle]):
     name = "fake"
 
     def __init__(

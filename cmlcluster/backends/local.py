@@ -17,13 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._proc import signal_group
+from ..agent_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 from ..errors import BackendError
 from ..resources import CgroupLimits, GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
 from .base import Backend, Capabilities, log_tail
-from .local_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -39,12 +39,12 @@ class LocalHandle:
         return self.process.pid
 
 
-class LocalBackend(Backend):
+class LocalBackend(Backend[LocalHandle]):
     name = "local"
 
     def __init__(self, gpus: Sequence[str] | None = None, apply_limits: bool = True, fork: bool = True):
         """gpus: the GPU ids to hand out (default: the session's CUDA_VISIBLE_DEVICES, else nvidia-smi).
-        fork: start workers from a template agent (local_template.py); False starts each on its own."""
+        fork: start workers from a template agent (agent_template.py); False starts each on its own."""
         self._gpus = GpuPool(list(gpus) if gpus is not None else visible_gpus())
         self._apply_limits = apply_limits
         self._fork = fork

@@ -32,8 +32,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .. import __version__
+from .. import checks
 from .._proc import signal_group
+from .._version import __version__
 from ..errors import BackendError, ConfigError
 from ..ports import route_address
 from ..workers import Resources, WorkerSpec
@@ -108,7 +109,7 @@ class SSHHandle:
     released: bool = False
 
 
-class SSHBackend(Backend):
+class SSHBackend(Backend[SSHHandle]):
     """Options:
 
     hosts / hostfile: where workers run (see parse_hosts); one worker per slot. Without either,
@@ -148,7 +149,7 @@ class SSHBackend(Backend):
         if hosts is None and hostfile is None:
             hostfile = os.environ.get("CMLCLUSTER_SSH_HOSTFILE")  # with CMLCLUSTER_BACKEND=ssh: no code at all
         parsed = parse_hosts(hosts, hostfile)
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        if not checks.port(port):
             raise ConfigError(f"port={port!r}: give the TCP port sshd listens on, on the hosts (22)")
         for name, path in (("identity", identity), ("known_hosts", known_hosts)):
             if path is not None and not os.path.isfile(os.path.expanduser(path)):

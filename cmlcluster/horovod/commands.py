@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
+from .. import checks
 from ..errors import ConfigError
 
 SSH_PORT = 2222  # sshd in every worker, as in CML and Kubeflow's MPI operator
@@ -22,7 +23,7 @@ def check_hosts(hosts: Hosts) -> list[tuple[str, int]]:
     for host, slots in hosts:
         if not isinstance(host, str) or not host or any(c.isspace() or c == "," for c in host):
             raise ConfigError(f"host {host!r}: give an IP address or host name")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        if not checks.whole(slots, 1):
             raise ConfigError(f"host {host!r} has slots={slots!r}: each host needs 1 or more slots")
         if host in seen:
             raise ConfigError(f"host {host!r} is listed twice; give it once with all its slots")
@@ -41,12 +42,12 @@ def hosts_arg(hosts: Hosts) -> str:
 
 def _check_np(np: int, hosts: Hosts) -> None:
     slots = total_slots(hosts)
-    if isinstance(np, bool) or not isinstance(np, int) or not 1 <= np <= slots:
+    if not checks.whole(np, 1, slots):
         raise ConfigError(f"np={np!r}: the hosts have {slots} slots in all; ask for 1 to {slots} processes")
 
 
 def _check_port(port: int) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+    if not checks.port(port):
         raise ConfigError(f"ssh_port={port!r}: give the TCP port sshd listens on in the workers (2222)")
 
 
@@ -73,7 +74,7 @@ def horovodrun_argv(
     if identity_file:
         argv += ["-i", identity_file]
     if start_timeout is not None:
-        if isinstance(start_timeout, bool) or not isinstance(start_timeout, int) or start_timeout < 1:
+        if not checks.whole(start_timeout, 1):
             raise ConfigError(f"start_timeout={start_timeout!r}: give whole seconds, 1 or more")
         argv += ["--start-timeout", str(start_timeout)]
     if network_interfaces:

@@ -3,11 +3,11 @@
 On workers elsewhere (containers, SSH hosts), one worker's agent per host starts
 sshd on port 2222, as the worker's user, admitting only this session's key; the
 hosts' keys come back over the control plane and are pinned; each host is checked
-with paramiko; the script is shipped to hosts that do not see it; then
-`horovodrun -np N -H host:slots,... -p 2222 -i key ...` runs here, and every rank's
-output streams back live, prefixed by its rank. Where workers would be processes
-on this machine (the local backend), horovodrun starts the ranks itself on
-localhost, without workers or SSH.
+with paramiko (all of that in ssh_cluster.py); the script is shipped to hosts that
+do not see it; then `horovodrun -np N -H host:slots,... -p 2222 -i key ...` runs
+here, and every rank's output streams back live, prefixed by its rank. Where
+workers would be processes on this machine (the local backend), horovodrun
+starts the ranks itself on localhost, without workers or SSH.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,22 +31,21 @@ from .._proc import signal_group
 from ..backends import Backend
 from ..errors import CmlClusterError, ConfigError
 from ..events import OutputLine
-from ..jobs import Job, JobFailure, Role, launch_job
+from ..jobs import Job, JobFailure
 from ..progress import output_event
-from ..session import Session, Shipment
+from ..session import Session
 from ..ssh.keys import SessionSSH
-from ..ssh.preflight import Login, check_logins
 from ..workers import Resources
 from . import commands
+from .ssh_cluster import SSHCluster, ssh_cluster
 
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 PROCESS_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.$")
 FIRST_FAILURE = re.compile(r"Process name: (\d+)")  # in horovodrun's final error
-SSHD = "cmlcluster.ssh.sshd"
 RANK = "cmlcluster.horovod.rank"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -171,7 +169,7 @@ def run_horovod(
             )
             return _execute(argv, hosts, {**os.environ, **(env or {})}, view, check)
         shipment = session.ship([script], working_folder=ship_working_folder)
-        cluster = _ssh_cluster(session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment)
+        cluster = ssh_cluster(session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment)
         # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
         command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
         argv = commands.horovodrun_argv(
@@ -248,84 +246,6 @@ def _horovodrun() -> str:
             "(or pip install horovod against your TensorFlow)"
         )
     return found
-
-
-@dataclass
-class SSHCluster:
-    """Workers with one sshd per host running and pinned, ready for horovodrun or mpirun; one job."""
-
-    session: Session
-    hosts: list[tuple[str, int]]  # (address, slots)
-    ssh: SessionSSH
-    job: Job
-    sshd_workers: list[str] = field(default_factory=list)  # one per host, the one whose sshd serves it
-
-    @property
-    def worker_ids(self) -> list[str]:
-        return self.job.worker_ids
-
-    def end_ranks(self) -> None:
-        """End what runs on the workers through sshd (ranks a failed or interrupted run left); sshd stays."""
-        with contextlib.suppress(Exception):
-            if not self.session.closed:
-                self.session.call_each([(w, f"{SSHD}:end_sessions", ()) for w in self.sshd_workers], timeout=30)
-
-    def close(self) -> None:
-        try:
-            self.job.stop()
-        finally:
-            self.ssh.close()
-            if _reusable.get(self.session.id) is self:
-                del _reusable[self.session.id]
-
-
-_reusable: dict[str, SSHCluster] = {}
-
-
-def _ssh_cluster(
-    session: Session, n: int, slots: int, resources: Resources, port: int, keep: bool, shipment: Shipment
-) -> SSHCluster:
-    previous = _reusable.get(session.id)
-    if previous is not None and keep:
-        if len(previous.worker_ids) == n and previous.job.failure is None and previous.hosts:
-            _send(session, previous.sshd_workers, shipment)
-            per_host = Counter(m.address for m in previous.job.members)
-            previous.hosts = [(host, slots * per_host[host]) for host, _ in previous.hosts]
-            return previous
-        previous.close()
-    job = launch_job(session, [Role("host", n, resources)], "Horovod job", timeout_seconds=120)
-    cluster = SSHCluster(session, [], SessionSSH.create(parent=session.session_dir), job)
-    try:
-        # Workers that share an address (several on one SSH host) share one sshd, started in the first.
-        by_address: dict[str, list[str]] = {}
-        for m in job.members:
-            by_address.setdefault(m.address, []).append(m.worker_id)
-        cluster.sshd_workers = [ids[0] for ids in by_address.values()]
-        _send(session, cluster.sshd_workers, shipment)
-        started = session.call_each(
-            [(w, f"{SSHD}:start", (cluster.ssh.public_key, port)) for w in cluster.sshd_workers]
-        )
-        addresses = list(by_address)
-        cluster.ssh.pin(
-            {a: s["host_key"] for a, s in zip(addresses, started, strict=True)},
-            port,
-            {a: s["user"] for a, s in zip(addresses, started, strict=True)},
-        )
-        logins = [Login(a, port, s["user"]) for a, s in zip(addresses, started, strict=True)]
-        check_logins(logins, cluster.ssh.identity_file, cluster.ssh.known_hosts, what="Horovod hosts")
-        cluster.hosts = [(a, slots * len(ids)) for a, ids in by_address.items()]
-    except BaseException:
-        cluster.close()
-        raise
-    if keep:
-        _reusable[session.id] = cluster
-    return cluster
-
-
-def _send(session: Session, worker_ids: Sequence[str], shipment: Shipment) -> None:
-    """Unpack the shipment in the workers whose sshd starts the ranks (before sshd starts, the first time)."""
-    if shipment.files:
-        session.call_each([(w, "cmlcluster.agent:unpack_files", (shipment.files, shipment.in_cwd)) for w in worker_ids])
 
 
 def _execute(

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .. import checks
 from ..errors import ConfigError
 
 DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")  # what torch.distributed.init_process_group accepts
@@ -20,7 +21,7 @@ def nproc_for(nproc_per_node: int | str, nvidia_gpu: int) -> int:
     """Processes per node: "auto" is one per GPU of the worker, or 1 without GPUs."""
     if nproc_per_node == "auto":
         return max(nvidia_gpu, 1)
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+    if isinstance(nproc_per_node, str) or not checks.whole(nproc_per_node, 1):
         raise ConfigError(f"nproc_per_node={nproc_per_node!r}: give a whole number, 1 or more, or 'auto'")
     if nvidia_gpu and nproc_per_node > nvidia_gpu:
         raise ConfigError(

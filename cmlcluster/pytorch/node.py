@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import IO, Any
 
-from .. import _lifeline, agent
+from .. import _lifeline, agent_files
 from . import commands
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # what every process runs
@@ -46,7 +46,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 f.write(spec["call"])
             entry = [RANK, "--function", call_file, result]
         else:
-            entry = [RANK, agent.script_path(spec["script"]), *spec["args"]]
+            entry = [RANK, agent_files.script_path(spec["script"]), *spec["args"]]
         argv = commands.torchrun_args(
             nnodes=spec["nnodes"],
             node_rank=spec["node_rank"],

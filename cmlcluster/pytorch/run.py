@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import checks
 from ..backends import Backend
 from ..errors import CmlClusterError, ConfigError
 from ..events import Event, OutputLine
@@ -48,7 +49,7 @@ FAILURE_WINDOW = 2.0
 # The message of a rank that failed because a peer went away (Gloo's and NCCL's words for it).
 PEER_LOST = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused|NCCL communicator was aborted")
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,14 +154,14 @@ def run_torch(
     Workers get env= and cmlcluster's own variables (see the README's environment rule).
     """
     # Everything is checked before anything starts.
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+    if not checks.whole(nnodes, 1):
         raise ConfigError(f"nnodes={nnodes!r}: give a whole number of workers, 1 or more")
-    if isinstance(nvidia_gpu, bool) or not isinstance(nvidia_gpu, int) or nvidia_gpu < 0:
+    if not checks.whole(nvidia_gpu, 0):
         raise ConfigError(f"nvidia_gpu={nvidia_gpu!r}: give a whole number of GPUs per worker, 0 or more")
     nproc = commands.nproc_for(nproc_per_node, nvidia_gpu)
     process_group = commands.dist_backend_for(dist_backend, nvidia_gpu)
     for name, seconds in (("join_timeout", join_timeout), ("start_timeout", start_timeout)):
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        if not checks.number(seconds, above=0):
             raise ConfigError(f"{name}={seconds!r}: give a number of seconds above 0")
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ConfigError(f"env={env!r}: environment names and values must be strings")

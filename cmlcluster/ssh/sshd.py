@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 
-from .. import agent
+from .. import agent_files
 from .._proc import descendants
 from .keys import new_ed25519
 
@@ -76,7 +76,7 @@ def start(authorized_key: str, port: int = 2222) -> dict[str, str]:
 def _session_env() -> str:
     """SetEnv's words: logins through this sshd (ranks) run where the worker runs, find what was
     shipped to it, keep their temp files in its folder, and see its GPUs."""
-    env = {"CMLCLUSTER_WORKDIR": os.getcwd(), "CMLCLUSTER_FILES": agent.files_folder()}
+    env = {"CMLCLUSTER_WORKDIR": os.getcwd(), "CMLCLUSTER_FILES": agent_files.files_folder()}
     env.update({k: os.environ[k] for k in ("TMPDIR", "CUDA_VISIBLE_DEVICES") if k in os.environ})
     return " ".join(f'"{name}={value}"' for name, value in env.items())
 

@@ -16,15 +16,17 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from .. import wire
 from ..errors import CmlClusterError, ConfigError
 from ..jobs import Job, JobFailed, JobFailure, Member, Role, launch_job
 from ..ports import free_ports
-from ..session import Session, Shipment
+from ..session import Session
+from ..shipping import Shipment
 from ..workers import Program, Resources
 from . import coordinator, versions
 from . import spec as specs
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 TASK = "cmlcluster.tensorflow.task"
 SERVER_READY_TIMEOUT = 30.0
@@ -244,7 +246,7 @@ def start_cluster(
         session = get_session()
     env = {**versions.legacy_keras_env(), **(env or {})}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
-        env.setdefault("CMLCLUSTER_PRELOAD", "tensorflow")
+        env.setdefault(wire.PRELOAD_ENV, "tensorflow")
     roles = [  # launch_workers checks the resources before anything starts
         Role("ps", n_ps, Resources(cpu, memory, 0), env=env),  # never a GPU
         Role("worker", n_workers, Resources(cpu, memory, nvidia_gpu), min_count=min_workers, env=env),

@@ -42,19 +42,20 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from . import internals
+
 
 def _coordinator_clusters() -> list[Any]:
     """The ClusterCoordinator clusters running in this process, found through their threads.
 
     A coordinator's cluster runs a WorkerPreemptionHandler thread and one closure loop
-    per worker, each the bound method of an object holding `_cluster`. The strategy
+    per worker, each the bound method of an object holding the cluster. The strategy
     that owns them is the user's; threads are the one handle on them we have.
     """
     clusters = {}
     for thread in threading.enumerate():
-        owner = getattr(getattr(thread, "_target", None), "__self__", None)  # CPython's Thread._target
-        cluster = getattr(owner, "_cluster", None)
-        if cluster is not None and hasattr(cluster, "closure_queue") and hasattr(cluster, "stop"):
+        cluster = internals.cluster_of(internals.thread_owner(thread))
+        if cluster is not None:
             clusters[id(cluster)] = cluster
     return list(clusters.values())
 
@@ -65,7 +66,7 @@ def _recovering(cluster: Any) -> bool:
     It holds its update lock meanwhile, which stopping the cluster needs: such a cluster
     (one whose job failed) is left alone.
     """
-    lock = getattr(getattr(cluster, "failure_handler", None), "_cluster_update_lock", None)
+    lock = internals.update_lock(cluster)
     return lock is not None and lock.locked()
 
 
@@ -92,9 +93,7 @@ def _connected_to(cluster_spec: Mapping[str, Sequence[str]]) -> Any:
     """This process's eager server_def if it coordinates exactly this cluster's remote tasks, else None."""
     if "tensorflow" not in sys.modules:
         return None  # never imported here: this process coordinated nothing
-    from tensorflow.python.eager import context
-
-    server_def = context.context().get_server_def()
+    server_def = internals.eager_context().get_server_def()
     if server_def is None:
         return None
     remote = _remote_tasks(server_def)
@@ -112,26 +111,21 @@ def guard_recovery(cluster_spec: Mapping[str, Sequence[str]], me: str) -> None:
     above), before this process, task `me`, coordinates the cluster. The guard is installed once:
     the eager context is the process's.
     """
-    from tensorflow.python.eager import context
-
+    internals.probe()
     _failed.discard(_spec_tasks(cluster_spec, me))  # an earlier cluster's, should its ports come round again
 
-    ctx = context.context()
+    ctx = internals.eager_context()
     if getattr(ctx.update_server_def, "cmlcluster_guard", False):
         return
     update_server_def = ctx.update_server_def
 
     def guarded(server_def: Any, *args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread().name == PREEMPTION_HANDLER_THREAD:
+        if threading.current_thread().name == internals.PREEMPTION_HANDLER_THREAD:
             _wait_for_lost_tasks(ctx, server_def)
         return update_server_def(server_def, *args, **kwargs)
 
     guarded.cmlcluster_guard = True  # type: ignore[attr-defined]
     ctx.update_server_def = guarded
-
-
-# TensorFlow's name for the thread that recovers a coordinator's lost workers (cluster_coordinator.py).
-PREEMPTION_HANDLER_THREAD = "WorkerPreemptionHandler"
 
 
 def _wait_for_lost_tasks(ctx: Any, server_def: Any) -> None:
@@ -176,11 +170,7 @@ def fail(cluster_spec: Mapping[str, Sequence[str]], error: BaseException) -> boo
         return False
     _failed.add(_remote_tasks(server_def))  # a preemption handler waiting in guard_recovery gives up
     for cluster in _coordinator_clusters():
-        queue = cluster.closure_queue
-        with queue._queue_lock:  # what mark_failed does, without its bookkeeping of one failed closure
-            if queue._error is None:
-                queue._error = error
-            queue._stop_waiting_condition.notify_all()
+        internals.fail_closure_queue(cluster, error)
         # Its preemption handler may wait for good, holding the lock that stopping the cluster takes:
         # ClusterCoordinator.__del__ (the user's strategy collected) would then block forever.
         cluster.stop = lambda: None
@@ -196,8 +186,6 @@ def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
     server_def = _connected_to(cluster_spec)
     if server_def is None:
         return False
-    from tensorflow.python.eager import context
-
     # The coordinators' threads first: a "recovering" preemption handler would call
     # update_server_def with the old cluster again, and closure loops would run closures.
     local = type(server_def)()
@@ -213,7 +201,7 @@ def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
                 # ClusterCoordinator.__del__ stops it again, possibly at interpreter exit, when
                 # a kernel's streams are closed and its INFO lines become "Logging error"s.
                 cluster.stop = lambda: None
-        context.context().update_server_def(local)
+        internals.eager_context().update_server_def(local)
     return True
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import checks
 from ..errors import ConfigError
 
 DEFAULT_PORT = 2323  # Cloudera's run_cluster; never 2222, where workers run sshd
@@ -34,19 +35,19 @@ class Task:
 
 def check_counts(n_workers: int, n_ps: int, min_workers: int | None = None) -> int:
     """Validate the task counts before anything starts; return the effective min_workers."""
-    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+    if not checks.whole(n_workers, 1):
         raise ConfigError(f"n_workers={n_workers!r}: a cluster needs at least 1 worker task")
-    if isinstance(n_ps, bool) or not isinstance(n_ps, int) or n_ps < 0:
+    if not checks.whole(n_ps, 0):
         raise ConfigError(f"n_ps={n_ps!r}: the number of parameter servers must be 0 or more")
     if min_workers is None:
         return n_workers
-    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or not 1 <= min_workers <= n_workers:
+    if not checks.whole(min_workers, 1, n_workers):
         raise ConfigError(f"min_workers={min_workers!r}: give a number from 1 to n_workers ({n_workers})")
     return min_workers
 
 
 def check_port(port: int, what: str = "port") -> int:
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+    if not checks.port(port):
         raise ConfigError(f"{what}={port!r}: give a TCP port from 1 to 65535 (the default is {DEFAULT_PORT})")
     if port == SSH_PORT:
         raise ConfigError(f"{what}={port}: port {SSH_PORT} is sshd's in every worker; use another, e.g. {DEFAULT_PORT}")
@@ -137,7 +138,7 @@ def tf_config(spec: Mapping[str, Sequence[str]], task_type: str, task_index: int
     """The TF_CONFIG of one task (json.dumps it into the task's environment)."""
     if task_type not in spec:
         raise ConfigError(f"task_type={task_type!r}: the cluster has jobs {', '.join(spec)}")
-    if isinstance(task_index, bool) or not isinstance(task_index, int) or not 0 <= task_index < len(spec[task_type]):
+    if not checks.whole(task_index, 0, len(spec[task_type]) - 1):
         raise ConfigError(f"task_index={task_index!r}: job {task_type!r} has tasks 0..{len(spec[task_type]) - 1}")
     return {
         "cluster": {job: list(addresses) for job, addresses in spec.items()},
@@ -159,7 +160,7 @@ def per_gpu_layout(hosts: Sequence[str], gpus_per_host: int, port: int = DEFAULT
     """
     if not hosts:
         raise ConfigError("hosts=[]: give at least one host")
-    if isinstance(gpus_per_host, bool) or not isinstance(gpus_per_host, int) or gpus_per_host < 1:
+    if not checks.whole(gpus_per_host, 1):
         raise ConfigError(f"gpus_per_host={gpus_per_host!r}: give the number of GPUs on each host, 1 or more")
     duplicates = sorted(h for h, count in Counter(hosts).items() if count > 1)
     if duplicates:

@@ -18,7 +18,7 @@ import types
 
 from ..errors import ConfigError
 
-log = logging.getLogger("cmlcluster")
+log = logging.getLogger(__name__)
 
 TESTED = ((2, 15), (2, 21))  # the oldest and newest TensorFlow the test suite runs
 LEGACY_KERAS = "TF_USE_LEGACY_KERAS"

@@ -30,7 +30,7 @@ from ..events import (
 )
 from ..progress import describe
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
-from . import _ipython, in_kernel
+from .shell import in_kernel, ipython
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -106,7 +106,7 @@ class WidgetView:
 
         if not in_kernel():
             return
-        shell = _ipython()
+        shell = ipython()
         header = getattr(shell, "parent_header", None) or {}
         cell = header.get("header", {}).get("msg_id") or getattr(shell, "execution_count", None)
         if cell is not None and cell == self._shown_in:

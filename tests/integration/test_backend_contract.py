@@ -3,13 +3,15 @@
 Each backend runs the same small programs, called directly through the contract (no session, no
 control plane): a process that lives until stopped, one that exits with a code, one killed by a
 signal, one that prints. The fake plays them from its script; the others run real processes
-(local), containers (docker) and processes on SSH hosts (ssh).
+(local), containers (docker), processes on SSH hosts (ssh) and pods (kubernetes), and so does the
+example backend of docs/guide/writing-a-backend.md, which also launches real workers through a session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -19,8 +21,8 @@ from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 from cmlcluster.backends import Backend, Capabilities, SessionContext, backend_class, known_backends
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
-from cmlcluster.control import CONNECTION_ENV
 from cmlcluster.errors import ConfigError
+from cmlcluster.wire import CONNECTION_ENV
 from cmlcluster.workers import Resources, WorkerSpec
 
 pytestmark = pytest.mark.integration
@@ -47,13 +49,25 @@ FAKE = {  # the same programs, as the fake plays them
 }
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def example_backend_class() -> type[Backend]:
+    """The example backend of docs/guide/writing-a-backend.md, exactly as the page shows it."""
+    page = (ROOT / "docs" / "guide" / "writing-a-backend.md").read_text()
+    code = page.split(":name: example-backend\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {"__name__": "writing_a_backend_example"}
+    exec(compile(code, "docs/guide/writing-a-backend.md", "exec"), namespace)
+    return namespace["NiceBackend"]
+
+
 def test_every_registered_backend_is_checked_here():
     assert set(known_backends()) == {"local", "docker", "ssh", "kubernetes", "fake"}
     for name in known_backends():
         assert issubclass(backend_class(name), Backend)
 
 
-@pytest.fixture(params=["local", "docker", "ssh", "kubernetes", "fake"])
+@pytest.fixture(params=["local", "docker", "ssh", "kubernetes", "fake", "docs example"])
 def contract(request):
     """(backend, spec(program) -> WorkerSpec), attached to a throwaway session folder."""
     name = request.param
@@ -68,6 +82,8 @@ def contract(request):
     elif name == "fake":
         plan: list[FakeWorker] = []
         backend = FakeBackend(lambda i: plan[i])
+    elif name == "docs example":
+        backend = example_backend_class()()
     else:
         backend = backend_class(name)()
     folder = tempfile.mkdtemp(prefix="cmlcluster-contract-")
@@ -186,3 +202,17 @@ def test_a_launch_that_can_never_fit_is_refused_before_anything_starts(contract)
     backend, _ = contract
     with pytest.raises(ConfigError, match=r"nvidia_gpu=64|do not fit"):
         run(backend.check(1000, Resources(cpu=1, memory=1, nvidia_gpu=64)))
+
+
+def test_the_docs_example_backend_runs_real_workers_through_a_session():
+    from cmlcluster.session import Session
+
+    code = "import os; print('niceness', os.nice(0))"
+    with Session(backend=example_backend_class()(niceness=7), echo=False) as session:
+        workers = session.launch_workers(2, cpu=0.5, memory=0.5, code=code)
+        done = session.await_workers(workers, wait_for_completion=True, timeout_seconds=120)
+        assert done["failures"] == [] and len(done["workers"]) == 2, done
+        expected = f"niceness {min(os.nice(0) + 7, 19)}"  # nice adds to this process's own niceness
+        assert [session.output(w) for w in workers] == [expected, expected]
+        with pytest.raises(ConfigError, match="nvidia_gpu=1: the nice backend starts no GPU workers"):
+            session.launch_workers(1, cpu=1, memory=1, nvidia_gpu=1, code="pass")

@@ -18,7 +18,8 @@ from conftest import DOCKER_TEST_IMAGE
 
 from cmlcluster import ConfigError, Session
 from cmlcluster.backends.base import SessionContext, run_tag_labels
-from cmlcluster.backends.docker import DockerBackend, remove_orphans
+from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker_engine import remove_orphans
 
 pytestmark = pytest.mark.integration
 

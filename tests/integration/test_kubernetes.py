@@ -21,7 +21,7 @@ from kubernetes.client import ApiClient, CoreV1Api
 from processes import wait_until
 
 from cmlcluster import Session
-from cmlcluster.backends.kubernetes import manifests
+from cmlcluster.backends.kubernetes import names
 from cmlcluster.backends.kubernetes.backend import delete_orphans
 from cmlcluster.errors import ConfigError
 
@@ -39,7 +39,7 @@ def kube_session(kube):
 
 
 def pod_of(kube, worker_id):
-    return next(p for p in kube.pods() if p["metadata"]["name"] == manifests.pod_name(worker_id))
+    return next(p for p in kube.pods() if p["metadata"]["name"] == names.pod_name(worker_id))
 
 
 def failure_of(session, worker, timeout=90):
@@ -57,7 +57,7 @@ def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_f
     pods = [pod_of(kube, w["id"]) for w in workers]
     assert ips == [p["status"]["podIP"] for p in pods] and len(set(ips)) == 2 and "127.0.0.1" not in ips
 
-    secret = next(s for s in kube.secrets() if s["metadata"]["name"] == manifests.secret_name(session.id))
+    secret = next(s for s in kube.secrets() if s["metadata"]["name"] == names.secret_name(session.id))
     for pod in pods:
         container = pod["spec"]["containers"][0]
         assert (
@@ -110,7 +110,7 @@ def test_a_worker_over_its_memory_limit_fails_as_oomkilled(kube_session):
 def test_a_pod_deleted_by_someone_else_fails_its_worker_saying_so(kube, kube_session):
     (worker,) = kube_session.launch_workers(1, cpu=0.5, memory=1)
     kube_session.await_workers([worker], wait_for_completion=False, timeout_seconds=90)
-    kube.delete_pod(manifests.pod_name(worker["id"]))
+    kube.delete_pod(names.pod_name(worker["id"]))
     failure = failure_of(kube_session, worker)
     assert "deleted by someone else" in failure["message"]
 
@@ -209,7 +209,7 @@ def test_a_session_that_dies_leaves_its_pods_to_the_garbage_collector(kube):
     session = Session(backend, echo=False)
     workers = session.launch_workers(2, cpu=0.5, memory=1)
     session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
-    secret = manifests.secret_name(session.id)
+    secret = names.secret_name(session.id)
     # The notebook's kernel is gone; its Secret's owner (the notebook's pod) goes with it. Here:
     # the Secret is deleted, and the API's garbage collector removes the pods it owns.
     kube.delete_secret(secret)
@@ -280,7 +280,7 @@ def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
     with Session(kube_backend(kube, notebook_pod="jupyter-alice"), echo=False) as session:
         workers = session.launch_workers(2, cpu=0.5, memory=1)
         session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
-        secret = next(s for s in kube.secrets() if s["metadata"]["name"] == manifests.secret_name(session.id))
+        secret = next(s for s in kube.secrets() if s["metadata"]["name"] == names.secret_name(session.id))
         assert [(o["kind"], o["name"], o["uid"]) for o in secret["metadata"]["ownerReferences"]] == [
             ("Pod", "jupyter-alice", created.metadata.uid)
         ]
@@ -297,7 +297,7 @@ def test_a_pod_deleted_while_the_watch_is_down_is_noticed_by_the_next_list(kube,
     kube.deny("watch", "pods")  # the watch cannot come back...
     try:
         kube.drop_watches()
-        kube.delete_pod(manifests.pod_name(worker["id"]), grace_period_seconds=0)  # ...while the pod goes,
+        kube.delete_pod(names.pod_name(worker["id"]), grace_period_seconds=0)  # ...while the pod goes,
         kube.compact()  # and its deletion leaves no history: the resumed watch gets 410, then a list
     finally:
         kube.allow("watch", "pods")

@@ -93,7 +93,7 @@ def test_a_registered_worker_that_never_answers_fails_within_seconds_and_the_nex
     )
     unretrieved = []
     with Session("local", echo=False) as s:
-        s._loop.loop.set_exception_handler(lambda loop, context: unretrieved.append(context))
+        s._rt.loop.loop.set_exception_handler(lambda loop, context: unretrieved.append(context))
         [silent] = s.launch_workers(1, cpu=0.5, memory=0.5, code="pass", env={"PYTHONPATH": str(tmp_path)})
         started = time.monotonic()
         [failure] = s.await_workers([silent], timeout_seconds=60)["failures"]

@@ -261,10 +261,10 @@ def test_without_tensorboard_installed_it_says_what_to_install(tmp_path, monkeyp
 
 
 def test_a_tensorboard_that_exits_at_once_raises_quoting_its_log_and_leaves_nothing(tmp_path, monkeypatch):
-    import cmlcluster.tensorboard_server as module
+    import cmlcluster.tensorboard_process as process
 
-    monkeypatch.setattr(module, "RELOAD_INTERVAL", "soon")  # a flag value TensorBoard refuses, exiting with 2
-    monkeypatch.setattr(module.tempfile, "tempdir", str(tmp_path))  # where its private log goes
+    monkeypatch.setattr(process, "RELOAD_INTERVAL", "soon")  # a flag value TensorBoard refuses, exiting with 2
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its private log goes
     with pytest.raises(CmlClusterError, match="exited with code 2 before answering") as error:
         TensorBoard.start(str(tmp_path / "logs"))
     assert "--reload_interval: invalid float: 'soon'" in str(error.value)  # its own complaint, quoted

@@ -27,6 +27,7 @@ TESTS = [
     "tests/integration/test_faults.py::test_kill_9_of_a_worker_while_this_process_coordinates_fails_fit_and_the_next_cluster_trains",
     "tests/integration/test_faults.py::test_kill_9_of_a_parameter_server_while_this_process_coordinates",
     "tests/unit/test_tf_versions.py",
+    "tests/unit/test_tf_internals.py",
 ]
 # The version is what this run tests: on local workers. The other backends run the same tests with the
 # main TensorFlow; what they change (where a task runs) does not depend on TensorFlow's version.

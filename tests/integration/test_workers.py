@@ -18,7 +18,7 @@ import pytest
 from processes import command_line, running
 
 from cmlcluster import Session
-from cmlcluster.backends.kubernetes import manifests
+from cmlcluster.backends.kubernetes import names
 from cmlcluster.backends.local import LocalBackend
 
 pytestmark = pytest.mark.integration
@@ -54,7 +54,7 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     elif session.backend.name == "docker":  # pids are the containers' own; each is a host of its own
         assert hostnames == [f"worker-{w['id']}" for w in workers]
     elif session.backend.name == "kubernetes":  # a pod's hostname is its name
-        assert hostnames == [manifests.pod_name(w["id"]) for w in workers]
+        assert hostnames == [names.pod_name(w["id"]) for w in workers]
     else:
         assert len(set(hostnames)) == 3
     env = view.apply_sync(

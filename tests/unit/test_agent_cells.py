@@ -1,10 +1,10 @@
-"""A worker's code= runs as CML's engine, an IPython kernel, runs a cell (agent.run_cell)."""
+"""A worker's code= runs as CML's engine, an IPython kernel, runs a cell (agent_program.run_cell)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cmlcluster.agent import cell_source, is_one_shell_command, run_cell
+from cmlcluster.agent_program import cell_source, is_one_shell_command, run_cell
 
 
 @pytest.mark.parametrize(

@@ -137,7 +137,7 @@ def test_await_wakes_on_events_from_other_threads():
     backend = FakeBackend([FakeWorker(registers=False)])
     with Session(backend, echo=False) as s:
         [w] = s.launch_workers(1, cpu=1, memory=1)
-        timer = threading.Timer(0.2, lambda: s._loop.call_soon(backend.control.on_engine, "register", 0))
+        timer = threading.Timer(0.2, lambda: s._rt.loop.call_soon(backend.control.on_engine, "register", 0))
         timer.start()
         result = s.await_workers([w], wait_for_completion=False, timeout_seconds=0)
         assert [r["status"] for r in result["workers"]] == ["running"]

@@ -18,6 +18,8 @@ from kubernetes.utils.quantity import parse_quantity
 from cmlcluster.backends.base import SessionContext
 from cmlcluster.backends.docker import DockerBackend
 from cmlcluster.backends.kubernetes import manifests as m
+from cmlcluster.backends.kubernetes import names as n
+from cmlcluster.backends.kubernetes import options as o
 from cmlcluster.errors import ConfigError
 from cmlcluster.workers import Resources, WorkerSpec
 
@@ -36,7 +38,7 @@ LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 
 
 def make_spec(cpu: float = 2, memory: float = 4, nvidia_gpu: int = 0, engine_id: int = 0, **kwargs) -> WorkerSpec:
-    """A spec as Session._make_spec makes it: the user's env plus cmlcluster's, the connection included."""
+    """A spec as worker_env.build_spec makes it: the user's env plus cmlcluster's, the connection included."""
     worker_id = kwargs.pop("worker_id", f"{SESSION}-{engine_id}")
     env = {
         "MY_SETTING": "user value",
@@ -59,19 +61,19 @@ def make_spec(cpu: float = 2, memory: float = 4, nvidia_gpu: int = 0, engine_id:
     )
 
 
-def make_pod(spec: WorkerSpec | None = None, options: m.PodOptions | None = None) -> dict:
+def make_pod(spec: WorkerSpec | None = None, options: o.PodOptions | None = None) -> dict:
     return m.worker_pod(
         spec or make_spec(),
         session_id=SESSION,
         namespace=NAMESPACE,
         image=IMAGE,
-        secret_name=m.secret_name(SESSION),
+        secret_name=n.secret_name(SESSION),
         secret_uid=SECRET_UID,
         options=options,
     )
 
 
-FULL_OPTIONS = m.PodOptions(
+FULL_OPTIONS = o.PodOptions(
     node_selector={"nvidia.com/gpu.present": "true", "pool": "training"},
     tolerations=[
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
@@ -81,7 +83,7 @@ FULL_OPTIONS = m.PodOptions(
     service_account="cmlcluster-worker",
     image_pull_secrets=["regcred", "mirror.example.com"],
     env={"NCCL_DEBUG": "INFO", "MY_SETTING": "backend default"},
-    shared_volume=m.SharedVolume(claim="team-efs", mount_path="/shared"),
+    shared_volume=o.SharedVolume(claim="team-efs", mount_path="/shared"),
 )
 
 
@@ -130,7 +132,7 @@ def test_session_secret_carries_the_connection_owned_by_the_notebook_pod():
     assert_valid(secret)
     assert (secret["apiVersion"], secret["kind"], secret["type"]) == ("v1", "Secret", "Opaque")
     metadata = secret["metadata"]
-    assert metadata["name"] == f"cmlcluster-{SESSION}" == m.secret_name(SESSION)
+    assert metadata["name"] == f"cmlcluster-{SESSION}" == n.secret_name(SESSION)
     assert metadata["namespace"] == NAMESPACE
     assert metadata["labels"] == {
         "cmlcluster.io/session": SESSION,
@@ -150,7 +152,7 @@ def test_session_secret_carries_the_connection_owned_by_the_notebook_pod():
     assert "stringData" not in secret
     decoded = {key: base64.b64decode(value, validate=True).decode() for key, value in secret["data"].items()}
     assert decoded == {"connection.json": CONNECTION}  # no SSH key: no worker needs the private one
-    assert m.CONNECTION_FILE == f"{m.SESSION_MOUNT_PATH}/connection.json"
+    assert m.CONNECTION_FILE == f"{n.SESSION_MOUNT_PATH}/connection.json"
 
 
 def test_session_secret_outside_a_cluster_has_no_owner():
@@ -224,7 +226,7 @@ def test_worker_labels_mark_session_and_worker():
         "app.kubernetes.io/component": "worker",
     }
     # The session's selector finds the worker (and the Secret).
-    for term in m.session_selector(SESSION).split(","):
+    for term in n.session_selector(SESSION).split(","):
         key, value = term.split("=")
         assert labels[key] == value
 
@@ -330,8 +332,8 @@ def test_environment_is_the_specs_plus_the_options():
     expected |= {"NCCL_DEBUG": "INFO", "CMLCLUSTER_CONNECTION_FILE": m.CONNECTION_FILE}
     assert env == expected
     assert env["MY_SETTING"] == "launch value"  # a launch's own env wins over the backend's default
-    assert env_of(make_pod(make_spec(), m.PodOptions(env={"MY_SETTING": "x"})))["MY_SETTING"] == "user value"
-    assert env_of(make_pod(make_spec(), m.PodOptions(env={"NEW": "x"})))["NEW"] == "x"
+    assert env_of(make_pod(make_spec(), o.PodOptions(env={"MY_SETTING": "x"})))["MY_SETTING"] == "user value"
+    assert env_of(make_pod(make_spec(), o.PodOptions(env={"NEW": "x"})))["NEW"] == "x"
 
 
 def test_pod_options_reach_the_pod_spec():
@@ -359,7 +361,7 @@ def test_pod_options_are_frozen_copies():
     tolerations = [{"key": "team", "operator": "Exists"}]
     env = {"A": "1"}
     names = ["regcred"]
-    options = m.PodOptions(node_selector=selector, tolerations=tolerations, env=env, image_pull_secrets=names)
+    options = o.PodOptions(node_selector=selector, tolerations=tolerations, env=env, image_pull_secrets=names)
     selector["pool"] = "changed"
     tolerations[0]["key"] = "changed"
     env["B"] = "2"
@@ -398,7 +400,7 @@ def test_pod_options_are_frozen_copies():
 )
 def test_bad_options_are_refused_naming_the_value(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        m.PodOptions(**kwargs)
+        o.PodOptions(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -413,7 +415,7 @@ def test_bad_options_are_refused_naming_the_value(kwargs, message):
 )
 def test_bad_shared_volumes_are_refused_naming_the_value(claim, mount_path, message):
     with pytest.raises(ConfigError, match=message):
-        m.SharedVolume(claim=claim, mount_path=mount_path)
+        o.SharedVolume(claim=claim, mount_path=mount_path)
 
 
 def test_a_worker_pod_needs_an_image():
@@ -427,10 +429,10 @@ def test_a_worker_pod_needs_an_image():
 
 
 def test_valid_names_and_label_values_are_kept():
-    assert m.dns_name("cmlcluster", "a1b2c3-12") == "cmlcluster-a1b2c3-12"
-    assert m.pod_name("a1b2c3-12") == "cmlcluster-a1b2c3-12"
-    assert m.label_value("a1b2c3-12") == "a1b2c3-12"
-    assert m.label_value("Run_1.final") == "Run_1.final"
+    assert n.dns_name("cmlcluster", "a1b2c3-12") == "cmlcluster-a1b2c3-12"
+    assert n.pod_name("a1b2c3-12") == "cmlcluster-a1b2c3-12"
+    assert n.label_value("a1b2c3-12") == "a1b2c3-12"
+    assert n.label_value("Run_1.final") == "Run_1.final"
 
 
 @pytest.mark.parametrize(
@@ -438,9 +440,9 @@ def test_valid_names_and_label_values_are_kept():
     ["Session_A-1", "x" * 80, "-leading-and-trailing-", "ünïcode-1", "a..b", "UPPER-1"],
 )
 def test_any_worker_id_gives_a_valid_pod_name_and_labels(worker_id):
-    name = m.pod_name(worker_id)
+    name = n.pod_name(worker_id)
     assert len(name) <= 63 and DNS_LABEL.fullmatch(name), name
-    value = m.label_value(worker_id)
+    value = n.label_value(worker_id)
     assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), value
     pod = make_pod(make_spec(worker_id=worker_id))
     assert pod["metadata"]["name"] == name
@@ -450,7 +452,7 @@ def test_any_worker_id_gives_a_valid_pod_name_and_labels(worker_id):
 
 def test_names_made_valid_stay_distinct():
     # Lowercasing alone would give both the same name; the hash of the original keeps them apart.
-    assert m.pod_name("Session-1") != m.pod_name("session-1")
-    assert m.pod_name("x" * 70 + "1") != m.pod_name("x" * 70 + "2")
-    assert m.label_value("y" * 70 + "1") != m.label_value("y" * 70 + "2")
-    assert m.pod_name("Session-1") == m.pod_name("Session-1")  # and are the same every time
+    assert n.pod_name("Session-1") != n.pod_name("session-1")
+    assert n.pod_name("x" * 70 + "1") != n.pod_name("x" * 70 + "2")
+    assert n.label_value("y" * 70 + "1") != n.label_value("y" * 70 + "2")
+    assert n.pod_name("Session-1") == n.pod_name("Session-1")  # and are the same every time

@@ -10,7 +10,7 @@ import time
 
 from cmlcluster import Session
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
-from cmlcluster.session import EXIT_OUTPUT_GRACE
+from cmlcluster.supervisor import EXIT_OUTPUT_GRACE
 
 
 def told(events):

@@ -189,3 +189,30 @@ def test_backend_instance_with_options_is_refused():
 def test_bad_timeout_is_refused(session):
     with pytest.raises(ConfigError, match="timeout_seconds=-1"):
         session.await_workers([], timeout_seconds=-1)
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "high", "ok"),
+    [
+        (1, 1, None, True),
+        (0, 1, None, False),
+        (True, 0, None, False),
+        (2.0, 0, None, False),
+        (5, 1, 4, False),
+        (4, 1, 4, True),
+    ],
+)
+def test_a_whole_number_is_an_int_within_its_bounds_and_never_a_bool(value, low, high, ok):
+    from cmlcluster import checks
+
+    assert checks.whole(value, low, high) is ok
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [(0.5, True), (0, False), (float("nan"), False), (float("inf"), False), (False, False), ("1", False)],
+)
+def test_a_number_is_finite_real_and_never_a_bool(value, ok):
+    from cmlcluster import checks
+
+    assert checks.number(value, above=0) is ok

@@ -2,6 +2,8 @@
 
 Pure functions: no kubernetes client, no API calls, nothing read from the environment. The
 backend sends what they return; the tests validate it against the API's OpenAPI schemas.
+What the objects are called and labelled is in ``names``; the options checked for every pod in
+``options``.
 
 The objects of one session:
 
@@ -27,117 +29,41 @@ collector is the safety net. (Spark on Kubernetes owns executor pods by its driv
 
 from __future__ import annotations
 
-import hashlib
 import math
 import posixpath
-import re
-import types
 from base64 import b64encode
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-from ...control import CONNECTION_ENV, CONNECTION_FILE_ENV
 from ...errors import ConfigError
+from ...wire import CONNECTION_ENV, CONNECTION_FILE_ENV
 from ...workers import Resources, WorkerSpec
-
-# Labels (keys in cmlcluster's own prefix, plus the well-known app.kubernetes.io ones).
-SESSION_LABEL = "cmlcluster.io/session"
-WORKER_LABEL = "cmlcluster.io/worker"
-COMPONENT_LABEL = "app.kubernetes.io/component"  # "session" (the Secret) or "worker" (a pod)
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-MANAGER = "cmlcluster"
-# Where the session runs, on its Secret: `cmlcluster cleanup` on that host ends sessions whose process is gone.
-HOST_ANNOTATION = "cmlcluster.io/host"
-PID_ANNOTATION = "cmlcluster.io/pid"
+from .names import (
+    COMPONENT_LABEL,
+    CONTAINER_NAME,
+    HOST_ANNOTATION,
+    PID_ANNOTATION,
+    SESSION_MOUNT_PATH,
+    pod_name,
+    secret_name,
+    session_labels,
+    worker_labels,
+)
+from .options import PodOptions
 
 # The session Secret, as files in every worker. The agent reads its connection info from the file
 # that CONNECTION_FILE_ENV names.
-SESSION_MOUNT_PATH = "/var/run/cmlcluster"
 SESSION_VOLUME = "cmlcluster-session"
 SESSION_FILE_MODE = 0o400  # owner read-only: the file holds the controller's key
 CONNECTION_KEY = "connection.json"
 CONNECTION_FILE = f"{SESSION_MOUNT_PATH}/{CONNECTION_KEY}"
 
-CONTAINER_NAME = "worker"
 SHARED_VOLUME = "cmlcluster-shared"
 # A worker's own working folder (an emptyDir) when the session's is not on the shared volume: where
 # shipped files land, never the image's folder (often "/").
 WORK_VOLUME = "cmlcluster-work"
 WORK_PATH = "/var/cmlcluster/work"
 GPU_RESOURCE = "nvidia.com/gpu"
-
-# Names cmlcluster sets in every worker; PodOptions.env may not replace them.
-RESERVED_ENV = frozenset(
-    {"CDSW_MASTER_IP", "CML_MASTER_IP", "CDSW_MASTER_ID", "CDSW_ENGINE_ID", "CDSW_IP_ADDRESS", "PYTHONUNBUFFERED"}
-)
-RESERVED_ENV_PREFIX = "CMLCLUSTER_"
-
-MAX_NAME = 63  # a DNS-1123 label: a pod's name becomes its hostname, which must be one
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
-# The classic rule (C identifiers plus '-' and '.'); clusters before 1.34 accept nothing wider.
-_ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
-_TOLERATION_KEYS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
-_TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
-
-
-# ---------------------------------------------------------------- names and labels
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
-def dns_name(*parts: str) -> str:
-    """A DNS-1123 label (lowercase alphanumerics and '-', at most 63) from `parts` joined by '-'.
-
-    Parts that are valid already come back joined, unchanged. Otherwise invalid characters
-    become '-' and a hash of the original is appended, so that two different inputs never
-    share a name (say "A" and "a"), and the result is cut to fit.
-    """
-    raw = "-".join(parts)
-    if len(raw) <= MAX_NAME and _DNS_LABEL.fullmatch(raw):
-        return raw
-    name = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower())).strip("-")
-    suffix = _digest(raw)
-    name = name[: MAX_NAME - len(suffix) - 1].rstrip("-")
-    return f"{name}-{suffix}" if name else suffix
-
-
-def label_value(value: str) -> str:
-    """`value` as a valid label value (at most 63 of [-A-Za-z0-9_.], alphanumeric at both ends).
-
-    Valid values come back unchanged; others are made valid the way dns_name does, with a hash.
-    """
-    if len(value) <= MAX_NAME and _LABEL_VALUE.fullmatch(value):
-        return value
-    cleaned = re.sub(r"[^-A-Za-z0-9_.]", "-", value)
-    suffix = _digest(value)
-    cleaned = re.sub(r"^[^A-Za-z0-9]+", "", cleaned[: MAX_NAME - len(suffix) - 1])
-    cleaned = re.sub(r"[^A-Za-z0-9]+$", "", cleaned)
-    return f"{cleaned}-{suffix}" if cleaned else suffix
-
-
-def secret_name(session_id: str) -> str:
-    """The name of the session's Secret: ``cmlcluster-<session>``."""
-    return dns_name("cmlcluster", session_id)
-
-
-def pod_name(worker_id: str) -> str:
-    """The name of a worker's pod: ``cmlcluster-<worker id>`` (worker ids are ``<session>-<engine>``)."""
-    return dns_name("cmlcluster", worker_id)
-
-
-def session_labels(session_id: str) -> dict[str, str]:
-    """The labels every object of the session carries."""
-    return {SESSION_LABEL: label_value(session_id), MANAGED_BY_LABEL: MANAGER}
-
-
-def session_selector(session_id: str) -> str:
-    """A label selector for every object of the session (list, watch and cleanup use it)."""
-    return f"{SESSION_LABEL}={label_value(session_id)},{MANAGED_BY_LABEL}={MANAGER}"
 
 
 # ---------------------------------------------------------------- quantities
@@ -165,185 +91,6 @@ def memory_quantity(resources: Resources) -> str:
     if mib < 1:
         raise ConfigError(f"memory={memory!r}: less than 1 MiB; memory is in GB, e.g. memory=0.5 for 512 MiB")
     return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib}Mi"
-
-
-# ---------------------------------------------------------------- options
-
-
-def _check_name(what: str, value: object, example: str) -> str:
-    if not isinstance(value, str) or len(value) > 253 or not _DNS_SUBDOMAIN.fullmatch(value):
-        raise ConfigError(
-            f"{what}={value!r}: not a valid Kubernetes object name (lowercase letters, digits, '-' and '.', "
-            f"starting and ending with a letter or digit, at most 253); e.g. {what}={example!r}"
-        )
-    return value
-
-
-def _check_label_key(key: object) -> bool:
-    if not isinstance(key, str):
-        return False
-    prefix, _, name = key.rpartition("/")
-    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
-        return False
-    return 0 < len(name) <= MAX_NAME and bool(_LABEL_VALUE.fullmatch(name))
-
-
-@dataclass(frozen=True)
-class SharedVolume:
-    """A ReadWriteMany PersistentVolumeClaim mounted on every worker (like the AWS template's EFS).
-
-    claim: the PVC's name, in the workers' namespace; mount_path: where workers see it.
-    """
-
-    claim: str
-    mount_path: str
-
-    def __post_init__(self) -> None:
-        _check_name("shared_volume claim", self.claim, "shared-data")
-        path = self.mount_path
-        if not isinstance(path, str) or not path.startswith("/") or posixpath.normpath(path) in ("/", "//"):
-            raise ConfigError(
-                f"shared_volume mount_path={path!r}: must be an absolute folder other than '/', e.g. '/shared'"
-            )
-        normal = posixpath.normpath(path)
-        if _overlaps(normal, SESSION_MOUNT_PATH):
-            raise ConfigError(
-                f"shared_volume mount_path={path!r}: overlaps {SESSION_MOUNT_PATH}, where cmlcluster mounts the "
-                "session's Secret; mount the volume elsewhere, e.g. '/shared'"
-            )
-        object.__setattr__(self, "mount_path", normal)
-
-
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
-
-
-def _overlaps(a: str, b: str) -> bool:
-    return _inside(a, b) or _inside(b, a)
-
-
-@dataclass(frozen=True)
-class PodOptions:
-    """What a cluster's admin or user chooses for every worker pod of a session.
-
-    node_selector: node labels the pods must match, e.g. {"nvidia.com/gpu.present": "true"}.
-    tolerations: the API's Toleration objects (camelCase keys), e.g.
-        [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
-    service_account: the workers' service account; without one no API token is mounted in
-        workers (they run the user's code and need no API access).
-    image_pull_secrets: names of docker-registry Secrets in the namespace.
-    env: variables for every worker; a launch's own env= wins over them.
-    shared_volume: a ReadWriteMany PVC mounted on every worker (SharedVolume).
-    """
-
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    tolerations: Sequence[Mapping[str, Any]] = ()
-    service_account: str | None = None
-    image_pull_secrets: Sequence[str] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    shared_volume: SharedVolume | None = None
-
-    def __post_init__(self) -> None:
-        # Stored as read-only copies: the caller's later changes never reach a frozen options object.
-        set_ = object.__setattr__
-        set_(self, "node_selector", types.MappingProxyType(self._node_selector()))
-        set_(self, "tolerations", tuple(types.MappingProxyType(t) for t in self._tolerations()))
-        if self.service_account is not None:
-            _check_name("service_account", self.service_account, "cmlcluster-worker")
-        set_(self, "image_pull_secrets", self._image_pull_secrets())
-        set_(self, "env", types.MappingProxyType(self._env()))
-        if self.shared_volume is not None and not isinstance(self.shared_volume, SharedVolume):
-            raise ConfigError(
-                f"shared_volume={self.shared_volume!r}: give a SharedVolume(claim=..., mount_path=...), "
-                "e.g. SharedVolume('shared-data', '/shared')"
-            )
-
-    def _node_selector(self) -> dict[str, str]:
-        if not isinstance(self.node_selector, Mapping):
-            raise ConfigError(
-                f"node_selector={self.node_selector!r}: give a dict of node labels, e.g. {{'disktype': 'ssd'}}"
-            )
-        for key, value in self.node_selector.items():
-            if not _check_label_key(key):
-                raise ConfigError(
-                    f"node_selector key {key!r} is not a valid label key ([prefix/]name, the name at most 63 "
-                    "letters, digits, '-', '_' or '.', starting and ending with a letter or digit); "
-                    "copy it from `kubectl get nodes --show-labels`"
-                )
-            if not isinstance(value, str) or len(value) > MAX_NAME or not _LABEL_VALUE.fullmatch(value):
-                raise ConfigError(
-                    f"node_selector[{key!r}]={value!r} is not a valid label value (a string of at most 63 "
-                    "letters, digits, '-', '_' or '.', starting and ending with a letter or digit; "
-                    "booleans as 'true'/'false')"
-                )
-        return dict(self.node_selector)
-
-    def _tolerations(self) -> list[dict[str, Any]]:
-        if isinstance(self.tolerations, (str, Mapping)) or not isinstance(self.tolerations, Sequence):
-            raise ConfigError(
-                f"tolerations={self.tolerations!r}: give a list of tolerations, e.g. "
-                "[{'key': 'nvidia.com/gpu', 'operator': 'Exists', 'effect': 'NoSchedule'}]"
-            )
-        checked = []
-        for toleration in self.tolerations:
-            if not isinstance(toleration, Mapping):
-                raise ConfigError(f"tolerations: {toleration!r} is not a dict like {{'key': ..., 'effect': ...}}")
-            unknown = sorted(str(k) for k in set(toleration) - _TOLERATION_KEYS)
-            if unknown:
-                raise ConfigError(
-                    f"tolerations: {toleration!r} has unknown keys {unknown}; a toleration has "
-                    f"{sorted(_TOLERATION_KEYS)} (the API's camelCase names)"
-                )
-            operator = toleration.get("operator", "Equal")
-            effect = toleration.get("effect", "")
-            key = toleration.get("key", "")
-            if operator not in ("Equal", "Exists"):
-                raise ConfigError(f"tolerations: operator={operator!r} in {toleration!r}; use 'Equal' or 'Exists'")
-            if effect not in _TOLERATION_EFFECTS:
-                raise ConfigError(
-                    f"tolerations: effect={effect!r} in {toleration!r}; use one of {list(_TOLERATION_EFFECTS)}"
-                )
-            if not isinstance(key, str) or (key and not _check_label_key(key)):
-                raise ConfigError(f"tolerations: key={key!r} in {toleration!r} is not a valid taint key")
-            if not key and operator != "Exists":
-                raise ConfigError(f"tolerations: {toleration!r} has no key, so its operator must be 'Exists'")
-            value = toleration.get("value", "")
-            if not isinstance(value, str) or (operator == "Exists" and value):
-                raise ConfigError(
-                    f"tolerations: value={value!r} in {toleration!r}; a string, and none with operator 'Exists'"
-                )
-            if "tolerationSeconds" in toleration:
-                seconds = toleration["tolerationSeconds"]
-                if isinstance(seconds, bool) or not isinstance(seconds, int) or effect != "NoExecute":
-                    raise ConfigError(
-                        f"tolerations: tolerationSeconds={seconds!r} in {toleration!r}; a whole number of "
-                        "seconds, and only with effect 'NoExecute'"
-                    )
-            checked.append(dict(toleration))
-        return checked
-
-    def _image_pull_secrets(self) -> tuple[str, ...]:
-        names = self.image_pull_secrets
-        if isinstance(names, str) or not isinstance(names, Sequence):
-            raise ConfigError(
-                f"image_pull_secrets={names!r}: give a list of Secret names, e.g. image_pull_secrets=['regcred']"
-            )
-        return tuple(_check_name("image_pull_secrets item", name, "regcred") for name in names)
-
-    def _env(self) -> dict[str, str]:
-        if not isinstance(self.env, Mapping):
-            raise ConfigError(f"env={self.env!r}: give a dict of names to strings, e.g. {{'NCCL_DEBUG': 'INFO'}}")
-        for name, value in self.env.items():
-            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-                raise ConfigError(
-                    f"env: {name!r} is not a valid variable name (letters, digits, '_', '-' and '.', "
-                    "not starting with a digit)"
-                )
-            if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
-                raise ConfigError(f"env: {name!r} is set by cmlcluster in every worker; choose another name")
-            if not isinstance(value, str):
-                raise ConfigError(f"env[{name!r}]={value!r}: values must be strings; convert with str()")
-        return dict(self.env)
 
 
 # ---------------------------------------------------------------- manifests
@@ -399,11 +146,6 @@ def session_secret(
         # The notebook's pod does not manage the Secret (its own controller, if any, manages it).
         metadata["ownerReferences"] = [owner_reference("v1", "Pod", name, uid, controller=False)]
     return {"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "type": "Opaque", "data": data}
-
-
-def worker_labels(session_id: str, worker_id: str) -> dict[str, str]:
-    """The labels of a worker's pod."""
-    return {**session_labels(session_id), WORKER_LABEL: label_value(worker_id), COMPONENT_LABEL: "worker"}
 
 
 def worker_resources(spec: WorkerSpec) -> dict[str, dict[str, str]]:
@@ -465,7 +207,7 @@ def worker_pod(
     # The session's folder is the workers' working folder only where they see it: on the shared
     # volume. Elsewhere each worker has a folder of its own, and programs are shipped (Capabilities.sees).
     cwd = posixpath.normpath(spec.cwd)
-    if shared is not None and _inside(cwd, shared.mount_path):
+    if shared is not None and shared.holds(cwd):
         container["workingDir"] = cwd
     else:
         mounts.append({"name": WORK_VOLUME, "mountPath": WORK_PATH})

@@ -40,8 +40,9 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import BackendError
-from ..workers import PACKAGE_PARENT, WorkerSpec
+from . import wire
+from .errors import BackendError
+from .workers import PACKAGE_PARENT, WorkerSpec
 
 TEMPLATE_FLAG = "--template"
 AGENT_MODULE = "cmlcluster.agent"
@@ -62,12 +63,12 @@ WARM_MODULES = (
 OWN_VARIABLES = frozenset(
     {
         "CDSW_ENGINE_ID",
-        "CMLCLUSTER_ENGINE_ID",
+        wire.ENGINE_ID_ENV,
         "CUDA_VISIBLE_DEVICES",
         "TMPDIR",
-        "CMLCLUSTER_PRELOAD",
-        "CMLCLUSTER_CONNECTION",
-        "CMLCLUSTER_CONNECTION_FILE",
+        wire.PRELOAD_ENV,
+        wire.CONNECTION_ENV,
+        wire.CONNECTION_FILE_ENV,
     }
 )
 

@@ -1,0 +1,154 @@
+"""The worker's ipyparallel engine, with a watch on the controller that works while user code runs.
+
+The engine's own heartbeat check runs on its event loop, which user code
+blocks for as long as it runs. A worker whose session is gone must not train
+on for hours, so a watchdog thread listens to the controller's heartbeat pings
+(the same ones the engine answers) and ends the worker's whole process group
+when they stop. A stop signal ends the running program (agent_program) and
+sends what the engine holds before the agent dies of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from ipyparallel.engine.app import IPEngine
+from traitlets import default
+
+from . import agent_program
+
+# The controller pings every wire.HEARTBEAT_MS; silent this long and the session is
+# taken to be gone.
+SESSION_SILENCE_SECONDS = 5.0
+
+
+def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes], log_fd: int) -> None:
+    import zmq
+
+    context = zmq.Context()
+    pings = context.socket(zmq.SUB)
+    for option, value in curve.items():
+        pings.setsockopt(option, value)
+    pings.setsockopt(zmq.SUBSCRIBE, b"")
+    pings.connect(ping_url)
+    allowed = SESSION_SILENCE_SECONDS
+    # Silence is counted in empty polls as well as in seconds: a process (or a whole machine)
+    # frozen for longer than `allowed` wakes to a clock that jumped, before the pings sent
+    # meanwhile have been read; one empty poll then must not end a live session's worker.
+    empty_polls_needed = max(1, round(allowed * 1000 / period_ms))
+    last, empty_polls = time.monotonic(), 0
+    while True:
+        if pings.poll(period_ms):
+            pings.recv()
+            last, empty_polls = time.monotonic(), 0
+            continue
+        empty_polls += 1
+        if empty_polls >= empty_polls_needed and time.monotonic() - last > allowed:
+            break
+    os.write(
+        log_fd,
+        f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s; "
+        "the session is gone, exiting\n".encode(),
+    )
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)  # the user's child processes go too
+    os._exit(70)
+
+
+class AgentEngine(IPEngine):
+    """An ipyparallel engine whose controller watch does not depend on its event loop."""
+
+    stop_signal: int | None = None  # the signal that stopped it (the backend's stop), if one did
+    # Set by the agent's main before the engine starts:
+    controller_connection = ""  # the controller's connection info (JSON), kept out of the environment user code sees
+    # The worker's own stderr (its log), kept before the engine points fd 2 at a pipe to the session:
+    # the watchdog's last words go there, not into a pipe whose reader dies with the process.
+    log_fd = 2
+
+    def _signal_stop(self, sig: int, frame: Any) -> None:
+        AgentEngine.stop_signal = sig
+        super()._signal_stop(sig, frame)
+        # The engine stops once the program returns: end it now (its finally blocks run), not
+        # when the backend's grace runs out and the worker is killed. Once: a second signal
+        # must not interrupt the program's cleanup.
+        agent_program.stop_program(sig)
+
+    def restore_output(self) -> None:
+        # ipyparallel's stop points sys.stdout/err back at the process's own as the engine shuts down.
+        # A program the stop interrupts runs its cleanup after that (its finally blocks): what it
+        # prints then must reach the session like all it printed before, not only the worker's log
+        # (where it also lost the race with the agent's end: the fd copier is a thread).
+        if not agent_program.in_program():
+            super().restore_output()
+
+    def start(self) -> None:
+        try:
+            super().start()
+        finally:
+            if AgentEngine.stop_signal is not None:
+                self._send_what_is_queued()
+
+    def _send_what_is_queued(self) -> None:
+        """Before the agent dies of a stop's signal, what its engine holds leaves for the controller:
+        the program's last output and idle status (the IOPub thread's) and its reply, left queued on
+        the shell stream when the stop stopped the engine's loop (lost in about 1 stop of 3 before).
+        The session reports a stopped worker's end once these are in."""
+        import zmq
+        from ipykernel.iostream import IOPubThread
+
+        kernel = getattr(self, "kernel", None)
+        if kernel is None:  # stopped before it registered: nothing was asked of it
+            return
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(Exception):
+            kernel.shell_stream.flush(zmq.POLLOUT)
+        if isinstance(kernel.iopub_socket, IOPubThread):
+            with contextlib.suppress(Exception):
+                kernel.iopub_socket.stop()  # sends what it holds, then ends
+
+    @default("connection_info_env")
+    def _connection_from_session(self) -> str:
+        return AgentEngine.controller_connection
+
+    def start_heartbeat(self, hb_ping: str, hb_pong: str, hb_period: int, identity: bytes) -> None:
+        super().start_heartbeat(hb_ping, hb_pong, hb_period, identity)
+        import zmq
+
+        curve: dict[int, bytes] = {}
+        if self.curve_serverkey:
+            curve = {
+                zmq.CURVE_SERVERKEY: self.curve_serverkey,
+                zmq.CURVE_PUBLICKEY: self.curve_publickey,
+                zmq.CURVE_SECRETKEY: self.curve_secretkey,
+            }
+        threading.Thread(
+            target=_watch_controller,
+            args=(hb_ping, hb_period, curve, AgentEngine.log_fd),
+            name="controller-watch",
+            daemon=True,
+        ).start()
+
+
+def import_kernel_without_debugger() -> None:
+    """Import ipykernel's debugger module with debugpy hidden, so that it records debugpy as absent.
+
+    An engine has no debugger channel (ipykernel: "debugpy_stream undefined, debugging will not be
+    enabled"), yet creating its kernel imports debugpy: 0.15 to 0.25 s of CPU in every worker's
+    start. User code can still import debugpy: only this module's record of it is kept.
+    """
+    hidden = "debugpy" not in sys.modules
+    if hidden:
+        sys.modules["debugpy"] = None  # type: ignore[assignment]  # makes `import debugpy` fail
+    try:
+        import ipykernel.debugger  # noqa: F401
+    finally:
+        if hidden:
+            del sys.modules["debugpy"]

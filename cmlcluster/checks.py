@@ -1,0 +1,29 @@
+"""The checks every entry point makes of a user's numbers, in one place.
+
+Each caller words its own error (the bad value, the parameter and the fix); these
+only say whether a value is acceptable. A bool is never a number here, though
+Python's bool is an int: `n_workers=True` is a mistake, not 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def whole(value: object, low: int | None = None, high: int | None = None) -> bool:
+    """Whether `value` is an int (not a bool) with low <= value <= high (None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def number(value: object, *, low: float | None = None, above: float | None = None) -> bool:
+    """Whether `value` is a finite int or float (not a bool), >= low and > above (None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return (low is None or value >= low) and (above is None or value > above)
+
+
+def port(value: object) -> bool:
+    """Whether `value` is a TCP port number one can connect to (1-65535)."""
+    return whole(value, 1, 65535)

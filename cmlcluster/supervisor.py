@@ -1,0 +1,377 @@
+"""The worker state machine: the only code that changes a worker's record.
+
+Four sources drive it, all on the session's loop thread: the backend (a process
+started, a process gone), the control plane (an engine registered, or went silent),
+a worker's program (its result, its output) and the session's own requests (stop).
+Each change wakes the waiters (waiting.Changes) and is published as an event.
+
+A worker's end is reported once everything of it is in: its process is gone (its
+place, a host's slot or its GPUs, is free again) and its last output has arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Mapping
+from typing import Any
+
+from .backends import Backend
+from .control import ControlPlane
+from .errors import BackendError, ConfigError, WorkerError
+from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
+from .progress import output_event
+from .waiting import Changes
+from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE = 5.0  # seconds between TERM and KILL
+LOST_CONTACT_GRACE = 5.0  # after an engine unregisters, how long the backend gets to report the exit
+# Once a worker's process is gone, how long its end waits for its program's result and last output,
+# still on their way over the control plane (a stopped program's cleanup prints as the stop ends it).
+EXIT_OUTPUT_GRACE = 2.0
+
+
+class Supervisor:
+    """The workers of one session, from start to end."""
+
+    def __init__(self, session_id: str, backend: Backend, events: EventBus):
+        self.session_id = session_id
+        self.backend = backend
+        self.control: ControlPlane | None = None  # set by the session once its control plane started
+        self.workers: dict[str, Worker] = {}
+        self.changes = Changes()
+        self._events = events
+        self._by_engine: dict[int, Worker] = {}
+        self._next_engine_id = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._exit_watchers: dict[str, asyncio.Task[None]] = {}
+        self._programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, run to its ending
+        self._partial: dict[tuple[str, str], str] = {}  # a line still being written, per worker and stream
+
+    def new_engine_id(self) -> int:
+        engine_id = self._next_engine_id
+        self._next_engine_id += 1
+        return engine_id
+
+    def resolve(self, ref: str | Mapping[str, Any]) -> Worker:
+        worker_id = ref.get("id") if isinstance(ref, Mapping) else ref
+        if worker_id not in self.workers:
+            raise ConfigError(
+                f"{ref!r} is not a worker of session {self.session_id}; known ids: {', '.join(self.workers) or 'none'}"
+            )
+        return self.workers[worker_id]
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("cmlcluster session %s: internal task failed", self.session_id, exc_info=task.exception())
+
+    # ------------------------------------------------------------ starting
+
+    async def launch(self, specs: list[WorkerSpec], program: Program, kernel: str) -> list[dict[str, Any]]:
+        """Start a worker per spec while the control plane comes up; their dicts (see _start).
+
+        Interrupted, or the control plane failed: what this call started is stopped.
+        """
+        control = self.control
+        assert control is not None
+        workers = [Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs]
+        for w in workers:
+            self.workers[w.id] = w
+            self._by_engine[w.engine_id] = w
+        # The workers start while the controller does (the first launch of a session): their
+        # engines' registrations wait in ZeroMQ's queues until it listens.
+        starting = asyncio.gather(*(self._start(w) for w in workers))
+        try:
+            try:
+                await control.ready()
+            except Exception:
+                self.control = None  # closed by its failure: the next launch starts another
+                await asyncio.wait([starting])  # every start ends, so that every started worker stops
+                raise
+            return list(await starting)
+        except BaseException:
+            starting.cancel()
+            await asyncio.wait([starting])
+            await asyncio.shield(self.stop([w for w in workers if w.handle is not None]))
+            raise
+
+    async def _start(self, worker: Worker) -> dict[str, Any]:
+        try:
+            worker.handle = await self.backend.start(worker.spec)
+        except (BackendError, OSError) as e:
+            del self.workers[worker.id]
+            del self._by_engine[worker.engine_id]
+            # CML's shape for a worker that could not be launched: no "id", a "message".
+            message = f"could not launch worker {worker.id}: {e}"
+            self._events.publish(LaunchFailed(message))
+            return {"status": FAILED, "message": message}
+        self._exit_watchers[worker.id] = self.spawn(self._watch_exit(worker))
+        self._changed(worker)
+        return worker.to_dict()
+
+    def on_engine(self, kind: str, engine_id: int) -> None:
+        """The control plane's report: an engine registered, or went silent."""
+        worker = self._by_engine.get(engine_id)
+        if worker is None or worker.finished:
+            return
+        if kind == "register":
+            self.spawn(self._on_registered(worker))
+        elif kind == "unregister":
+            self.spawn(self._on_lost_contact(worker))
+
+    async def _on_registered(self, worker: Worker) -> None:
+        control = self.control
+        assert control is not None
+        try:
+            info = await control.describe(worker.engine_id)
+        except Exception as e:
+            await self._fail_silent(worker, e)
+            return
+        if worker.finished:
+            return
+        worker.hostname, worker.pid = info.hostname, info.pid
+        if not info.ip_address:
+            return  # registered, address unknown: not running by CML's definition
+        if worker.program.empty and worker.program.files:
+            # No program, but files (the working folder): in place before the worker counts as running.
+            try:
+                await control.call(
+                    worker.engine_id,
+                    "cmlcluster.agent:unpack_files",
+                    (worker.program.files, worker.program.files_in_cwd),
+                    lambda s, t: self._on_output(worker, s, t),
+                )
+            except Exception as e:
+                message = f"worker {worker.id} could not unpack the files shipped to it: {e}"
+                await self._end(worker, Ending(FAILED, message=message))
+                return
+            if worker.finished:
+                return
+        worker.ip_address = info.ip_address
+        worker.status = RUNNING
+        worker.running_at = time.time()
+        self._changed(worker)
+        if not worker.program.empty:  # else it serves the control plane until stopped or given a program
+            await self._run_program(worker)
+
+    async def _fail_silent(self, worker: Worker, error: Exception) -> None:
+        """A worker registered but its engine does not answer: fail it, saying what is known, and stop it."""
+        if worker.finished or worker.ending is not None:
+            return  # it exited meanwhile; the exit watcher said why
+        code = await self.backend.poll(worker.handle)
+        process = "is still running" if code is None else f"exited with code {code}"
+        message = (
+            f"worker {worker.id} (engine {worker.engine_id}) registered with the controller but did not "
+            f"answer ({error}); its process {process}{self._tail_for_message(worker)}"
+        )
+        if await self._end(worker, Ending(FAILED, exit_code=code, message=message)):
+            log.warning("cmlcluster: %s", message)
+
+    # ------------------------------------------------------------ programs and calls
+
+    async def run_later(self, workers: list[Worker], program: Program) -> list[dict[str, Any]]:
+        for w in workers:
+            if w.status != RUNNING or w.program_started:
+                state = "already has a program" if w.program_started else f"is {w.status}"
+                raise ConfigError(f"worker {w.id} {state}; only running workers launched without one can be given one")
+        for w in workers:
+            w.program = program
+            self.spawn(self._run_program(w))
+        return [w.to_dict() for w in workers]
+
+    async def call(self, worker: Worker, target: str, args: tuple[Any, ...], timeout: float | None) -> Any:
+        control = self.control
+        if worker.status != RUNNING or control is None:
+            raise WorkerError(f"cannot call {target} on worker {worker.id}: it is {worker.status}", worker.id)
+        call = asyncio.ensure_future(
+            control.call(worker.engine_id, target, args, lambda s, t: self._on_output(worker, s, t))
+        )
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            # Until it returns, the worker ends (the controller would notice only after missed
+            # heartbeats, if ever), or the time is up.
+            while not call.done():
+                if worker.finished:
+                    call.cancel()
+                    raise WorkerError(f"worker {worker.id} was {worker.status} while {target} ran in it", worker.id)
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    call.cancel()
+                    raise WorkerError(f"{target} on worker {worker.id} did not return within {timeout:g} s", worker.id)
+                change = self.changes.next()
+                await asyncio.wait({call, change}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                self.changes.forget(change)
+            return call.result()
+        except WorkerError:
+            raise
+        except Exception as e:
+            detail = getattr(e, "traceback", None) or f"{type(e).__name__}: {e}"
+            raise WorkerError(f"{target} failed on worker {worker.id}:\n{detail}", worker.id) from None
+        finally:
+            self._flush_partial(worker)
+
+    async def _run_program(self, worker: Worker) -> None:
+        worker.program_started = True
+        program = asyncio.ensure_future(self._program_ending(worker))
+        self._programs[worker.id] = program
+        try:
+            ending = await program
+        except Exception as e:
+            if not worker.finished:
+                # Let the backend report the exit first; its exit code says more.
+                await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
+            await self._end(worker, Ending(FAILED, message=f"worker {worker.id} failed: {e}"))
+            return
+        # Like a CML worker, it ends when its program does.
+        await self._end(worker, ending)
+
+    async def _program_ending(self, worker: Worker) -> Ending:
+        """Run the worker's program; how the worker ends, once the program's output has all come in."""
+        control = self.control
+        assert control is not None
+        code = await control.run_program(worker.engine_id, worker.program, lambda s, t: self._on_output(worker, s, t))
+        self._flush_partial(worker)
+        if code == 0:
+            return Ending(SUCCEEDED, exit_code=0)
+        if worker.stop_requested:  # the stop's signal ended the program (agent_program.ProgramStopped)
+            return Ending(STOPPED, exit_code=code)
+        message = f"worker {worker.id} exited with code {code}{self._tail_for_message(worker)}"
+        return Ending(FAILED, exit_code=code, message=message)
+
+    async def _program_ending_at_exit(self, worker: Worker) -> Ending | None:
+        """Its program's ending, for a worker whose process is gone: its result and last output may
+        trail the process's end over the control plane (EXIT_OUTPUT_GRACE). None: no program, or
+        none that ended with a result (its engine died with it)."""
+        program = self._programs.get(worker.id)
+        if program is None:
+            return None
+        if not program.done():
+            await asyncio.wait([program], timeout=EXIT_OUTPUT_GRACE)
+        if not program.done() or program.cancelled() or program.exception() is not None:
+            return None
+        return program.result()
+
+    # ------------------------------------------------------------ ending
+
+    async def _watch_exit(self, worker: Worker) -> None:
+        # A worker's end is reported once all of its output is in: what its process wrote (the
+        # backend's wait() returns once output() holds it all) and what its program printed.
+        code = await self.backend.wait(worker.handle)
+        program_ending = await self._program_ending_at_exit(worker)
+        self._flush_partial(worker)
+        ending = worker.ending or program_ending
+        if ending is not None:  # decided before (see _end), or by its program; its place is free now
+            exit_code = code if ending.exit_code is None else ending.exit_code
+            changed = worker.finish(ending.status, exit_code=exit_code, message=ending.message)
+        elif worker.stop_requested:
+            changed = worker.finish(STOPPED, exit_code=code)
+        else:
+            reason = self.backend.exit_reason(worker.handle)
+            changed = worker.finish(
+                FAILED,
+                exit_code=code,
+                message=f"worker {worker.id} exited with code {code} {_exit_moment(worker)}"
+                f"{f' ({reason})' if reason else ''}{self._tail_for_message(worker)}",
+            )
+        if changed:
+            self._changed(worker)
+
+    async def _on_lost_contact(self, worker: Worker) -> None:
+        await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
+        message = f"worker {worker.id} lost contact with the controller (no heartbeat)"
+        await self._end(worker, Ending(FAILED, message=message))
+
+    async def _end(self, worker: Worker, ending: Ending) -> bool:
+        """End a worker whose end is decided (its program returned, it failed): stop its process and
+        report the end once the backend has the process gone. What is reported finished has given
+        its place back (a host's slot, its GPUs): a launch right after fits, and never shares them
+        with a process still cleaning up. False if its end was decided or reported already.
+        """
+        if worker.finished or worker.ending is not None:
+            return False
+        worker.ending = ending
+        try:
+            await self.backend.stop(worker.handle, STOP_GRACE)
+        finally:
+            # The exit watcher reports it as the process goes (_watch_exit); if the backend never
+            # sees it go (it could not stop it), it is reported all the same.
+            await asyncio.wait([self._exit_watchers[worker.id]], timeout=STOP_GRACE)
+            if worker.finish(ending.status, exit_code=ending.exit_code, message=ending.message):
+                self._changed(worker)
+        return True
+
+    async def stop(self, workers: list[Worker], grace: float = STOP_GRACE) -> list[dict[str, Any]]:
+        """Stop these workers in parallel (TERM, KILL after `grace` s); their dicts once they are stopped."""
+        live = [w for w in workers if not w.finished and w.handle is not None]
+        for w in live:
+            w.stop_requested = True
+        await asyncio.gather(*(self.backend.stop(w.handle, grace) for w in live))
+        # The exit watchers turn the exits into "stopped"; wait for them so callers see it.
+        watchers = [self._exit_watchers[w.id] for w in live if w.id in self._exit_watchers]
+        if watchers:
+            await asyncio.wait(watchers, timeout=STOP_GRACE)
+        return [w.to_dict() for w in workers]
+
+    async def stop_everything(self) -> None:
+        await self.stop(list(self.workers.values()))
+        # A finished worker's process may still be on its way out (its program just
+        # ended); stop is idempotent, so make sure of every one before the loop goes.
+        handles = [w.handle for w in self.workers.values() if w.handle is not None]
+        await asyncio.gather(*(self.backend.stop(h, STOP_GRACE) for h in handles))
+
+    async def cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+
+    # ------------------------------------------------------------ output and changes
+
+    def _on_output(self, worker: Worker, stream: str, text: str) -> None:
+        key = (worker.id, stream)
+        lines = (self._partial.pop(key, "") + text).split("\n")
+        if lines[-1]:
+            self._partial[key] = lines[-1]
+        for line in lines[:-1]:
+            self._output_line(worker, stream, line)
+
+    def _flush_partial(self, worker: Worker) -> None:
+        for stream in ("stdout", "stderr"):
+            rest = self._partial.pop((worker.id, stream), "")
+            if rest:
+                self._output_line(worker, stream, rest)
+
+    def _output_line(self, worker: Worker, stream: str, line: str) -> None:
+        line = line.rstrip("\r")
+        event = output_event(worker.id, stream, line)
+        if isinstance(event, OutputLine):  # else a report(), not output
+            worker.output.append(line)
+        self._events.publish(event)
+
+    def _tail_for_message(self, worker: Worker) -> str:
+        tail = worker.output_tail()
+        if not tail and worker.handle is not None:
+            tail = "\n".join(self.backend.output(worker.handle).splitlines()[-TAIL_LINES:])
+        return f"; last output:\n{tail}" if tail else "; it printed nothing"
+
+    def _changed(self, worker: Worker) -> None:
+        """A worker's status changed: wake the waiters, tell the subscribers."""
+        self.changes.notify()
+        self._events.publish(WorkerStatus(worker.to_dict()))
+
+
+def _exit_moment(worker: Worker) -> str:
+    if worker.program_started:
+        return "before its program finished"
+    return "while it was running" if worker.running_at else "before it was running"

@@ -1,0 +1,89 @@
+"""Waiting for workers: one change notifier, and the shape of what await_workers returns.
+
+Every coroutine that waits for a worker's status (await_workers, a call into a worker)
+waits on the same notifier, woken by the supervisor whenever a status changes: nothing
+polls. The result of a wait is a pure function of the workers' records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TIMEDOUT, Worker
+
+
+class Changes:
+    """Wakes whoever waits for the next change of any worker's status. The session's loop only."""
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def next(self) -> asyncio.Future[None]:
+        """A future done at the next change; forget() it if you stop waiting first."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return waiter
+
+    def forget(self, waiter: asyncio.Future[None]) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+
+    async def wait(self, timeout: float | None) -> None:
+        """Until the next change, or `timeout` seconds (None: no limit)."""
+        waiter = self.next()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(waiter, timeout)
+        self.forget(waiter)
+
+
+def decided(worker: Worker, wait_for_completion: bool) -> bool:
+    """Whether waiting for this worker is over: it finished, or it runs and that is all we wait for."""
+    return worker.finished or (not wait_for_completion and worker.status == RUNNING)
+
+
+def one_failed(workers: Iterable[Worker], fail_fast: bool) -> bool:
+    return fail_fast and any(w.status in (FAILED, STOPPED) for w in workers)
+
+
+def done_waiting(workers: list[Worker], wait_for_completion: bool, fail_fast: bool) -> bool:
+    return all(decided(w, wait_for_completion) for w in workers) or one_failed(workers, fail_fast)
+
+
+def result(
+    workers: list[Worker],
+    failures: list[dict[str, Any]],
+    wait_for_completion: bool,
+    timeout: float,
+    fail_fast: bool,
+) -> dict[str, list[dict[str, Any]]]:
+    """CML's {"workers": [...], "failures": [...]} once the wait is over (or its time is up).
+
+    `failures` holds what failed before the wait (a launch that could not start a worker).
+    """
+    ok: list[dict[str, Any]] = []
+    failures = list(failures)
+    wanted = SUCCEEDED if wait_for_completion else RUNNING
+    another_failed = one_failed(workers, fail_fast)
+    for w in workers:
+        record = w.to_dict()
+        if w.status == wanted:
+            ok.append(record)
+            continue
+        if not decided(w, wait_for_completion) and another_failed:
+            record["message"] = f"worker {w.id} was still {w.status} when another worker failed"
+        elif not decided(w, wait_for_completion):
+            record["status"] = TIMEDOUT
+            record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s"
+        elif not wait_for_completion and not record.get("message"):
+            record["message"] = f"worker {w.id} {w.status} while waiting for it to run"
+        failures.append(record)
+    return {"workers": ok, "failures": failures}

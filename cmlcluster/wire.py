@@ -1,0 +1,19 @@
+"""What a session and its workers' agents agree on: the environment an agent starts with, and
+the timings of the control plane between them. Both sides import this module, nothing else
+of each other."""
+
+from __future__ import annotations
+
+# How an agent gets the controller's connection info: in this variable, or in a file that the
+# other one names (a pod's mounted Secret: kubernetes/manifests.py).
+CONNECTION_ENV = "CMLCLUSTER_CONNECTION"
+CONNECTION_FILE_ENV = "CMLCLUSTER_CONNECTION_FILE"
+ENGINE_ID_ENV = "CMLCLUSTER_ENGINE_ID"  # the engine id the agent registers as
+PRELOAD_ENV = "CMLCLUSTER_PRELOAD"  # modules the agent imports while its engine registers
+
+# The controller's ping period. The hub announces a new engine at the beat after the first ping
+# it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start.
+HEARTBEAT_MS = 250
+# The session starts its controller and its first workers at once: an engine may wait for the
+# controller to listen for as long as the session waits for it.
+CONTROLLER_START_TIMEOUT = 60.0

@@ -1,0 +1,59 @@
+"""What a worker starts with: its ids, its command line and its environment (the one build_spec).
+
+The user's variables come first and cmlcluster's own override them; a backend on the
+session's own host adds the session's environment (Capabilities.session_host), no other
+backend sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from . import wire
+from .backends import Capabilities
+from .workers import PACKAGE_PARENT, Resources, WorkerSpec
+
+
+def worker_id(session_id: str, engine_id: int) -> str:
+    return f"{session_id}-{engine_id}"
+
+
+def build_spec(
+    *,
+    session_id: str,
+    engine_id: int,
+    resources: Resources,
+    env: Mapping[str, str],
+    cwd: str,
+    agent_env: Mapping[str, str],
+    controller_ip: str,
+    capabilities: Capabilities,
+    session_environ: Mapping[str, str] = os.environ,
+) -> WorkerSpec:
+    """The spec a backend starts one worker from. Pure: everything it reads is an argument."""
+    wid = worker_id(session_id, engine_id)
+    worker_env = dict(env)
+    worker_env.update(agent_env)
+    worker_env.update(
+        {
+            "CDSW_MASTER_IP": controller_ip,
+            "CML_MASTER_IP": controller_ip,
+            "CDSW_MASTER_ID": session_id,
+            "CDSW_ENGINE_ID": wid,
+            wire.ENGINE_ID_ENV: str(engine_id),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if capabilities.sees(PACKAGE_PARENT):
+        # Workers that see this checkout import the same cmlcluster as the session, installed or not.
+        inherited = env.get("PYTHONPATH", session_environ.get("PYTHONPATH", "") if capabilities.session_host else "")
+        worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, inherited) if p)
+    return WorkerSpec(
+        worker_id=wid,
+        engine_id=engine_id,
+        argv=(capabilities.python, "-m", "cmlcluster.agent"),
+        env=worker_env,
+        resources=resources,
+        cwd=cwd,
+    )

@@ -1,0 +1,208 @@
+"""cmlcluster's import graph: which module imports which, any circle, and any arrow that points up.
+
+    python scripts/import_graph.py          # the graph, one module a line
+    python scripts/import_graph.py --check  # exit 1 on a circle or an upward arrow (a unit test runs it)
+
+Imports under `if TYPE_CHECKING:` are annotations, not arrows (import-linter's rule too).
+A lazy import inside a function is an arrow like any other.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import pathlib
+import sys
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "cmlcluster"
+
+# Each module's layer, lowest first; a module imports its own layer or lower ones. The longest
+# prefix that matches a module's name (without "cmlcluster.") decides.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundation",
+        (
+            "errors",
+            "checks",
+            "_version",
+            "wire",
+            "_aio",
+            "_exit",
+            "_lifeline",
+            "_proc",
+            "ports",
+            "workers",
+            "resources",
+            "events",
+            "live",
+            "shipping",
+            "progress",
+            "_controller",
+            "ssh",
+            "ssh.config",
+            "ssh.keys",
+            "ssh.preflight",
+            "horovod.commands",
+            "pytorch.commands",
+            "tensorflow.spec",
+            "tensorflow.versions",
+            "tensorflow.coordinator",
+            "tensorflow.internals",
+        ),
+    ),
+    # A worker's side: its agent and what runs beside it. Nothing here knows a session.
+    (
+        "worker",
+        (
+            "agent",
+            "agent_engine",
+            "agent_files",
+            "agent_program",
+            "agent_template",
+            "pytorch.node",
+            "pytorch.rank",
+            "pytorch.launch",
+            "horovod.rank",
+            "tensorflow.task",
+            "ssh.sshd",
+            "backends.ssh_remote",
+        ),
+    ),
+    # What a session drives: the control plane (it runs one function of the agent in the worker) and backends.
+    ("drivers", ("control", "backends")),
+    (
+        "session parts",
+        (
+            "supervisor",
+            "waiting",
+            "worker_env",
+            "runtime",
+            "registry",
+            "tensorboard_server",
+            "tensorboard_process",
+            "ui",
+        ),
+    ),
+    ("session", ("session",)),
+    ("jobs", ("jobs", "api")),
+    ("frameworks", ("tensorflow", "horovod", "pytorch")),
+    ("faces", ("magics", "demo", "__main__", "")),  # "": the package itself
+]
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    """{module: the package's modules it imports}."""
+    mods = modules()
+    edges: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+            for statement in node.body
+            for inner in ast.walk(statement)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                subs = [f"{module}.{alias.name}" for alias in node.names]
+                targets = [s for s in subs if s in mods] + ([module] if any(s not in mods for s in subs) else [])
+            else:
+                continue
+            for target in targets:
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = itertools.count()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer(module: str) -> int:
+    """The layer of the longest prefix in LAYERS that names the module or a package holding it."""
+    short = module.removeprefix("cmlcluster").removeprefix(".")
+    matches = [
+        (len(prefix), rank)
+        for rank, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if short == prefix or (prefix and short.startswith(prefix + "."))
+    ]
+    if not matches:
+        raise LookupError(f"{module} is in no layer of scripts/import_graph.py: add it to LAYERS")
+    return max(matches)[1]
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{a} ({LAYERS[layer(a)][0]}) -> {b} ({LAYERS[layer(b)][0]})"
+        for a in sorted(edges)
+        for b in sorted(edges[a])
+        if layer(b) > layer(a)
+    ]
+
+
+def main(argv: list[str]) -> int:
+    edges = graph()
+    problems = [f"circle: {' <-> '.join(c)}" for c in cycles(edges)] + [f"upward: {u}" for u in upward(edges)]
+    if "--check" not in argv:
+        for module in sorted(edges):
+            print(f"{module} -> {', '.join(sorted(edges[module])) or '-'}")
+        print(f"{len(edges)} modules, {sum(map(len, edges.values()))} arrows")
+    for problem in problems:
+        print(problem)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
