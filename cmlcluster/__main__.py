@@ -5,6 +5,7 @@ cmlcluster run-cluster   a TensorFlow cluster whose worker tasks run a script
 cmlcluster horovod       a script under horovodrun on fresh workers
 cmlcluster torchrun      a script under torchrun (PyTorch distributed) on fresh workers
 cmlcluster list          the sessions running on this machine, and their workers
+cmlcluster backends      where workers can run, and each backend's options
 cmlcluster cleanup       end what sessions that no longer run left behind
 """
 
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from .backends import Backend, add_backend_arguments, backend_from, backends_help
 from .errors import CmlClusterError
 
 
@@ -28,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--ps", type=int, default=1, help="parameter servers")
     demo.add_argument("--epochs", type=int, default=15)
-    demo.add_argument("--backend", default=os.environ.get("CMLCLUSTER_BACKEND", "local"))
+    add_backend_arguments(demo)
     demo.add_argument("--timeout", type=float, default=120, help="seconds for the workers to start")
 
     cluster = commands.add_parser(
@@ -45,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster.add_argument("--memory", type=float, default=1, help="GB per task")
     cluster.add_argument("--gpus", type=int, default=0, help="GPUs per worker task")
     cluster.add_argument("--tf-config", action="store_true", help="run the script as a program, with TF_CONFIG")
-    cluster.add_argument("--backend", default=os.environ.get("CMLCLUSTER_BACKEND", "local"))
+    add_backend_arguments(cluster)
     cluster.add_argument("--timeout", type=float, default=120, help="seconds for the tasks to start")
 
     from .horovod import options as horovod_options
@@ -63,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torchrun.add_argument("args", nargs=argparse.REMAINDER)
 
     commands.add_parser("list", help="the sessions running on this machine (any backend) and their workers")
+    commands.add_parser("backends", help="where workers can run, and each backend's options (--backend-option)")
 
     cleanup = commands.add_parser(
         "cleanup", help="end what sessions that no longer run left: worker processes and containers, folders"
@@ -77,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from . import demo as main_job
 
-            return main_job.run(args.workers, args.ps, args.epochs, args.backend, args.timeout)
+            return main_job.run(args.workers, args.ps, args.epochs, _backend(args), args.timeout)
         if args.command == "run-cluster":
             return run_cluster(args)
         if args.command == "horovod":
@@ -87,17 +90,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return torch_options.run(args, args.script, args.args).exit_code
         if args.command == "list":
             return list_sessions()
+        if args.command == "backends":
+            print(backends_help())
+            return 0
         return cleanup_sessions(args.dry_run, args.namespace)
     except CmlClusterError as e:
         print(f"cmlcluster {args.command}: {e}", file=sys.stderr)
         return 2
 
 
+def _backend(args: argparse.Namespace) -> str | Backend:
+    return backend_from(args) or os.environ.get("CMLCLUSTER_BACKEND", "local")
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     from .session import Session
     from .tensorflow import start_cluster
 
-    with Session(args.backend) as session:
+    with Session(_backend(args)) as session:
         # With TF_CONFIG the script starts its own server (MultiWorkerMirrored, or a TF1 script).
         cluster = start_cluster(
             args.workers, args.ps, args.cpu, args.memory, args.gpus, session=session,

@@ -1,8 +1,21 @@
-"""Process hygiene: ending a worker's whole process group."""
+"""Process hygiene: ending a process group, TERM first and KILL after a grace, in one place.
+
+end_group() and end_group_async() are the sequence every part of cmlcluster ends a process
+with: the local backend's workers, horovodrun, TensorBoard and an SSH host's worker. What
+differs is a parameter: who gets the TERM (the group, only its leader, or also processes
+that left the group), never a sequence of its own.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 
 def signal_group(pgid: int, sig: int) -> bool:
@@ -46,3 +59,60 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def exited(pid: int) -> bool:
+    """Whether a child of this process has exited, without reaping it: while its pid is unreaped, the
+    group it led cannot be reused, so a KILL to that group reaches only what is left of it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped
+        return True
+
+
+def end_group(
+    process: subprocess.Popen[bytes] | subprocess.Popen[str],
+    grace: float,
+    *,
+    leader_only: bool = False,
+    others: Callable[[], Iterable[int]] = tuple,
+) -> int:
+    """End the process group `process` leads: TERM (to its leader only, with leader_only; also to each
+    of others(), processes that left the group), KILL the group and others() once the leader exited
+    or after `grace` s, reap the leader. Its exit code."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if sig == signal.SIGTERM and leader_only:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, sig)
+        else:
+            signal_group(process.pid, sig)
+        for pid in others():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and not exited(process.pid):
+                time.sleep(0.05)
+    return process.wait()
+
+
+class AsyncProcess(Protocol):
+    """An asyncio subprocess, or a worker forked from a template (agent_template.ForkedProcess)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def end_group_async(process: AsyncProcess, grace: float) -> int:
+    """end_group() for a process asyncio started (asyncio reaps it, so what is left of its group gets
+    the KILL at once after it exits). Its exit code."""
+    if process.returncode is None and signal_group(process.pid, signal.SIGTERM):
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(process.wait(), grace)
+    signal_group(process.pid, signal.SIGKILL)  # what it left in its group, or itself after the grace
+    return await process.wait()

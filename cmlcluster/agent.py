@@ -25,10 +25,11 @@ import sys
 import threading
 from typing import Any
 
-from . import wire
+from . import ipyparallel_internals, wire
 from .agent_engine import AgentEngine, import_kernel_without_debugger
 from .agent_files import unpack_files
 from .agent_program import call, run_program
+from .errors import ControllerError
 from .ports import route_address
 
 # What the session calls in a worker by name, with describe (defined here).
@@ -101,6 +102,11 @@ def session_connection() -> str:
 def main() -> None:
     AgentEngine.log_fd = os.dup(2)  # not inherited by user code's processes (Python's fds are non-inheritable)
     clean_environment()
+    try:
+        ipyparallel_internals.probe_engine()
+    except ControllerError as e:  # into the worker's log, which the session quotes when the worker ends
+        print(f"cmlcluster agent: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     import_kernel_without_debugger()
     preload = os.environ.pop(wire.PRELOAD_ENV, "")
     if preload:

@@ -13,6 +13,7 @@ import runpy
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import Any
 
 from IPython import get_ipython
 
+from . import ipyparallel_internals
 from .agent_files import script_path, unpack_files
 
 _program_running = False  # whether run_program runs the worker's program now (until a stop interrupts it)
@@ -79,10 +81,33 @@ def run_program(
         return 1
     finally:
         _program_running = False
+        _wait_for_captured_output()
         sys.stdout.flush()
         sys.stderr.flush()
         _in_program = False
     return 0
+
+
+CAPTURE_DRAIN_SECONDS = 1.0
+
+
+def _wait_for_captured_output() -> None:
+    """Let the engine's fd watcher threads read what child processes wrote before the program ends.
+
+    A child's output goes into a pipe that a thread of the engine reads; flushing sys.stdout does
+    not wait for that thread, so a child that printed just before the program returned could lose
+    its lines (seen: `subprocess.run(['echo', ...])` as a program's last line, on an SSH host). Both
+    pipes must read empty twice, 20 ms apart (the thread then has written what it read), at most
+    CAPTURE_DRAIN_SECONDS.
+    """
+    deadline = time.monotonic() + CAPTURE_DRAIN_SECONDS
+    empty_before = False
+    while time.monotonic() < deadline:
+        empty = all(ipyparallel_internals.captured_fd_unread(s) == 0 for s in (sys.stdout, sys.stderr))
+        if empty and empty_before:
+            return
+        empty_before = empty
+        time.sleep(0.02)
 
 
 def stop_program(signal: int) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import ipyparallel_internals
 from ._controller import LISTENING_FILE
 from .errors import ControllerError
 from .ports import ports_to_listen_on
@@ -186,10 +187,11 @@ class IPyParallelControl(ControlPlane):
     def _connect(self, client_file: str) -> Any:
         import ipyparallel
 
+        ipyparallel_internals.probe_client()
         client = ipyparallel.Client(client_file, timeout=30)
         # ipyparallel's own wait_for_engines uses this hook; it is the only way to
         # hear of registrations as they happen rather than by polling client.ids.
-        client._registration_callbacks.append(self._on_registration)
+        ipyparallel_internals.registration_callbacks(client).append(self._on_registration)
         return client
 
     def _on_registration(self, event: dict[str, Any]) -> None:
@@ -217,7 +219,6 @@ class IPyParallelControl(ControlPlane):
         from ipyparallel import AsyncResult
 
         client = self._client
-        idents, _ = client._build_targets(engine_id)
 
         def hook(message_future: Any) -> None:
             # Called before the request is sent, so no output can be missed.
@@ -232,7 +233,11 @@ class IPyParallelControl(ControlPlane):
         # behind it (the stall after N launches). The stream re-reads ZMQ_EVENTS after each of
         # its own sends. Same mechanism as ipykernel#1529 / ipykernel#1554 on the kernel side.
         future = client.send_apply_request(
-            client._mux_stream, _agent_call, list(args), ident=idents[0], message_future_hook=hook
+            ipyparallel_internals.mux_stream(client),
+            _agent_call,
+            list(args),
+            ident=ipyparallel_internals.engine_ident(client, engine_id),
+            message_future_hook=hook,
         )
         return future, AsyncResult(client, future, fname=str(args[0]), targets=engine_id, owner=True)
 

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .backends import Backend
 from .errors import ConfigError
 from .tensorflow import versions
 
@@ -32,7 +33,7 @@ def workers_table(cluster: Any) -> str:
     return table(rows)
 
 
-def run(workers: int, ps: int, epochs: int, backend: str, timeout: float) -> int:
+def run(workers: int, ps: int, epochs: int, backend: str | Backend, timeout: float) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info lines, here and in the tasks
     if importlib.util.find_spec("tf_keras") is not None:  # Keras 2: Keras 3 cannot fit on parameter servers
         os.environ.setdefault(versions.LEGACY_KERAS, "1")

@@ -66,6 +66,15 @@ class JobChanged(Event):
 
 
 @dataclass(frozen=True)
+class RunEnded(Event):
+    """A framework's run (horovodrun, torchrun) ended; `message` says how (runs.RunResult.message)."""
+
+    run: str
+    ok: bool
+    message: str
+
+
+@dataclass(frozen=True)
 class Progress(Event):
     """A training step reported by cmlcluster.report() (or the Keras callback)."""
 

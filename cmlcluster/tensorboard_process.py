@@ -9,17 +9,13 @@ here also pick ports and quote its log in errors.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 
-from . import _lifeline
-from ._proc import descendants, signal_group
+from . import _lifeline, _proc
+from ._proc import descendants
 
 HOST = "127.0.0.1"
 RELOAD_INTERVAL = 5  # seconds between TensorBoard's scans of the logdir
@@ -55,28 +51,11 @@ def launch(logdir: str, port: int, log_fd: int) -> subprocess.Popen[bytes]:
 
 def end_group(process: subprocess.Popen[bytes]) -> None:
     """TERM TensorBoard (it then removes its own temp files), KILL what is left of the group after the grace, reap."""
-    pgid = process.pid
-    if process.returncode is None:
-        # To the lifeline only, which passes it on once: TensorBoard takes a second TERM
-        # as the order to die at once, skipping its cleanup (so no TERM to the whole group).
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-    # Wait without reaping: while the leader is unreaped its pid (the group id) cannot be reused, so
-    # the KILL below reaches only what is left of this group (TensorBoard's data server, say).
-    deadline = time.monotonic() + STOP_GRACE
-    while time.monotonic() < deadline and not _exited(process.pid):
-        time.sleep(0.05)
-    signal_group(pgid, signal.SIGKILL)
-    process.wait()
+    # The TERM to the lifeline only, which passes it on once: TensorBoard takes a second TERM as the
+    # order to die at once, skipping its cleanup (so no TERM to the whole group).
+    _proc.end_group(process, STOP_GRACE, leader_only=True)
     assert process.stdin is not None
     process.stdin.close()
-
-
-def _exited(pid: int) -> bool:
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # already reaped
-        return True
 
 
 def child_pid(parent: int) -> int | None:

@@ -48,6 +48,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensorflow.versions",
             "tensorflow.coordinator",
             "tensorflow.internals",
+            "ipyparallel_internals",
+            "probes",
         ),
     ),
     # A worker's side: its agent and what runs beside it. Nothing here knows a session.
@@ -84,7 +86,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("session", ("session",)),
-    ("jobs", ("jobs", "api")),
+    ("jobs", ("jobs", "runs", "api")),
     ("frameworks", ("tensorflow", "horovod", "pytorch")),
     ("faces", ("magics", "demo", "__main__", "")),  # "": the package itself
 ]

@@ -7,9 +7,12 @@ entry-point group ``cmlcluster.backends``, and cannot take a built-in's name.
 
 from __future__ import annotations
 
+import argparse
+import ast
 import difflib
 import importlib
 import inspect
+import os
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
@@ -105,6 +108,71 @@ def _check_options(name: str, cls: type[Backend], options: Mapping[str, Any]) ->
         ) from None
 
 
+def options_of(name: str) -> dict[str, str]:
+    """The options a backend takes, each with its default as text ("required" when it has none).
+
+    The constructor's signature is the one description of a backend's options: this, the CLI's
+    help and the error for an option it does not take all read it.
+    """
+    try:
+        parameters = inspect.signature(backend_class(name)).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {
+        p.name: "required" if p.default is inspect.Parameter.empty else repr(p.default)
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """--backend NAME and --backend-option KEY=VALUE (repeatable), for a command that starts workers."""
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help=f"where workers run: {', '.join(known_backends())} (default: CMLCLUSTER_BACKEND, or local); "
+        "`cmlcluster backends` lists each one's options",
+    )
+    parser.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the backend, e.g. image=cmlcluster-worker:latest (a Python literal, else text)",
+    )
+
+
+def backend_from(arguments: argparse.Namespace) -> str | Backend | None:
+    """The backend that add_backend_arguments' options name: None (the default), a name, or one built
+    with its --backend-option values (checked against its options before anything starts)."""
+    if not arguments.backend_option:
+        return arguments.backend
+    options: dict[str, Any] = {}
+    for text in arguments.backend_option:
+        key, sep, value = text.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--backend-option {text!r}: give KEY=VALUE, e.g. --backend-option image=worker:1")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value  # text, as typed
+    return make_backend(arguments.backend or os.environ.get("CMLCLUSTER_BACKEND", "local"), **options)
+
+
+def backends_help() -> str:
+    """Every registered backend with its options, one a line (`cmlcluster backends`)."""
+    lines = []
+    for name in known_backends():
+        try:
+            options = options_of(name)
+        except ConfigError as e:  # not installed here
+            lines.append(f"{name}: {e}")
+            continue
+        described = ", ".join(f"{key}={default}" for key, default in options.items()) or "no options"
+        lines.append(f"{name}: {described}")
+    return "\n".join(lines)
+
+
 def make_backend(backend: str | Backend, **options: Any) -> Backend:
     """A backend instance from a name (plus options) or an instance."""
     resolved = resolve_backend(backend, options)
@@ -116,8 +184,12 @@ __all__ = [
     "Backend",
     "Capabilities",
     "SessionContext",
+    "add_backend_arguments",
     "backend_class",
+    "backend_from",
+    "backends_help",
     "known_backends",
     "make_backend",
+    "options_of",
     "resolve_backend",
 ]

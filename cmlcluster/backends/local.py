@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._proc import signal_group
+from .._proc import end_group_async, signal_group
 from ..agent_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 from ..errors import BackendError
 from ..resources import CgroupLimits, GpuPool, visible_gpus
@@ -146,12 +146,7 @@ class LocalBackend(Backend[LocalHandle]):
             handle.limits.remove()
 
     async def stop(self, handle: LocalHandle, grace: float = 5.0) -> None:
-        if handle.process.returncode is None and signal_group(handle.pid, signal.SIGTERM):
-            try:
-                await asyncio.wait_for(handle.process.wait(), grace)
-            except asyncio.TimeoutError:
-                signal_group(handle.pid, signal.SIGKILL)
-        await handle.process.wait()
+        await end_group_async(handle.process, grace)
         self._release(handle)
 
     def output(self, handle: LocalHandle) -> str:

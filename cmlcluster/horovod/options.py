@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..backends import add_backend_arguments, backend_from
 from . import commands
 
 
@@ -15,7 +16,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", type=float, default=1, help="cores per worker")
     parser.add_argument("--memory", type=float, default=1, help="GB per worker")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per worker")
-    parser.add_argument("--backend", default=None, help="local, docker, ssh (default: CMLCLUSTER_BACKEND or local)")
+    add_backend_arguments(parser)
     parser.add_argument("--start-timeout", type=int, default=60, help="seconds for workers and ranks to start")
     parser.add_argument("--ssh-port", type=int, default=commands.SSH_PORT, help="the workers' sshd port")
 
@@ -33,7 +34,7 @@ def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) 
         cpu=options.cpu,
         memory=options.memory,
         nvidia_gpu=options.gpus,
-        backend=options.backend,
+        backend=backend_from(options),
         start_timeout=options.start_timeout,
         ssh_port=options.ssh_port,
         **more,

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -27,12 +26,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import _lifeline
-from .._proc import signal_group
+from .._proc import end_group
+from ..api import get_session, stop_session, use_backend
 from ..backends import Backend
-from ..errors import CmlClusterError, ConfigError
+from ..errors import ConfigError
 from ..events import OutputLine
 from ..jobs import Job, JobFailure
 from ..progress import output_event
+from ..runs import RunError, RunResult, report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..workers import Resources
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class HorovodResult:
+class HorovodResult(RunResult):
     """What a Horovod run did: its exit code, every rank's output, which rank failed and why."""
 
     exit_code: int
@@ -61,10 +62,6 @@ class HorovodResult:
     rank_exit_codes: dict[int, int] = field(default_factory=dict)  # non-zero ones horovodrun reported
     failed_rank: int | None = None
     worker_failure: JobFailure | None = None  # a worker that ended during the run (killed, crashed)
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
 
     def __repr__(self) -> str:
         ranks = len(self.output)
@@ -93,10 +90,8 @@ class HorovodResult:
         )
 
 
-class HorovodError(CmlClusterError):
-    def __init__(self, result: HorovodResult):
-        super().__init__(result.message)
-        self.result = result
+class HorovodError(RunError):
+    """run_horovod(check=True) failed; `result` is its HorovodResult."""
 
 
 def run_horovod(
@@ -147,54 +142,52 @@ def run_horovod(
         raise ConfigError(f"env={env!r}: environment names and values must be strings")
     script = os.path.abspath(script)
     horovodrun = _horovodrun()
-    owned = session is None and backend is not None and not reuse
-    if session is None:
-        session = _session_for(backend, reuse, echo)
-    cluster: SSHCluster | None = None
-    view = session if echo else None
-    if view is not None:
-        view.show()
-    try:
-        capabilities = session.backend.capabilities()
-        if capabilities.session_host and not capabilities.own_address:
-            # Workers would be processes on this machine anyway: horovodrun starts the ranks here.
-            hosts = [("localhost", np)]
+    if session is None and backend is not None and reuse:
+        session, backend = _default_session_on(backend), None  # what is kept for reuse lives there
+    with session_for(session, backend, echo) as session:
+        cluster: SSHCluster | None = None
+        view = session if echo else None
+        try:
+            capabilities = session.backend.capabilities()
+            if capabilities.session_host and not capabilities.own_address:
+                # Workers would be processes on this machine anyway: horovodrun starts the ranks here.
+                hosts = [("localhost", np)]
+                argv = commands.horovodrun_argv(
+                    np,
+                    hosts,
+                    [sys.executable, script, *args],
+                    ssh_port=None,
+                    start_timeout=start_timeout,
+                    horovodrun=horovodrun,
+                )
+                return _execute(argv, hosts, {**os.environ, **(env or {})}, view, check)
+            shipment = session.ship([script], working_folder=ship_working_folder)
+            cluster = ssh_cluster(
+                session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment
+            )
+            # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
+            command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
             argv = commands.horovodrun_argv(
                 np,
-                hosts,
-                [sys.executable, script, *args],
-                ssh_port=None,
+                cluster.hosts,
+                command,
+                ssh_port=ssh_port,
+                identity_file=cluster.ssh.identity_file,
                 start_timeout=start_timeout,
+                network_interfaces=capabilities.interfaces,
                 horovodrun=horovodrun,
             )
-            return _execute(argv, hosts, {**os.environ, **(env or {})}, view, check)
-        shipment = session.ship([script], working_folder=ship_working_folder)
-        cluster = ssh_cluster(session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment)
-        # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
-        command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
-        argv = commands.horovodrun_argv(
-            np,
-            cluster.hosts,
-            command,
-            ssh_port=ssh_port,
-            identity_file=cluster.ssh.identity_file,
-            start_timeout=start_timeout,
-            network_interfaces=capabilities.interfaces,
-            horovodrun=horovodrun,
-        )
-        return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh, env), view, check, cluster.job)
-    except KeyboardInterrupt:
-        kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
-        log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
-        raise
-    finally:
-        if cluster is not None:
-            if reuse and cluster.job.failure is None:
-                cluster.end_ranks()  # the workers stay for the next run; what this run started does not
-            else:
-                cluster.close()
-        if owned:
-            session.close()
+            return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh, env), view, check, cluster.job)
+        except KeyboardInterrupt:
+            kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
+            log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
+            raise
+        finally:
+            if cluster is not None:
+                if reuse and cluster.job.failure is None:
+                    cluster.end_ranks()  # the workers stay for the next run; what this run started does not
+                else:
+                    cluster.close()
 
 
 def _remote_driver_env(ssh: SessionSSH, env: Mapping[str, str] | None) -> dict[str, str]:
@@ -210,18 +203,9 @@ def _remote_driver_env(ssh: SessionSSH, env: Mapping[str, str] | None) -> dict[s
     return driver
 
 
-def _session_for(backend: str | Backend | None, reuse: bool, echo: bool) -> Session:
-    """The default session; or, for backend= without reuse, a session of its own (closed after the run).
-
-    Workers kept for reuse live in the default session, so that the next run finds them and
-    stop_session() (or the end of the process) stops them.
-    """
-    from ..api import get_session, stop_session, use_backend
-
-    if backend is None:
-        return get_session()
-    if not reuse:
-        return Session(backend, echo=echo)
+def _default_session_on(backend: str | Backend) -> Session:
+    """The default session, on `backend`: workers kept for reuse live there, so that the next run finds
+    them and stop_session() (or the end of the process) stops them."""
     session = get_session()
     same = session.backend is backend or (isinstance(backend, str) and session.backend.name == backend)
     if not same:
@@ -296,8 +280,8 @@ def _execute(
             result.failed_rank = int(first[-1])
         elif result.rank_exit_codes:
             result.failed_rank = min(result.rank_exit_codes)
-    if view is not None and not result.ok:
-        print(f"[horovod] {result.message}", file=sys.stderr, flush=True)
+    if view is not None:
+        report_end(view, "horovod", result)
     if check and not result.ok:
         raise HorovodError(result)
     return result
@@ -327,9 +311,4 @@ def _read_output(process: subprocess.Popen[str], result: HorovodResult, view: Se
 
 def _stop(process: subprocess.Popen[str], grace: float = 5.0) -> None:
     """horovodrun and the ranks it started here (its process group); remote ranks die with their ssh."""
-    signal_group(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        signal_group(process.pid, signal.SIGKILL)
-        process.wait()
+    end_group(process, grace)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..jobs import Job, Role, launch_job
+from ..runs import send_files
 from ..session import Session
 from ..shipping import Shipment
 from ..ssh.keys import SessionSSH
@@ -63,7 +63,7 @@ def ssh_cluster(
     previous = _reusable.get(session.id)
     if previous is not None and keep:
         if len(previous.worker_ids) == n and previous.job.failure is None and previous.hosts:
-            _send(session, previous.sshd_workers, shipment)
+            send_files(session, previous.sshd_workers, shipment)
             per_host = Counter(m.address for m in previous.job.members)
             previous.hosts = [(host, slots * per_host[host]) for host, _ in previous.hosts]
             return previous
@@ -76,7 +76,7 @@ def ssh_cluster(
         for m in job.members:
             by_address.setdefault(m.address, []).append(m.worker_id)
         cluster.sshd_workers = [ids[0] for ids in by_address.values()]
-        _send(session, cluster.sshd_workers, shipment)
+        send_files(session, cluster.sshd_workers, shipment)  # before sshd starts, the first time
         started = session.call_each(
             [(w, f"{SSHD}:start", (cluster.ssh.public_key, port)) for w in cluster.sshd_workers]
         )
@@ -95,9 +95,3 @@ def ssh_cluster(
     if keep:
         _reusable[session.id] = cluster
     return cluster
-
-
-def _send(session: Session, worker_ids: Sequence[str], shipment: Shipment) -> None:
-    """Unpack the shipment in the workers whose sshd starts the ranks (before sshd starts, the first time)."""
-    if shipment.files:
-        session.call_each([(w, "cmlcluster.agent:unpack_files", (shipment.files, shipment.in_cwd)) for w in worker_ids])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..backends import add_backend_arguments, backend_from
 from . import commands
 
 
@@ -23,7 +24,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dist-backend", default=None, choices=commands.DIST_BACKENDS, help="default: nccl with GPUs, else gloo"
     )
-    parser.add_argument("--backend", default=None, help="local, docker, ssh (default: CMLCLUSTER_BACKEND or local)")
+    add_backend_arguments(parser)
     parser.add_argument("--start-timeout", type=float, default=60, help="seconds for the workers to start")
     parser.add_argument(
         "--join-timeout", type=float, default=commands.DEFAULT_JOIN_TIMEOUT, help="seconds to reach the rendezvous"
@@ -44,7 +45,7 @@ def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) 
         memory=options.memory,
         nvidia_gpu=options.gpus,
         dist_backend=options.dist_backend,
-        backend=options.backend,
+        backend=backend_from(options),
         start_timeout=options.start_timeout,
         join_timeout=options.join_timeout,
         rank0_only=options.rank0_only,

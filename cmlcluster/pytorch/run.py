@@ -21,7 +21,6 @@ import os
 import pickle
 import queue
 import re
-import sys
 import threading
 import time
 from collections import deque
@@ -31,9 +30,10 @@ from typing import Any
 
 from .. import checks
 from ..backends import Backend
-from ..errors import CmlClusterError, ConfigError
+from ..errors import ConfigError
 from ..events import Event, OutputLine
 from ..jobs import Job, JobFailure, Role, launch_job
+from ..runs import RunError, RunResult, report_end, send_files, session_for
 from ..session import Session
 from ..workers import FAILED, Resources
 from . import commands
@@ -70,7 +70,7 @@ class RankFailure:
 
 
 @dataclass
-class TorchResult:
+class TorchResult(RunResult):
     """What a PyTorch run did: its exit code, every rank's output, which rank failed and why."""
 
     exit_code: int
@@ -84,10 +84,6 @@ class TorchResult:
     failure: RankFailure | None = None
     worker_failure: JobFailure | None = None  # a worker that ended during the run (killed, crashed)
     value: Any = None  # rank 0's return value, for a function
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
 
     @property
     def failed_rank(self) -> int | None:
@@ -117,10 +113,8 @@ class TorchResult:
         return f"the PyTorch job failed (torchrun exit codes: {codes or 'none'})"
 
 
-class TorchError(CmlClusterError):
-    def __init__(self, result: TorchResult):
-        super().__init__(result.message)
-        self.result = result
+class TorchError(RunError):
+    """run_torch(check=True) failed; `result` is its TorchResult."""
 
 
 def run_torch(
@@ -176,14 +170,7 @@ def run_torch(
             raise ConfigError(f"script={script!r}: no such file; give the path of the training script, or a function")
         call, path, script_args = b"", os.path.abspath(script), commands.check_script_args(args)
 
-    owned = session is None and backend is not None
-    if session is None:
-        from ..api import get_session
-
-        session = Session(backend, echo=echo) if backend is not None else get_session()
-    if echo:
-        session.show()
-    try:
+    with session_for(session, backend, echo) as session:
         return _run(
             session,
             nnodes=nnodes,
@@ -206,9 +193,6 @@ def run_torch(
             echo=echo,
             check=check,
         )
-    finally:
-        if owned:
-            session.close()
 
 
 def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
@@ -344,10 +328,7 @@ def _run(
     started_at = time.monotonic()
     run: _Run | None = None
     try:
-        if shipment.files:
-            session.call_each(
-                [(w, "cmlcluster.agent:unpack_files", (shipment.files, shipment.in_cwd)) for w in job.worker_ids]
-            )
+        send_files(session, job.worker_ids, shipment)
         master = job.members[0]
         port = session.call(master.worker_id, "cmlcluster.ports:free_ports", 1)[0]
         result.master = f"{master.address}:{port}"
@@ -371,8 +352,8 @@ def _run(
             run.unsubscribe()
             result.output = {rank: list(lines) for rank, lines in sorted(run.output.items())}
     result.duration = time.monotonic() - started_at
-    if echo and not result.ok:
-        print(f"[torchrun] {result.message}", file=sys.stderr, flush=True)
+    if echo:
+        report_end(session, "torchrun", result)
     if check and not result.ok:
         raise TorchError(result)
     return result

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable
 from typing import Any
 
+from .. import probes
 from ..errors import CmlClusterError
 
 # TensorFlow's name for the thread that recovers a coordinator's lost workers (cluster_coordinator.py).
@@ -65,7 +65,7 @@ def probe() -> None:
 
     if _probed == tf.__version__:
         return
-    missing = [what for what, present in _checks() if not _holds(present)]
+    missing = probes.missing(_checks())
     if missing:
         raise CmlClusterError(
             f"TensorFlow {tf.__version__} lacks what cmlcluster's coordinator support reads of it: "
@@ -76,20 +76,13 @@ def probe() -> None:
     _probed = tf.__version__
 
 
-def _holds(check: Callable[[], bool]) -> bool:
-    try:
-        return bool(check())
-    except Exception:  # an import or attribute that is not there
-        return False
-
-
 def _assigns(cls: Any, *attributes: str) -> bool:
     """Whether cls.__init__ assigns each of self.<attribute> (instance attributes exist only once built)."""
     source = inspect.getsource(cls.__init__)
     return all(f"self.{attribute} =" in source for attribute in attributes)
 
 
-def _checks() -> list[tuple[str, Callable[[], bool]]]:
+def _checks() -> list[probes.Check]:
     def module() -> Any:
         import importlib
 

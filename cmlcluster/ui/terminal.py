@@ -14,7 +14,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..events import Event, JobChanged, LaunchFailed, LinesDropped, OutputLine, Progress, SessionClosed, WorkerStatus
+from ..events import (
+    Event,
+    JobChanged,
+    LaunchFailed,
+    LinesDropped,
+    OutputLine,
+    Progress,
+    RunEnded,
+    SessionClosed,
+    WorkerStatus,
+)
 from ..progress import describe
 from ..workers import FAILED, RUNNING
 
@@ -50,6 +60,8 @@ class TerminalView:
                 self._on_job(event)
             elif isinstance(event, LaunchFailed):
                 self._write(f"[cmlcluster] {event.message}")
+            elif isinstance(event, RunEnded) and not event.ok:
+                self._write(f"[{event.run}] {event.message}")
             elif isinstance(event, LinesDropped):
                 self._write(f"[cmlcluster] {event.count} output lines not shown (the display fell behind)")
             elif isinstance(event, SessionClosed):

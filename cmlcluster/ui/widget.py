@@ -25,6 +25,7 @@ from ..events import (
     LinesDropped,
     OutputLine,
     Progress,
+    RunEnded,
     SessionClosed,
     WorkerStatus,
 )
@@ -150,6 +151,8 @@ class WidgetView:
                     self._notes += [f"{event.job} failed: {failure}" for failure in event.failures]
             elif isinstance(event, LaunchFailed):
                 self._notes.append(event.message)
+            elif isinstance(event, RunEnded) and not event.ok:
+                self._notes.append(f"{event.run}: {event.message}")
             elif isinstance(event, LinesDropped):
                 self._notes.append(f"{event.count} output lines not shown (the display fell behind)")
             elif isinstance(event, SessionClosed):

@@ -63,8 +63,9 @@ def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_f
         assert (
             container["resources"]["limits"] == container["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
         )
-        names = {e["name"] for e in container["env"]}
-        assert "CMLCLUSTER_CONNECTION_FILE" in names and "CMLCLUSTER_CONNECTION" not in names  # a file, never env
+        # the connection info is a file, never an environment variable
+        env_names = {e["name"] for e in container["env"]}
+        assert "CMLCLUSTER_CONNECTION_FILE" in env_names and "CMLCLUSTER_CONNECTION" not in env_names
         assert pod["metadata"]["ownerReferences"][0]["uid"] == secret["metadata"]["uid"]
 
     # In the worker: the key came from the mounted Secret, read-only to its owner, and is not in the

@@ -74,6 +74,17 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     assert [e.worker["status"] for e in events if e.kind == "status"].count("stopped") == 3
 
 
+def test_what_a_child_process_prints_last_is_in_the_output():
+    # A child's output reaches the engine through a pipe that a thread reads; a program that ends
+    # right after its child did once lost those lines (3 of 40 workers, before the agent waited
+    # for that thread).
+    code = "import subprocess\nsubprocess.run(['echo', 'from a child process'])"
+    with Session("local", echo=False) as s:
+        workers = s.launch_workers(12, cpu=0.2, memory=0.2, code=code)
+        assert s.await_workers(workers, timeout_seconds=120)["failures"] == []
+        assert [s.output(w) for w in workers] == ["from a child process"] * 12
+
+
 def test_program_output_is_streamed_live_and_prefixed(backend, capsys):
     with Session(backend) as s:  # echo on: lines are printed with the worker id
         [w] = s.launch_workers(

@@ -216,3 +216,22 @@ def test_a_number_is_finite_real_and_never_a_bool(value, ok):
     from cmlcluster import checks
 
     assert checks.number(value, above=0) is ok
+
+
+def test_a_backends_options_are_read_from_its_constructor_for_help_and_the_command_line():
+    import argparse
+
+    from cmlcluster.backends import add_backend_arguments, backend_from, backends_help, options_of
+    from cmlcluster.backends.local import LocalBackend
+
+    assert options_of("local") == {"gpus": "None", "apply_limits": "True", "fork": "True"}
+    assert "local: gpus=None, apply_limits=True, fork=True" in backends_help().splitlines()
+    parser = argparse.ArgumentParser()
+    add_backend_arguments(parser)
+    assert backend_from(parser.parse_args(["--backend", "docker"])) == "docker"  # a name: built at launch
+    built = backend_from(parser.parse_args(["--backend", "local", "--backend-option", "fork=False"]))
+    assert isinstance(built, LocalBackend) and built._fork is False  # a literal, not the text "False"
+    with pytest.raises(ConfigError, match=r"no option forks=True \(did you mean fork\?\)"):
+        backend_from(parser.parse_args(["--backend", "local", "--backend-option", "forks=True"]))
+    with pytest.raises(ConfigError, match="give KEY=VALUE"):
+        backend_from(parser.parse_args(["--backend-option", "fork"]))

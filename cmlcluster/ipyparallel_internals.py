@@ -1,0 +1,131 @@
+"""Every name of ipyparallel (and ipykernel) beyond their documented API that cmlcluster relies on.
+
+The session's client sends each request through the client's own mux stream and hears of
+registrations as they happen (control.py says why); the worker's engine overrides how it
+stops, restores its output and starts its heartbeat (agent_engine.py says why). probe_client()
+and probe_engine() check each of these names on the ipyparallel installed, once per process,
+before it is used: an ipyparallel that renamed one is an error naming its version and the
+name, not a worker that silently never registers or a stop that loses its last lines.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from . import probes
+from .errors import ControllerError
+
+_probed: set[str] = set()  # "client", "engine": the sides already probed in this process
+
+
+def registration_callbacks(client: Any) -> list[Callable[[dict[str, Any]], None]]:
+    """The client's list of callbacks for engine (un)registrations (ipyparallel's wait_for_engines uses it)."""
+    callbacks: list[Callable[[dict[str, Any]], None]] = client._registration_callbacks
+    return callbacks
+
+
+def mux_stream(client: Any) -> Any:
+    """The ZMQStream the client's own views send apply requests through."""
+    return client._mux_stream
+
+
+def engine_ident(client: Any, engine_id: int) -> bytes:
+    """The routing identity of one engine, for send_apply_request(ident=...)."""
+    idents, _ = client._build_targets(engine_id)
+    ident: bytes = idents[0]
+    return ident
+
+
+def captured_fd_unread(stream: Any) -> int:
+    """How many bytes wait in the pipe an ipykernel OutStream captures fd 1 or 2 through (what child
+    processes wrote, not yet read by the stream's watcher thread); 0 when it captures none."""
+    import fcntl
+    import struct
+    import termios
+
+    fid = getattr(stream, "_fid", None)
+    if fid is None:
+        return 0
+    try:
+        unread: int = struct.unpack("i", fcntl.ioctl(fid, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+    return unread
+
+
+def probe_client() -> None:
+    _probe("client", _client_checks)
+
+
+def probe_engine() -> None:
+    _probe("engine", _engine_checks)
+
+
+def _probe(side: str, checks: Callable[[], list[probes.Check]]) -> None:
+    if side in _probed:
+        return
+    missing = probes.missing(checks())
+    if missing:
+        import ipyparallel
+
+        raise ControllerError(
+            f"ipyparallel {ipyparallel.__version__} lacks what cmlcluster's {side} reads of it: "
+            f"{'; '.join(missing)}. Install the ipyparallel cmlcluster requires: "
+            "pip install 'ipyparallel>=9,<10'."
+        )
+    _probed.add(side)
+
+
+def _client_checks() -> list[probes.Check]:
+    def client() -> Any:
+        from ipyparallel import Client
+
+        return Client
+
+    return [
+        ("Client._registration_callbacks", lambda: "_registration_callbacks" in client().class_trait_names()),
+        ("Client._mux_stream", lambda: "_mux_stream" in inspect.getsource(client())),
+        ("Client._build_targets", lambda: callable(client()._build_targets)),
+        (
+            "Client.send_apply_request(..., ident=, message_future_hook=)",
+            lambda: {"ident", "message_future_hook"} <= set(inspect.signature(client().send_apply_request).parameters),
+        ),
+    ]
+
+
+def _engine_checks() -> list[probes.Check]:
+    def engine() -> Any:
+        from ipyparallel.engine.app import IPEngine
+
+        return IPEngine
+
+    return [
+        ("IPEngine._signal_stop", lambda: callable(engine()._signal_stop)),
+        ("IPEngine.restore_output", lambda: callable(engine().restore_output)),
+        (
+            "IPEngine.start_heartbeat(hb_ping, hb_pong, hb_period, identity)",
+            lambda: (
+                list(inspect.signature(engine().start_heartbeat).parameters)[1:]
+                == ["hb_ping", "hb_pong", "hb_period", "identity"]
+            ),
+        ),
+        ("IPEngine.connection_info_env", lambda: engine().class_traits().get("connection_info_env") is not None),
+        ("ipykernel.iostream.IOPubThread.stop", lambda: _iopub_thread_stop()),
+        ("ipykernel.iostream.OutStream._fid (the captured fd's pipe)", lambda: _out_stream_fid()),
+    ]
+
+
+def _iopub_thread_stop() -> bool:
+    from ipykernel.iostream import IOPubThread
+
+    return callable(IOPubThread.stop)
+
+
+def _out_stream_fid() -> bool:
+    import inspect as _inspect
+
+    from ipykernel.iostream import OutStream
+
+    return "self._fid" in _inspect.getsource(OutStream)
