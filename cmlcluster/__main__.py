@@ -124,10 +124,10 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 
 def list_sessions() -> int:
-    from . import registry
+    from . import records
     from .demo import table
 
-    found = registry.records()
+    found = records.records()
     if not found:
         print("no cmlcluster sessions on this machine")
         return 0
@@ -147,15 +147,15 @@ def list_sessions() -> int:
 
 
 def cleanup_sessions(dry_run: bool, namespace: str | None = None) -> int:
-    from . import registry
+    from . import records
 
     verb = "would end" if dry_run else "ended"
     anything = False
-    for record in registry.records():
+    for record in records.records():
         if record["alive"]:
             continue
         anything = True
-        done = registry.clean(record, dry_run)
+        done = records.clean(record, dry_run)
         print(f"session {record['id']} (pid {record['pid']} is gone): {verb} {', '.join(done) or 'nothing'}")
     for what in _backend_cleanups(dry_run, {"namespace": namespace}):
         anything = True

@@ -76,10 +76,12 @@ def end_group(
     *,
     leader_only: bool = False,
     others: Callable[[], Iterable[int]] = tuple,
-) -> int:
+    reap: bool = True,
+) -> int | None:
     """End the process group `process` leads: TERM (to its leader only, with leader_only; also to each
     of others(), processes that left the group), KILL the group and others() once the leader exited
-    or after `grace` s, reap the leader. Its exit code."""
+    or after `grace` s, reap the leader (not with reap=False: in a signal handler that may have
+    interrupted the process's own wait(), which holds the lock a second wait() needs). Its exit code."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if sig == signal.SIGTERM and leader_only:
             with contextlib.suppress(ProcessLookupError):
@@ -93,7 +95,7 @@ def end_group(
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and not exited(process.pid):
                 time.sleep(0.05)
-    return process.wait()
+    return process.wait() if reap else None
 
 
 class AsyncProcess(Protocol):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from . import checks, live, registry, shipping, ui
+from . import checks, live, records, shipping, ui
 from .backends import Backend, make_backend
 from .errors import CmlClusterError, ConfigError
 from .events import Event, Subscriber
@@ -49,7 +49,7 @@ class Session:
         self._supervisor = self._rt.supervisor
         self._on_show: list[Callable[[], None]] = []
         self._on_close: list[Callable[[], None]] = []
-        self._record: registry.Recorder | None = None  # for `cmlcluster list` / `cleanup`
+        self._record: records.Recorder | None = None  # for `cmlcluster list` / `cleanup`
         self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI
         self.closed = False
         live.add(self)
@@ -305,4 +305,4 @@ class Session:
         return self._supervisor.resolve(ref)
 
     def _start_record(self) -> None:
-        self._record = registry.Recorder(self)
+        self._record = records.Recorder(self)

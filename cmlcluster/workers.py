@@ -152,7 +152,7 @@ class Worker:
         return "\n".join(list(self.output)[-lines:])
 
     def to_dict(self) -> dict[str, Any]:
-        """CML's worker dict, plus a few fields CML does not have (documented in the README)."""
+        """CML's worker dict, plus a few fields CML does not have (docs/guide/workers.md, "Worker dicts")."""
         end = self.finished_at if self.finished_at is not None else None
         start = self.running_at if self.running_at is not None else self.created_at
         record: dict[str, Any] = {

@@ -18,7 +18,7 @@ IFS=, read -ra asked <<< "$words"
 for word in "${asked[@]}"; do
     case "$word" in
         dev) dev=true tensorflow=true; extras+=(dev) ;;
-        # cmlcluster uses the TensorFlow it finds and never installs a second one (README, "TensorFlow
+        # cmlcluster uses the TensorFlow it finds and never installs a second one (docs/guide/tensorflow.md, "TensorFlow
         # versions"), so TensorFlow is no extra of the package: it is installed here where there is none.
         tensorflow) tensorflow=true ;;
         *) extras+=("$word") ;;

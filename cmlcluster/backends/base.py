@@ -214,7 +214,7 @@ class Backend(abc.ABC, Generic[HandleT]):
         Kubernetes namespace, say); a backend reads those it knows. Raises ConfigError when there is
         nothing to look at here (no engine, no cluster configured, no client installed).
 
-        Worker processes and session folders on this host are the session records' (registry.py),
+        Worker processes and session folders on this host are the session records' (records.py),
         for every backend; this is for what lives elsewhere.
         """
         return []

@@ -199,9 +199,9 @@ class SSHBackend(Backend[SSHHandle]):
     # ---------------------------------------------------------------- before anything starts
 
     async def check(self, n: int, resources: Resources) -> None:
-        self._place(n, resources)  # raises when they do not fit
+        self._fit(n, resources)  # raises when they do not fit
 
-    def _place(self, n: int, resources: Resources) -> list[Host]:
+    def _fit(self, n: int, resources: Resources) -> list[Host]:
         """Hosts for n workers (most free slots first, with the GPUs asked for), without taking them."""
         free = {id(h): (h.free_slots, len(h.free_gpus)) for h in self.hosts}
         chosen: list[Host] = []
@@ -285,7 +285,7 @@ class SSHBackend(Backend[SSHHandle]):
     # ---------------------------------------------------------------- workers
 
     async def start(self, spec: WorkerSpec) -> SSHHandle:
-        [host] = self._place(1, spec.resources)
+        [host] = self._fit(1, spec.resources)
         host.free_slots -= 1
         gpus, host.free_gpus = host.free_gpus[: spec.resources.nvidia_gpu], host.free_gpus[spec.resources.nvidia_gpu :]
         env = dict(spec.env)

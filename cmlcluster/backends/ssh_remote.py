@@ -29,7 +29,7 @@ import tempfile
 import threading
 from typing import Any
 
-from .._proc import descendants, signal_group
+from .._proc import descendants, end_group
 from ..resources import CgroupLimits
 
 DEFAULT_GRACE = 5.0
@@ -47,15 +47,9 @@ def _become_subreaper() -> None:
 
 
 def _end(process: subprocess.Popen[bytes], grace: float) -> None:
-    """TERM the worker's group and everything below this process; KILL what is left after grace."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        signal_group(process.pid, sig)
-        for pid in descendants(os.getpid()):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        if sig == signal.SIGTERM:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(grace)
+    """TERM the worker's group and everything below this process (an sshd's logins leave the group);
+    KILL what is left after grace. Reaped by the main thread's wait(): this may run in a signal handler."""
+    end_group(process, grace, others=lambda: descendants(os.getpid()), reap=False)
 
 
 def _listen(process: subprocess.Popen[bytes]) -> None:

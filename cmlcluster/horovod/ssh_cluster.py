@@ -20,7 +20,7 @@ from ..ssh.keys import SessionSSH
 from ..ssh.preflight import Login, check_logins
 from ..workers import Resources
 
-SSHD = "cmlcluster.ssh.sshd"
+SSHD_MODULE = "cmlcluster.ssh.sshd"
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SSHCluster:
         """End what runs on the workers through sshd (ranks a failed or interrupted run left); sshd stays."""
         with contextlib.suppress(Exception):
             if not self.session.closed:
-                self.session.call_each([(w, f"{SSHD}:end_sessions", ()) for w in self.sshd_workers], timeout=30)
+                self.session.call_each([(w, f"{SSHD_MODULE}:end_sessions", ()) for w in self.sshd_workers], timeout=30)
 
     def close(self) -> None:
         try:
@@ -78,7 +78,7 @@ def ssh_cluster(
         cluster.sshd_workers = [ids[0] for ids in by_address.values()]
         send_files(session, cluster.sshd_workers, shipment)  # before sshd starts, the first time
         started = session.call_each(
-            [(w, f"{SSHD}:start", (cluster.ssh.public_key, port)) for w in cluster.sshd_workers]
+            [(w, f"{SSHD_MODULE}:start", (cluster.ssh.public_key, port)) for w in cluster.sshd_workers]
         )
         addresses = list(by_address)
         cluster.ssh.pin(

@@ -24,11 +24,11 @@ from . import commands
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # what every process runs
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
+def run(plan: dict[str, Any]) -> dict[str, Any]:
     """Run this node's torchrun to the end; {"exit_code", "failures" (first first), "error" (the rendezvous
     not reached), "value" (rank 0's, pickled)}.
 
-    spec: node_rank, nnodes, nproc_per_node, master_addr, master_port, join_timeout, threads,
+    plan: node_rank, nnodes, nproc_per_node, master_addr, master_port, join_timeout, threads,
     dist_backend, rank0_only, and either script and args, or call (a pickled (fn, args, kwargs)).
     """
     if importlib.util.find_spec("torch") is None:
@@ -40,31 +40,31 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         report = os.path.join(folder, "report.json")
         result = os.path.join(folder, "value.pickle")
-        if spec.get("call"):
+        if plan.get("call"):
             call_file = os.path.join(folder, "call.pickle")
             with open(call_file, "wb") as f:
-                f.write(spec["call"])
+                f.write(plan["call"])
             entry = [RANK, "--function", call_file, result]
         else:
-            entry = [RANK, agent_files.script_path(spec["script"]), *spec["args"]]
+            entry = [RANK, agent_files.script_path(plan["script"]), *plan["args"]]
         argv = commands.torchrun_args(
-            nnodes=spec["nnodes"],
-            node_rank=spec["node_rank"],
-            nproc_per_node=spec["nproc_per_node"],
-            master_addr=spec["master_addr"],
-            master_port=spec["master_port"],
-            join_timeout=spec["join_timeout"],
+            nnodes=plan["nnodes"],
+            node_rank=plan["node_rank"],
+            nproc_per_node=plan["nproc_per_node"],
+            master_addr=plan["master_addr"],
+            master_port=plan["master_port"],
+            join_timeout=plan["join_timeout"],
             log_dir=os.path.join(folder, "logs"),
             entry=entry,
         )
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))  # torchrun would say 1
-        env["CMLCLUSTER_DIST_BACKEND"] = spec["dist_backend"]
+        env.setdefault("OMP_NUM_THREADS", str(plan["threads"]))  # torchrun would say 1
+        env["CMLCLUSTER_DIST_BACKEND"] = plan["dist_backend"]
         env["PYTHONUNBUFFERED"] = "1"
         rendezvous = (
             []
-            if spec["node_rank"] == 0
-            else [f"{spec['master_addr']}:{spec['master_port']}", str(spec["join_timeout"])]
+            if plan["node_rank"] == 0
+            else [f"{plan['master_addr']}:{plan['master_port']}", str(plan["join_timeout"])]
         )
         torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *rendezvous, "--", *argv]
         process = subprocess.Popen(
@@ -76,7 +76,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             start_new_session=True,
         )
         try:
-            _relay(process, spec["node_rank"], spec["nproc_per_node"], spec["rank0_only"])
+            _relay(process, plan["node_rank"], plan["nproc_per_node"], plan["rank0_only"])
             code = process.wait()
         finally:
             assert process.stdin is not None

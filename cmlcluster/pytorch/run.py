@@ -145,7 +145,7 @@ def run_torch(
     CMLCLUSTER_DIST_BACKEND). join_timeout: seconds for every node to reach worker 0's
     rendezvous. rank0_only: stream only rank 0's output. A function's return value on rank 0
     comes back as result.value. check: raise TorchError instead of returning a failed result.
-    Workers get env= and cmlcluster's own variables (see the README's environment rule).
+    Workers get env= and cmlcluster's own variables (docs/guide/workers.md, "What workers see").
     """
     # Everything is checked before anything starts.
     if not checks.whole(nnodes, 1):
@@ -171,13 +171,13 @@ def run_torch(
         call, path, script_args = b"", os.path.abspath(script), commands.check_script_args(args)
 
     with session_for(session, backend, echo) as session:
-        return _run(
+        return _run_job(
             session,
             nnodes=nnodes,
             nproc=nproc,
             resources=Resources(cpu, memory, nvidia_gpu),
             env=dict(env or {}),
-            spec={
+            plan={
                 "call": call,
                 "args": script_args,
                 "nnodes": nnodes,
@@ -206,7 +206,7 @@ def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         raise ConfigError(f"run_torch({getattr(fn, '__name__', fn)!r}): it cannot be pickled ({e})") from None
 
 
-class _Run:
+class _Nodes:
     """One run while it goes: the nodes' replies, the ranks' output, and the job that fails as a whole."""
 
     def __init__(self, session: Session, job: Job, result: TorchResult):
@@ -231,13 +231,13 @@ class _Run:
             if parsed is not None:
                 self.output.setdefault(parsed[0], deque(maxlen=OUTPUT_LINES_KEPT)).append(parsed[1])
 
-    def start(self, node_rank: int, spec: dict[str, Any]) -> None:
+    def start(self, node_rank: int, plan: dict[str, Any]) -> None:
         worker_id = self.job.members[node_rank].worker_id
         self.running.add(node_rank)
 
         def node() -> None:
             try:
-                self.replies.put((node_rank, self.session.call(worker_id, f"{NODE}:run", spec)))
+                self.replies.put((node_rank, self.session.call(worker_id, f"{NODE}:run", plan)))
             except BaseException as e:  # its worker was stopped, or ended, or torch is missing there
                 self.replies.put((node_rank, e))
 
@@ -306,14 +306,14 @@ class _Run:
             self.first_failed_at = time.monotonic()
 
 
-def _run(
+def _run_job(
     session: Session,
     *,
     nnodes: int,
     nproc: int,
     resources: Resources,
     env: dict[str, str],
-    spec: dict[str, Any],
+    plan: dict[str, Any],
     path: str,
     ship_working_folder: bool,
     start_timeout: float,
@@ -326,16 +326,16 @@ def _run(
         exit_code=-1, nnodes=nnodes, nproc_per_node=nproc, hosts=[m.address for m in job.members], master="", duration=0
     )
     started_at = time.monotonic()
-    run: _Run | None = None
+    run: _Nodes | None = None
     try:
         send_files(session, job.worker_ids, shipment)
         master = job.members[0]
         port = session.call(master.worker_id, "cmlcluster.ports:free_ports", 1)[0]
         result.master = f"{master.address}:{port}"
-        spec = {**spec, "script": shipment.names.get(path, ""), "master_addr": master.address, "master_port": port}
-        run = _Run(session, job, result)
+        plan = {**plan, "script": shipment.names.get(path, ""), "master_addr": master.address, "master_port": port}
+        run = _Nodes(session, job, result)
         for node_rank in range(nnodes):  # nodes but 0 wait for its rendezvous before joining (launch.py)
-            run.start(node_rank, {**spec, "node_rank": node_rank})
+            run.start(node_rank, {**plan, "node_rank": node_rank})
         run.wait(until=lambda: not run.running or run.failed)
         if run.failed:
             # The job stopped the other workers; their replies (errors, mostly) say nothing more.

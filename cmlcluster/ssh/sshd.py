@@ -23,7 +23,7 @@ from .. import agent_files
 from .._proc import descendants
 from .keys import new_ed25519
 
-SSHD = "/usr/sbin/sshd"
+SSHD_BINARY = "/usr/sbin/sshd"
 _running: subprocess.Popen[bytes] | None = None
 _home: str | None = None  # sshd's private folder (in the worker's own temp folder)
 
@@ -37,9 +37,9 @@ def start(authorized_key: str, port: int = 2222) -> dict[str, str]:
     global _running, _home
     if _running is not None and _running.poll() is None:
         raise RuntimeError(f"sshd already runs in this worker (pid {_running.pid})")
-    sshd = shutil.which("sshd") or SSHD
+    sshd = shutil.which("sshd") or SSHD_BINARY
     if not os.path.exists(sshd):
-        raise RuntimeError(f"{SSHD} is missing in this worker's image; install openssh-server in it")
+        raise RuntimeError(f"{SSHD_BINARY} is missing in this worker's image; install openssh-server in it")
     home = _home = tempfile.mkdtemp(prefix="cmlcluster-sshd-")
     host_private, host_public = new_ed25519(comment="cmlcluster-worker")
     files = {"host_key": host_private, "authorized_keys": authorized_key.strip() + "\n"}

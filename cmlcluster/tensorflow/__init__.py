@@ -5,7 +5,7 @@ this package loads (and its builders work) where TensorFlow is not installed.
 """
 
 from .cluster import TaskWorker, TFCluster, run_cluster, start_cluster
-from .spec import (
+from .layout import (
     DEFAULT_PORT,
     Task,
     assign_ports,

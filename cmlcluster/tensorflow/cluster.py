@@ -23,8 +23,7 @@ from ..ports import free_ports
 from ..session import Session
 from ..shipping import Shipment
 from ..workers import Program, Resources
-from . import coordinator, versions
-from . import spec as specs
+from . import coordinator, layout, versions
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class TFCluster:
         self.tasks = list(tasks)
         self.servers = servers
         self.chief = chief  # the coordinator's address, in this process
-        self.cluster_spec: specs.ClusterDict = _spec_of(self.tasks, chief)
+        self.cluster_spec: layout.ClusterDict = _spec_of(self.tasks, chief)
         self.session_addr = f"grpc://{self.workers[0].address}"
         self.stopped = False
         # Tasks wait on each other: the first to end unexpectedly fails the cluster and stops the rest.
@@ -78,7 +77,7 @@ class TFCluster:
 
     def tf_config(self, task_type: str = "worker", task_index: int = 0) -> dict[str, Any]:
         """The TF_CONFIG of one task of this cluster."""
-        return specs.tf_config(self.cluster_spec, task_type, task_index)
+        return layout.tf_config(self.cluster_spec, task_type, task_index)
 
     @property
     def resolver(self) -> Any:
@@ -113,7 +112,7 @@ class TFCluster:
             )
             for t in self.workers
         }
-        return self._run(programs, timeout_seconds)
+        return self._run_programs(programs, timeout_seconds)
 
     def _ship(self, script: str) -> tuple[Shipment, str]:
         """The script's file, for workers that do not see it; a module name travels as it is."""
@@ -129,9 +128,9 @@ class TFCluster:
             t.worker_id: shipment.program(target=f"{TASK}:run_cml_script", args=(name, self.cluster_spec, t.index))
             for t in self.workers
         }
-        return self._run(programs, timeout_seconds)
+        return self._run_programs(programs, timeout_seconds)
 
-    def _run(self, programs: Mapping[str, Program], timeout_seconds: float) -> list[dict[str, Any]]:
+    def _run_programs(self, programs: Mapping[str, Program], timeout_seconds: float) -> list[dict[str, Any]]:
         if self.stopped:
             raise CmlClusterError("this cluster is stopped; start a new one")
         self.job.raise_if_failed()
@@ -217,7 +216,7 @@ def start_cluster(
     memory: float = 1,
     nvidia_gpu: int = 0,
     *,
-    port: int = specs.DEFAULT_PORT,
+    port: int = layout.DEFAULT_PORT,
     servers: bool = True,
     coordinator: bool | None = None,
     min_workers: int | None = None,
@@ -234,8 +233,8 @@ def start_cluster(
     With min_workers, the cluster goes on with the workers that started if at
     least that many did (a warning names the others).
     """
-    min_workers = specs.check_counts(n_workers, n_ps, min_workers)
-    specs.check_port(port)
+    min_workers = layout.check_counts(n_workers, n_ps, min_workers)
+    layout.check_port(port)
     if coordinator is None:
         coordinator = servers
     if coordinator and not servers:
@@ -254,11 +253,11 @@ def start_cluster(
     job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds)
     with ExitStack() as undo:
         undo.callback(job.stop)
-        # Fixed ports only where no earlier cluster's address can come back to this process (see _place).
+        # Fixed ports only where no earlier cluster's address can come back to this process (see _assign_tasks).
         fixed = session.backend.capabilities().own_address and not coordinator
-        tasks = _place(session, job.members, port if fixed else None)
+        tasks = _assign_tasks(session, job.members, port if fixed else None)
         # The coordinator runs here; workers reach this host where they reach the controller.
-        chief = specs.join_address(session.controller_ip, free_ports(1)[0]) if coordinator else None
+        chief = layout.join_address(session.controller_ip, free_ports(1)[0]) if coordinator else None
         if servers:
             spec = _spec_of(tasks, chief)
             session.call_each(
@@ -280,7 +279,7 @@ def run_cluster(
     worker_script: str | None = None,
     timeout_seconds: float = 60,
     **options: Any,
-) -> tuple[specs.ClusterDict | None, str | None]:
+) -> tuple[layout.ClusterDict | None, str | None]:
     """Cloudera's run_cluster: returns (cluster_spec, session_addr) of a running cluster.
 
     With worker_script, every worker task calls the script's run(cluster, server,
@@ -309,7 +308,7 @@ def run_cluster(
     return None, None
 
 
-def _place(session: Session, members: Sequence[Member], port: int | None) -> list[TaskWorker]:
+def _assign_tasks(session: Session, members: Sequence[Member], port: int | None) -> list[TaskWorker]:
     """Give each task an address: its worker's IP, and a port of its own on that IP.
 
     With `port`, tasks use it (port, port+1, ... for tasks sharing an IP). With None, each gets a
@@ -320,7 +319,7 @@ def _place(session: Session, members: Sequence[Member], port: int | None) -> lis
     at that address, as a container given the dead one's IP would at a fixed port.
     """
     if port is not None:
-        ports = specs.assign_ports([m.address for m in members], port)
+        ports = layout.assign_ports([m.address for m in members], port)
     else:
         by_address: dict[str, list[int]] = {}
         for i, m in enumerate(members):
@@ -331,16 +330,16 @@ def _place(session: Session, members: Sequence[Member], port: int | None) -> lis
             for i, p in zip(ids, free, strict=True):
                 ports[i] = p
     return [
-        TaskWorker(m.role, m.index, specs.join_address(m.address, p), m.worker_id)
+        TaskWorker(m.role, m.index, layout.join_address(m.address, p), m.worker_id)
         for m, p in zip(members, ports, strict=True)
     ]
 
 
-def _spec_of(tasks: Sequence[TaskWorker], chief: str | None = None) -> specs.ClusterDict:
-    every = [specs.Task(t.job, t.index, t.address) for t in tasks]
+def _spec_of(tasks: Sequence[TaskWorker], chief: str | None = None) -> layout.ClusterDict:
+    every = [layout.Task(t.job, t.index, t.address) for t in tasks]
     if chief is not None:
-        every.append(specs.Task(COORDINATOR_JOB, 0, chief))
-    return specs.spec_from_tasks(every)
+        every.append(layout.Task(COORDINATOR_JOB, 0, chief))
+    return layout.spec_from_tasks(every)
 
 
 def _wait_reachable(tasks: Sequence[TaskWorker], timeout: float) -> None:
@@ -349,7 +348,7 @@ def _wait_reachable(tasks: Sequence[TaskWorker], timeout: float) -> None:
     waiting = list(tasks)
     while waiting:
         task = waiting[0]
-        host, port = specs.split_address(task.address)
+        host, port = layout.split_address(task.address)
         try:
             socket.create_connection((host, port), timeout=1).close()
             waiting.pop(0)

@@ -5,7 +5,7 @@ failures Kubernetes reports (unschedulable, image pull, OOMKilled, deleted by so
 watch that drops or whose history is compacted, and the checks made before anything starts.
 
 What this does not test: a real API server's admission, scheduling and kubelet (none installs
-here; see the README).
+here; see docs/guide/backends.md, "What was tested, and what was not").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pure builders: from task addresses to a ClusterSpec dict and each task's TF_CONFIG.
+"""A TensorFlow cluster's layout, as pure builders: from task addresses to a ClusterSpec dict and each task's TF_CONFIG.
 
 Nothing here starts anything or imports TensorFlow, so every rule is tested
 without processes; tests check the results against tf.train.ClusterSpec and
