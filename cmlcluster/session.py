@@ -23,7 +23,7 @@ from .events import Event, Subscriber
 from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
 from .supervisor import STOP_GRACE
-from .workers import Program, Resources, Worker, validate_launch
+from .workers import Program, Resources, validate_launch
 
 T = TypeVar("T")
 
@@ -124,17 +124,14 @@ class Session:
         """Stop these workers (all of the session's when none are named), in parallel."""
         if self.closed:
             return []
-        workers = [self._resolve(i) for i in ids] if ids else list(self._supervisor.workers.values())
+        workers = [self._supervisor.resolve(i) for i in ids] if ids else list(self._supervisor.workers.values())
         return self._run(self._supervisor.stop(workers))
 
     def stop_workers_soon(self, *ids: str | Mapping[str, Any], grace: float = STOP_GRACE) -> None:
-        """Begin stopping these workers (TERM, KILL after `grace` s) and return at once.
-
-        Callable from any thread, subscribers included.
-        """
+        """Begin stopping these workers (TERM, KILL after `grace` s) and return at once. Any thread."""
         if self.closed:
             return
-        workers = [self._resolve(i) for i in ids]
+        workers = [self._supervisor.resolve(i) for i in ids]
         self._rt.loop.call_soon(lambda: self._supervisor.spawn(self._supervisor.stop(workers, grace)))
 
     def run_program(self, workers: Iterable[str | Mapping[str, Any]], program: Program) -> list[dict[str, Any]]:
@@ -144,7 +141,7 @@ class Session:
         Wait for them with await_workers.
         """
         self._check_open()
-        targets = [self._resolve(ref) for ref in workers]
+        targets = [self._supervisor.resolve(ref) for ref in workers]
         return self._run(self._supervisor.run_later(targets, program))
 
     def call(self, worker: str | Mapping[str, Any], target: str, *args: Any, timeout: float | None = None) -> Any:
@@ -163,7 +160,7 @@ class Session:
         All of them finish (or time out) before the first failure is raised.
         """
         self._check_open()
-        resolved = [(self._resolve(ref), target, tuple(args)) for ref, target, args in calls]
+        resolved = [(self._supervisor.resolve(ref), target, tuple(args)) for ref, target, args in calls]
 
         async def all_calls() -> list[Any]:
             results = await asyncio.gather(
@@ -178,18 +175,18 @@ class Session:
 
     def output(self, worker: str | Mapping[str, Any]) -> str:
         """The worker's output so far (the last lines of it)."""
-        w = self._resolve(worker)
+        w = self._supervisor.resolve(worker)
         return self._read(lambda: "\n".join(w.output))
 
     def worker_log(self, worker: str | Mapping[str, Any]) -> str:
         """The last part of what the worker's process wrote (its log, as its backend keeps it): what it
         printed before it reached the controller, say, which output() never sees."""
-        w = self._resolve(worker)
+        w = self._supervisor.resolve(worker)
         return self.backend.output(w.handle) if w.handle is not None else ""
 
     def worker_pid(self, worker: str | Mapping[str, Any]) -> int | None:
         """The worker's process id on this machine; None when it runs elsewhere (a container, a host)."""
-        w = self._resolve(worker)
+        w = self._supervisor.resolve(worker)
         return w.pid if self.backend.capabilities().session_host else None
 
     def tensorboard(self, logdir: str, port: int | None = None) -> Any:
@@ -244,11 +241,7 @@ class Session:
 
     def show(self) -> None:
         """Let the UI show this session here (in a notebook: in the cell now running)."""
-        for callback in list(self._on_show):
-            try:
-                callback()
-            except Exception:
-                log.exception("cmlcluster: showing session %s failed", self.id)
+        self._call_hooks(self._on_show, "showing")
 
     def _ipython_display_(self) -> None:
         if self._on_show:
@@ -257,8 +250,7 @@ class Session:
             print(repr(self))  # shown without a UI (echo=False)
 
     def on_close(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` when the session closes, before its workers stop (what it started
-        beside them: a TensorBoard, say). A failing callback does not keep the rest from running."""
+        """Call `callback()` when the session closes, before its workers stop (a TensorBoard's stop, say)."""
         self._on_close.append(callback)
 
     # ---------------------------------------------------------------- lifecycle
@@ -269,11 +261,7 @@ class Session:
             return
         self.closed = True
         live.discard(self)
-        for callback in self._on_close:
-            try:
-                callback()
-            except Exception:
-                log.exception("cmlcluster: closing session %s: %r failed", self.id, callback)
+        self._call_hooks(self._on_close, "closing")
         try:
             self._rt.close()
         finally:
@@ -301,8 +289,12 @@ class Session:
     def _read(self, read: Callable[[], T]) -> T:
         return self._rt.read(read, self.closed)
 
-    def _resolve(self, ref: str | Mapping[str, Any]) -> Worker:
-        return self._supervisor.resolve(ref)
+    def _call_hooks(self, hooks: list[Callable[[], None]], doing: str) -> None:
+        for hook in list(hooks):  # one that fails does not keep the others from running
+            try:
+                hook()
+            except Exception:
+                log.exception("cmlcluster: %s session %s: %r failed", doing, self.id, hook)
 
     def _start_record(self) -> None:
         self._record = records.Recorder(self)

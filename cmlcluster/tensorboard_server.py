@@ -34,6 +34,7 @@ import time
 from types import TracebackType
 from typing import Any
 
+from . import checks
 from .errors import CmlClusterError, ConfigError
 from .tensorboard_process import (
     HOST,
@@ -106,11 +107,11 @@ class TensorBoard:
         answer in time (quoting its log; whatever started is stopped first).
         """
         logdir = _check_logdir(logdir)
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        if port is not None and not checks.port(port):
             raise ConfigError(f"port={port!r} is not a TCP port: pass an int from 1 to 65535, or None to pick one")
         if session_dir is not None and not (isinstance(session_dir, str) and os.path.isdir(session_dir)):
             raise ConfigError(f"session_dir={session_dir!r} is not an existing folder: pass one, or None")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        if not checks.number(timeout, above=0):
             raise ConfigError(f"timeout={timeout!r} must be a number of seconds above 0")
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(

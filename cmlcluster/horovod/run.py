@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .. import _lifeline
+from .. import _lifeline, checks
 from .._proc import end_group
 from ..api import get_session, stop_session, use_backend
 from ..backends import Backend
@@ -126,7 +126,7 @@ def run_horovod(
     # Everything is checked before anything starts.
     slots = slots if slots is not None else max(nvidia_gpu, 1)
     for name, value in (("slots", slots), ("workers", workers), ("np", np)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and not checks.whole(value, 1):
             raise ConfigError(f"{name}={value!r}: give a whole number, 1 or more")
     if workers is None:
         workers = math.ceil(np / slots) if np else 1

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ... import checks
 from ..._proc import alive
 from ...errors import BackendError, ConfigError
 from ...ports import route_address
@@ -92,7 +93,7 @@ class KubernetesBackend(Backend[PodHandle]):
             env=env or {},
             shared_volume=shared_volume,
         )
-        if isinstance(wait_for_nodes, bool) or not isinstance(wait_for_nodes, (int, float)) or wait_for_nodes < 0:
+        if not checks.number(wait_for_nodes, low=0):
             raise ConfigError(f"wait_for_nodes={wait_for_nodes!r}: give seconds, 0 or more")
         self.wait_for_nodes = float(wait_for_nodes)
         self.notebook_pod = notebook_pod

@@ -35,6 +35,7 @@ from base64 import b64encode
 from collections.abc import Mapping
 from typing import Any
 
+from ... import checks
 from ...errors import ConfigError
 from ...wire import CONNECTION_ENV, CONNECTION_FILE_ENV
 from ...workers import Resources, WorkerSpec
@@ -75,7 +76,7 @@ def cpu_quantity(cpu: float) -> str:
     Kubernetes counts CPU in millicores and rounds a finer amount up, so this does too (docker's
     nano_cpus would keep it). round() first: 4.03 * 1000 is 4030.0000000000005 in floating point.
     """
-    if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not math.isfinite(cpu) or cpu <= 0:
+    if not checks.number(cpu, above=0):
         raise ConfigError(f"cpu={cpu!r}: must be a number greater than 0, e.g. cpu=1")
     millicores = math.ceil(round(cpu * 1000, 6))
     return str(millicores // 1000) if millicores % 1000 == 0 else f"{millicores}m"
@@ -85,7 +86,7 @@ def memory_quantity(resources: Resources) -> str:
     """A worker's memory as a Kubernetes quantity: "4Gi", "1536Mi": docker's whole MiB
     (Resources.memory_mib), in "Gi" when they make whole GiB."""
     memory = resources.memory
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) or memory <= 0:
+    if not checks.number(memory, above=0):
         raise ConfigError(f"memory={memory!r}: memory (GB) must be a number greater than 0, e.g. memory=1")
     mib = resources.memory_mib
     if mib < 1:
@@ -153,7 +154,7 @@ def worker_resources(spec: WorkerSpec) -> dict[str, dict[str, str]]:
     CML); GPUs only when asked for: a parameter server's Resources have nvidia_gpu=0."""
     amounts = {"cpu": cpu_quantity(spec.resources.cpu), "memory": memory_quantity(spec.resources)}
     gpus = spec.resources.nvidia_gpu
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+    if not checks.whole(gpus, 0):
         raise ConfigError(f"nvidia_gpu={gpus!r}: must be a whole number of GPUs, 0 or more")
     if gpus:
         amounts[GPU_RESOURCE] = str(gpus)

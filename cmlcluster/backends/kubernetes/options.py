@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import checks
 from ...errors import ConfigError
 from .names import SESSION_MOUNT_PATH, check_name, is_label_key, is_label_value
 
@@ -157,7 +158,7 @@ class PodOptions:
                 )
             if "tolerationSeconds" in toleration:
                 seconds = toleration["tolerationSeconds"]
-                if isinstance(seconds, bool) or not isinstance(seconds, int) or effect != "NoExecute":
+                if not checks.whole(seconds) or effect != "NoExecute":
                     raise ConfigError(
                         f"tolerations: tolerationSeconds={seconds!r} in {toleration!r}; a whole number of "
                         "seconds, and only with effect 'NoExecute'"
