@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
+from ..api import get_session
 from ..errors import CmlClusterError, ConfigError
 from ..jobs import Job, JobFailed, JobFailure, Member, Role, launch_job
 from ..ports import free_ports
@@ -240,9 +241,7 @@ def start_cluster(
     if coordinator and not servers:
         raise ConfigError("coordinator=True needs servers=True: a coordinator drives running servers")
     if session is None:
-        from ..api import get_session
-
-        session = get_session()
+        session = get_session()  # the cluster outlives this call: never a session of its own
     env = {**versions.legacy_keras_env(), **(env or {})}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
         env.setdefault(wire.PRELOAD_ENV, "tensorflow")

@@ -19,7 +19,6 @@ from ..errors import CmlClusterError
 
 # TensorFlow's name for the thread that recovers a coordinator's lost workers (cluster_coordinator.py).
 PREEMPTION_HANDLER_THREAD = "WorkerPreemptionHandler"
-_COORDINATOR_MODULE = "tensorflow.python.distribute.coordinator.cluster_coordinator"
 
 _probed: str | None = None  # the TensorFlow version probe() passed on
 
@@ -84,9 +83,9 @@ def _assigns(cls: Any, *attributes: str) -> bool:
 
 def _checks() -> list[probes.Check]:
     def module() -> Any:
-        import importlib
+        from tensorflow.python.distribute.coordinator import cluster_coordinator
 
-        return importlib.import_module(_COORDINATOR_MODULE)
+        return cluster_coordinator
 
     def handlers() -> list[Any]:
         m = module()
