@@ -18,6 +18,7 @@ tests' folders: see sshhosts.py); and on pods of the stand-in Kubernetes cluster
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import glob
@@ -46,6 +47,8 @@ RUN_TAG = f"tests-{uuid.uuid4().hex[:12]}" if IS_ROOT else f"{os.environ[RUN_TAG
 # checkpoints, say) is theirs, not a session folder that a leak check looks for.
 # A worker's folder lies beside the root's, not in it: chromium's socket path (at most 107 bytes) is in it.
 RUN_DIR = tempfile.mkdtemp(prefix=f"{RUN_TAG}-", dir=None if IS_ROOT else os.path.dirname(os.environ[ROOT_ENV]))
+# Also when the run never reaches its end (a usage error after this import: no pytest_sessionfinish).
+atexit.register(shutil.rmtree, RUN_DIR, True)
 ROOT_DIR = RUN_DIR if IS_ROOT else os.environ[ROOT_ENV]
 os.environ[ROOT_ENV] = ROOT_DIR
 os.environ[RUN_TAG_ENV] = RUN_TAG
