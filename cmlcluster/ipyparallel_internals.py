@@ -112,8 +112,8 @@ def _engine_checks() -> list[probes.Check]:
             ),
         ),
         ("IPEngine.connection_info_env", lambda: engine().class_traits().get("connection_info_env") is not None),
-        ("ipykernel.iostream.IOPubThread.stop", lambda: _iopub_thread_stop()),
-        ("ipykernel.iostream.OutStream._fid (the captured fd's pipe)", lambda: _out_stream_fid()),
+        ("ipykernel.iostream.IOPubThread.stop", _iopub_thread_stop),
+        ("ipykernel.iostream.OutStream._fid (the captured fd's pipe)", _out_stream_fid),
     ]
 
 
@@ -124,8 +124,6 @@ def _iopub_thread_stop() -> bool:
 
 
 def _out_stream_fid() -> bool:
-    import inspect as _inspect
-
     from ipykernel.iostream import OutStream
 
-    return "self._fid" in _inspect.getsource(OutStream)
+    return "self._fid" in inspect.getsource(OutStream)
