@@ -439,6 +439,18 @@ class NotebookPage:
         elif message.type == "warning":
             self.console_warnings.append(text)
 
+    def forget_errors(self) -> None:
+        """Drop everything collected so far (before loading the page again)."""
+        for collected in (
+            self.console_errors,
+            self.console_warnings,
+            self.page_errors,
+            self.dialogs,
+            self.notifications,
+        ):
+            collected.clear()
+        self.network_changed = 0
+
     def _on_page_error(self, error) -> None:
         self.page_errors.append(f"{getattr(error, 'name', 'Error')}: {getattr(error, 'message', error)}")
 
@@ -645,9 +657,9 @@ def open_notebook(
                     # Docker adding or removing a container's interface on this host (the other test process's
                     # containers) makes Chromium drop its requests in flight: net::ERR_NETWORK_CHANGED, and
                     # JupyterLab's "Server Connection Error" before its kernel session exists. Nothing ran
-                    # yet: load the notebook again, once.
-                    nb.dialogs.clear()
-                    nb.network_changed = 0
+                    # yet: load the notebook again, once, and forget what the dropped load reported (the
+                    # chunks and styles it could not fetch), so that only the second load's errors count.
+                    nb.forget_errors()
                     page.reload(wait_until="domcontentloaded", timeout=load_timeout * 1000)
                     nb.wait_until_idle(load_timeout)
                 try:
