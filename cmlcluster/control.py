@@ -134,6 +134,10 @@ class IPyParallelControl(ControlPlane):
             "cmlcluster._controller",
             f"--profile-dir={profile_dir}",
             "--IPController.reuse_files=True",
+            # As in the files; the hub reads its registration addresses from these (a second
+            # binding of the registration port, for workers, only when they differ).
+            f"--IPController.engine_ip={listen_ip}",
+            f"--IPController.client_ip={CLIENT_IP}",
             "--IPController.use_threads=True",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HUB_SILENCE_MS // HEARTBEAT_MS}",
@@ -327,16 +331,21 @@ ENGINE_CHANNELS = ("control", "mux", "task", "iopub", "hb_ping", "hb_pong", "bro
 CLIENT_CHANNELS = ("control", "mux", "task", "iopub", "notification", "broadcast")
 
 
+# The session's own client is in this process, so the controller's client channels (every worker's
+# output relayed, calls to any worker) listen on loopback, whatever address the workers reach.
+CLIENT_IP = "127.0.0.1"
+
+
 def connection_files(ip: str, ports: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The engine and client connection info of a controller on `ip`: a registration port, then
-    one port per ENGINE_CHANNELS and CLIENT_CHANNELS entry, in that order."""
+    """The engine and client connection info of a controller whose workers reach it on `ip`: a
+    registration port, then one port per ENGINE_CHANNELS and CLIENT_CHANNELS entry, in that order.
+
+    Engine channels listen on `ip`, client channels on CLIENT_IP; the registration port on both
+    (ipyparallel binds it on each address when they differ)."""
     registration, rest = ports[0], iter(ports[1:])
-    base = {
-        "ssh": "",
-        "interface": f"tcp://{ip}",
-        "registration": registration,
-    }
     shared = {
+        "ssh": "",
+        "registration": registration,
         "key": secrets.token_hex(16),  # signs every message: the controller's and workers' secret
         "curve_serverkey": None,
         "location": ip,
@@ -344,14 +353,14 @@ def connection_files(ip: str, ports: list[int]) -> tuple[dict[str, Any], dict[st
         "unpack": "json",
         "signature_scheme": "hmac-sha256",
     }
-    engine: dict[str, Any] = dict(base)
+    engine: dict[str, Any] = {"interface": f"tcp://{ip}"}
     for channel in ENGINE_CHANNELS:
         port = next(rest)
         if channel == "broadcast":
             engine.setdefault(channel, []).append(port)
         else:
             engine[channel] = port
-    client: dict[str, Any] = dict(base, task_scheme="leastload")
+    client: dict[str, Any] = {"interface": f"tcp://{CLIENT_IP}", "task_scheme": "leastload"}
     for channel in CLIENT_CHANNELS:
         client[channel] = next(rest)
     return {**engine, **shared}, {**client, **shared}

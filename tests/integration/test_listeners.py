@@ -1,0 +1,58 @@
+"""What a session listens on, read from the kernel's socket table: nothing where it need not.
+
+The session's own client is in the session's process, so the controller's client channels (every
+worker's output, calls to any worker) are on loopback on every backend; only the channels workers
+connect to are on the address they reach (the Docker network's gateway here).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import psutil
+import pytest
+from conftest import DOCKER_TEST_IMAGE
+from processes import running
+
+from cmlcluster import Session
+from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.control import ENGINE_CHANNELS
+
+pytestmark = pytest.mark.integration
+
+
+def controller_listens_on(session: Session) -> set[tuple[str, int]]:
+    """(address, port) of every listening socket of the session's controller (its processes)."""
+    processes = running(f"--profile-dir={session.session_dir}/")
+    assert processes, "no controller found"
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for p in processes
+        for c in p.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def test_the_controller_of_a_local_session_listens_on_loopback_only():
+    with Session("local", echo=False) as session:
+        workers = session.launch_workers(1, cpu=0.5, memory=0.5)
+        assert session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)["failures"] == []
+        addresses = controller_listens_on(session)
+    assert addresses and all(ipaddress.ip_address(ip).is_loopback for ip, _ in addresses), addresses
+
+
+def test_the_controller_of_a_docker_session_offers_workers_only_their_channels():
+    with Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as session:
+        workers = session.launch_workers(1, cpu=0.5, memory=0.5)
+        assert session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)["failures"] == []
+        gateway = session.controller_ip
+        addresses = controller_listens_on(session)
+        outside = {(ip, port) for ip, port in addresses if not ipaddress.ip_address(ip).is_loopback}
+        # Registration and the engine channels (broadcast counted once per leaf scheduler), on the
+        # network's gateway only: never on every interface.
+        assert {ip for ip, _ in outside} == {gateway}, addresses
+        assert len(outside) == 1 + len(ENGINE_CHANNELS), addresses
+        # The client channels and the registration port's second binding are on loopback.
+        assert len(addresses) - len(outside) >= 1 + 6, addresses
+        # The session's client still reaches every worker through them.
+        assert session.call(workers[0], "os:getpid", timeout=30) > 0
