@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import io
-import tarfile
+import os
+import sys
+import warnings
 
 import pytest
 
@@ -11,7 +12,7 @@ from cmlcluster import Session
 from cmlcluster.backends import Capabilities
 from cmlcluster.backends.fake import FakeBackend
 from cmlcluster.errors import ConfigError
-from cmlcluster.shipping import _inside, pack, unpack
+from cmlcluster.shipping import pack, unpack
 
 
 def remote(shared: tuple[str, ...] = ()) -> FakeBackend:
@@ -64,48 +65,100 @@ def test_the_working_folder_travels_on_request_with_its_scripts_by_relative_name
             s.ship(["pkg/job.py"])
 
 
-@pytest.mark.parametrize("python_has_the_data_filter", [True, False])
-def test_nothing_unpacks_outside_the_workers_folder(tmp_path, monkeypatch, python_has_the_data_filter):
-    if not python_has_the_data_filter:  # Python before 3.11.4 (Debian 12's 3.11.2): our own checks
-        monkeypatch.delattr(tarfile, "data_filter", raising=False)
-
-    def archive(name: str, link: str = "") -> bytes:
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-            info = tarfile.TarInfo(name)
-            if link:
-                info.type, info.linkname = tarfile.SYMTYPE, link
-                tar.addfile(info)
-            else:
-                info.size = 1
-                tar.addfile(info, io.BytesIO(b"x"))
-        return buffer.getvalue()
-
-    with pytest.raises(tarfile.TarError):
-        unpack(archive("../escape.py"), str(tmp_path / "worker"))
-    assert not (tmp_path / "escape.py").exists()
-    with pytest.raises(tarfile.TarError):
-        unpack(archive("link", link="/etc/passwd"), str(tmp_path / "worker"))
-    unpack(archive(f"{tmp_path}/absolute.py"), str(tmp_path / "worker"))  # made relative to the folder
-    assert not (tmp_path / "absolute.py").exists()
-    assert (tmp_path / "worker" / tmp_path.relative_to("/") / "absolute.py").exists()
-
-
-def test_the_root_folder_holds_what_is_shipped_to_it(monkeypatch):
-    # A worker whose working folder is "/" (an image's default): "x.py" lands inside "/". The check
-    # for Pythons without the data filter took every name as outside it ("//" prefix).
-    monkeypatch.delattr(tarfile, "data_filter", raising=False)
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        info = tarfile.TarInfo("x.py")
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"x"))
-    with tarfile.open(fileobj=io.BytesIO(buffer.getvalue()), mode="r:gz") as tar:
-        assert [m.name for m in _inside(tar, "/")] == ["x.py"]
-
-
 def test_pack_keeps_names_and_contents(tmp_path):
     (tmp_path / "a.py").write_text("A")
     out = tmp_path / "out"
     unpack(pack({"b.py": str(tmp_path / "a.py")}), str(out))
     assert (out / "b.py").read_text() == "A"
+
+
+def shipped(folder, monkeypatch, to: str = "worker") -> tuple[list[str], list[str]]:
+    """What a worker that does not see `folder` gets of it, in `to` beside it: (every name, the warnings)."""
+    monkeypatch.chdir(folder)
+    with warnings.catch_warnings(record=True) as caught, Session(remote(), echo=False) as s:
+        warnings.simplefilter("always")
+        shipment = s.ship([], working_folder=True)
+    out = folder.parent / to
+    unpack(shipment.files, str(out))
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    return names, [str(w.message) for w in caught]
+
+
+def test_links_inside_the_folder_travel_as_relative_links_and_those_outside_stay_behind(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    (work / "runs" / "1").mkdir(parents=True)
+    (work / "runs" / "1" / "model.bin").write_bytes(b"weights")
+    (work / "latest").symlink_to("runs/1")  # a folder, relative
+    (work / "runs" / "1" / "model.copy").hardlink_to(work / "runs" / "1" / "model.bin")  # a file of its own
+    (work / "best.bin").symlink_to(work / "runs" / "1" / "model.bin")  # absolute, but inside
+    (work / "data").symlink_to(tmp_path)  # outside
+    (work / "python").symlink_to(sys.executable)
+    (work / "chain").symlink_to("data")  # inside, to a link pointing outside
+    (work / "secret").symlink_to(".env")  # to what is left out
+    (work / ".env").write_text("TOKEN=1")
+    os.mkfifo(work / "pipe")
+    names, warned = shipped(work, monkeypatch)
+    assert names == ["best.bin", "latest", "runs", "runs/1", "runs/1/model.bin", "runs/1/model.copy"]
+    out = tmp_path / "worker"
+    assert os.readlink(out / "latest") == "runs/1" and os.readlink(out / "best.bin") == "runs/1/model.bin"
+    assert (out / "latest" / "model.bin").read_bytes() == (out / "runs/1/model.copy").read_bytes() == b"weights"
+    [warning] = warned  # one, naming each
+    for left in [f"data -> {tmp_path}", f"python -> {sys.executable}", "chain -> data", "secret -> .env (left out)"]:
+        assert left in warning
+    assert "pipe (not a file, folder or link)" in warning
+
+
+def test_a_folder_with_a_virtual_environment_ships(tmp_path, monkeypatch):
+    work = tmp_path / "project"
+    (work / ".venv" / "bin").mkdir(parents=True)
+    (work / ".venv" / "lib" / "site-packages").mkdir(parents=True)
+    (work / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (work / ".venv" / "bin" / "python").symlink_to(sys.executable)  # as `python -m venv` makes it
+    (work / ".venv" / "bin" / "python3").symlink_to("python")
+    (work / ".venv" / "lib64").symlink_to("lib")
+    (work / "train.py").write_text("print('hi')\n")
+    names, [warning] = shipped(work, monkeypatch)
+    assert ".venv/lib64" in names and ".venv/pyvenv.cfg" in names and "train.py" in names
+    assert not any(n.startswith(".venv/bin/python") for n in names)
+    assert ".venv/bin/python -> " in warning and ".venv/bin/python3 -> python" in warning
+
+
+def test_secrets_and_caches_stay_behind_and_the_ignore_file_says_what_else(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    for name in [".git/config", ".env", ".env.local", ".env.example", "deploy/key.pem", "keys/id_ed25519",
+                 "pkg/__pycache__/m.cpython-311.pyc", "pkg/m.py", "data/big.bin", "model.ckpt", "notes.md",
+                 "scratch/job.py"]:  # fmt: skip
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text("x")
+    names, warned = shipped(work, monkeypatch)
+    assert names == [
+        *["data", "data/big.bin", "deploy", "keys", "model.ckpt", "notes.md", "pkg", "pkg/m.py"],
+        *["scratch", "scratch/job.py"],
+    ]
+    assert warned == []
+    # gitignore syntax; a "!" takes a default back, but nothing under a folder left out (as git).
+    (work / ".cmlclusterignore").write_text("data/\n*.ckpt\nscratch/\n!.env.example\n!.git/config\n")
+    names, _ = shipped(work, monkeypatch, to="again")
+    assert names == [".cmlclusterignore", ".env.example", "deploy", "keys", "notes.md", "pkg", "pkg/m.py"]
+    with Session(remote(), echo=False) as s:  # a script named to run travels even where the rules leave it out
+        shipment = s.ship(["scratch/job.py"], working_folder=True)
+    assert shipment.names == {"scratch/job.py": "scratch/job.py"}
+    unpack(shipment.files, str(tmp_path / "job"))
+    assert (tmp_path / "job" / "scratch" / "job.py").read_text() == "x"
+
+
+def test_the_size_cap_counts_what_ships_and_names_the_size_and_the_ways_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "pack").write_bytes(b"x" * 300_000)  # left out: not counted
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setenv("CMLCLUSTER_SHIP_LIMIT_MB", "0.2")
+    with Session(remote(), echo=False) as s:
+        s.ship([], working_folder=True)
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "big.bin").write_bytes(b"x" * 400_000)
+        with pytest.raises(ConfigError) as refused:
+            s.ship([], working_folder=True)
+    message = str(refused.value)
+    assert f"the working folder {tmp_path} holds more than 0.2 MB to ship: 0.4 MB, most in data (0.4 MB)" in message
+    assert f"{tmp_path / '.cmlclusterignore'} (gitignore syntax)" in message and "CMLCLUSTER_SHIP_LIMIT_MB" in message
