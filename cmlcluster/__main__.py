@@ -132,9 +132,10 @@ def list_sessions() -> int:
         print("no cmlcluster sessions on this machine")
         return 0
     for record in found:
-        state = "" if record["alive"] else "  (its process is gone: `cmlcluster cleanup` ends what it left)"
         age = time.time() - record.get("started", time.time())
-        print(f"session {record['id']}  pid {record['pid']}  {record['backend']}  up {age:.0f} s{state}")
+        print(
+            f"session {record['id']}  pid {record.get('pid')}  {record.get('backend')}  up {age:.0f} s{_note(record)}"
+        )
         workers = record.get("workers", [])
         if workers:
             rows = [("worker", "status", "address", "host", "exit_code")]
@@ -146,22 +147,39 @@ def list_sessions() -> int:
     return 0
 
 
+def _note(record: dict[str, Any]) -> str:
+    """What `list` and `cleanup` say after a session, by its state (origin.py)."""
+    from . import origin
+
+    state = record["state"]
+    if state == origin.GONE:
+        return "  (its process is gone: `cmlcluster cleanup` ends what it left)"
+    if state == origin.ANSWERING:
+        controller = record.get("controller")
+        return f"  (its process looks gone, but its controller at {controller} answers: cleanup leaves it)"
+    if state == origin.ELSEWHERE:
+        where = record.get("host") or "an unknown host"
+        return f"  (of {where}, another PID namespace or boot, or an older cmlcluster: cleanup leaves it)"
+    return ""
+
+
 def cleanup_sessions(dry_run: bool, namespace: str | None = None) -> int:
-    from . import records
+    from . import origin, records
 
     verb = "would end" if dry_run else "ended"
     anything = False
     for record in records.records():
-        if record["alive"]:
-            continue
-        anything = True
-        done = records.clean(record, dry_run)
-        print(f"session {record['id']} (pid {record['pid']} is gone): {verb} {', '.join(done) or 'nothing'}")
+        if record["state"] == origin.GONE:
+            anything = True
+            done = records.clean(record, dry_run)
+            print(f"session {record['id']} (pid {record['pid']} is gone): {verb} {', '.join(done) or 'nothing'}")
+        elif record["state"] != origin.ALIVE:
+            print(f"session {record['id']}: left alone{_note(record)}")
     for what in _backend_cleanups(dry_run, {"namespace": namespace}):
         anything = True
         print(f"{verb} {what}")
     if not anything:
-        print("nothing to clean up: everything cmlcluster started belongs to a running session")
+        print("nothing to clean up: no session that is gone left anything here")
     return 0
 
 

@@ -1,9 +1,15 @@
 """Which sessions run on this machine, for ``cmlcluster list`` and ``cmlcluster cleanup``.
 
 Each session with workers keeps a small JSON record (no secrets: ids, statuses,
-addresses, pids) in a folder private to the user, rewritten when a worker's status
-changes and removed when the session closes. A record whose process is gone is
-what a killed session left; cleanup ends what it lists and removes it.
+addresses, pids, where its process runs and where its controller listens) in a folder
+private to the user, rewritten when a worker's status changes and removed when the
+session closes. A record whose session is gone (origin.py says when: this machine's and
+this PID namespace's, its process ended, its controller silent) is what a killed session
+left; cleanup ends what it lists and removes it. Records of other machines or PID
+namespaces (a shared home folder, a devcontainer) are listed and left alone.
+
+The folder is refused unless it is the user's own and only the user may write to it:
+cleanup kills the pids a record names, so a record others could write would be theirs to aim.
 """
 
 from __future__ import annotations
@@ -12,15 +18,18 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
-import socket
+import stat
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._proc import alive
+from . import origin
+from .errors import ConfigError
 from .events import Event, WorkerStatus
+from .wire import CONNECTION_ENV
 
 if TYPE_CHECKING:
     from .session import Session
@@ -36,7 +45,27 @@ def folder() -> str:
         else os.path.join(os.path.expanduser("~"), ".cache", "cmlcluster", "sessions")
     )
     os.makedirs(path, mode=0o700, exist_ok=True)
+    check_private(path)
     return path
+
+
+def check_private(path: str) -> None:
+    """Refuse (ConfigError, naming the fix) a folder that is not the user's own or that others may write."""
+    if not hasattr(os, "geteuid"):
+        return  # Windows: no owner and mode bits of this kind
+    info = os.stat(path)
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        raise ConfigError(
+            f"the state folder {path} belongs to uid {info.st_uid}, not to you (uid {uid}): cmlcluster will "
+            f"not read or write session records there. Make it yours (`chown {uid} {shlex.quote(path)}`) "
+            "or set CMLCLUSTER_STATE_DIR to a folder of your own"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"the state folder {path} is writable by others (mode {stat.S_IMODE(info.st_mode):#o}): cmlcluster "
+            f"will not read or write session records there. Fix: `chmod 700 {shlex.quote(path)}`"
+        )
 
 
 class Recorder:
@@ -67,10 +96,13 @@ class Recorder:
                 log.warning("cmlcluster: could not update %s (cmlcluster list will not show it): %s", self.path, e)
 
     def _write(self) -> None:
+        here = origin.this_process()
         record = {
             "id": self.session.id,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "pid": here.pid,
+            "host": here.host,
+            "origin": here.as_strings(),
+            "controller": self._controller(),
             "backend": self.session.backend.name,
             "started": self._started,
             "session_dir": self.session.session_dir,
@@ -81,6 +113,11 @@ class Recorder:
             json.dump(record, f)
         os.replace(temporary, self.path)  # readers never see half a record
 
+    def _controller(self) -> str:
+        """ "ip:port" of the session's controller, once it has one: cleanup asks it before ending anything."""
+        control = self.session._supervisor.control  # the session's part that knows it; nothing public says it
+        return origin.controller_address(control.agent_env().get(CONNECTION_ENV, "")) if control else ""
+
     def close(self) -> None:
         self._unsubscribe()
         with self._lock:
@@ -90,25 +127,30 @@ class Recorder:
 
 
 def records() -> list[dict[str, Any]]:
-    """Every record here, each with "alive": whether its session's process still runs."""
+    """Every record here, each with "state": origin.ALIVE, GONE, ANSWERING or ELSEWHERE."""
     found = []
-    for name in sorted(os.listdir(folder())):
+    path = folder()
+    for name in sorted(os.listdir(path)):
         if not name.endswith(".json"):
             continue
         try:
-            with open(os.path.join(folder(), name)) as f:
+            with open(os.path.join(path, name)) as f:
                 record = json.load(f)
         except (OSError, ValueError):
             continue  # being replaced, or not ours
-        record["alive"] = record.get("host") == socket.gethostname() and alive(int(record.get("pid", 0)))
+        if not isinstance(record, dict) or "id" not in record:
+            continue
+        written = record.get("origin")
+        where = origin.Origin.from_strings(written) if isinstance(written, dict) else None
+        record["state"] = origin.state(where, str(record.get("controller") or ""))
         found.append(record)
     return found
 
 
 def clean(record: dict[str, Any], dry_run: bool = False) -> list[str]:
-    """End what a dead session of this machine left (its worker processes, its folder); says what it did."""
-    if record.get("alive") or record.get("host") != socket.gethostname():
-        return []  # a live session's, or another machine's (a shared home folder): not ours to end
+    """End what a gone session left (its worker processes, its folder); says what it did."""
+    if record.get("state") != origin.GONE:
+        return []  # alive, answering, or another machine's or PID namespace's: not ours to end
     done = []
     session_id = str(record["id"])
     for worker in record.get("workers", []):

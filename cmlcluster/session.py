@@ -42,7 +42,7 @@ class Session:
     def __init__(self, backend: str | Backend = "local", *, echo: bool = True, **backend_options: Any):
         """echo: show the session (its workers, their output, training progress): widgets in a
         notebook, progress bars or text in a terminal (cmlcluster.ui)."""
-        self.id = secrets.token_hex(3)
+        self.id = secrets.token_hex(8)  # 64 bits: it names containers, pods and labels shared by everyone
         self.backend = make_backend(backend, **backend_options)
         self._rt = Runtime(self.id, self.backend, on_folder=self._start_record)
         self._events = self._rt.events

@@ -1,7 +1,7 @@
 """Workers as Docker containers on one engine, each with its own IP on a user-defined network.
 
 Every container carries labels naming its session and worker (and the session's
-host and pid), so `cmlcluster cleanup` can find what a dead session left. The
+process and controller), so `cmlcluster cleanup` can find what a dead session left. The
 containers are started with --rm and --init: when a worker's agent exits (its
 program is done, it was stopped, or its controller went away) the container
 is gone too. Its output is streamed into the session's folder as it is
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,6 +46,7 @@ from .docker_engine import (
     connect,
     ensure_network,
     gpu_request,
+    origin_labels,
     remove_orphans,
 )
 
@@ -173,8 +173,7 @@ class DockerBackend(Backend[DockerHandle]):
             "labels": {
                 f"{LABEL}.session": self.context.session_id,
                 f"{LABEL}.worker": spec.worker_id,
-                f"{LABEL}.host": socket.gethostname(),
-                f"{LABEL}.pid": str(os.getpid()),
+                **origin_labels(spec.env),
                 **run_tag_labels(),
             },
             "nano_cpus": int(spec.resources.cpu * 1e9),

@@ -1,25 +1,29 @@
 """The Docker engine beneath the docker backend: its client, the worker image, the shared network,
 GPU requests, and the cleanup of containers that dead sessions left.
 
-Every container cmlcluster starts carries labels (LABEL.session, .worker, .host, .pid)
-naming its session and the session's host and process; `remove_orphans` finds by them
-what a session that died without stopping its workers left running.
+Every container cmlcluster starts carries labels (LABEL.session, .worker, the session's origin:
+.host, .boot, .pidns, .pid, .start, and .controller) naming its session, the session's process
+and where its controller listens; `remove_orphans` finds by them what a session that died
+without stopping its workers left running.
 """
 
 from __future__ import annotations
 
 import contextlib
-import socket
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._proc import alive
+from .. import origin
 from ..errors import ConfigError
+from ..wire import CONNECTION_ENV
 from .base import run_tag_labels
+
+log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
 DEFAULT_NETWORK = "cmlcluster"
-LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, .host, .pid
+LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, origin_labels()'s
 
 
 def connect(timeout: int = 30) -> Any:
@@ -105,23 +109,40 @@ def ensure_network(client: Any, name: str) -> str:
     return str(gateways[0])
 
 
-def remove_orphans(client: Any = None, *, dry_run: bool = False) -> list[str]:
-    """Remove containers labelled for a session whose process is gone; returns their names.
+def origin_labels(env: Mapping[str, str]) -> dict[str, str]:
+    """The labels that say which process a container's session is and where its controller listens
+    (from the workers' environment `env`), for `remove_orphans`."""
+    labels = {f"{LABEL}.{key}": value for key, value in origin.this_process().as_strings().items()}
+    labels[f"{LABEL}.controller"] = origin.controller_address(env.get(CONNECTION_ENV, ""))
+    return labels
 
-    A container belongs to a live session when its labelled pid runs on this host.
-    Containers of sessions on other hosts are left alone, and under a run tag (CMLCLUSTER_RUN_TAG:
-    a CI job's, a test run's) so are those of other runs.
+
+def remove_orphans(client: Any = None, *, dry_run: bool = False) -> list[str]:
+    """Remove containers labelled for a session that is gone; returns their names.
+
+    Gone is origin.state's word: a session of this machine, boot and PID namespace whose
+    process no longer runs and whose controller does not answer. Containers of sessions elsewhere,
+    or whose labels cannot tell (an older cmlcluster's), are left alone, and under a run tag
+    (CMLCLUSTER_RUN_TAG: a CI job's, a test run's) so are those of other runs.
     """
     client = client or connect()
     removed = []
-    host = socket.gethostname()
     labels = [f"{LABEL}.session", *(f"{k}={v}" for k, v in run_tag_labels().items())]
+    states: dict[str, str] = {}  # per session: its controller is asked once
     for container in client.containers.list(all=True, filters={"label": labels}, ignore_removed=True):
-        labels = container.labels
-        if labels.get(f"{LABEL}.host") != host:
-            continue
-        pid = int(labels.get(f"{LABEL}.pid", "0"))
-        if alive(pid):
+        found = container.labels
+        session = found.get(f"{LABEL}.session", "")
+        if session not in states:
+            where = origin.Origin.from_strings({k[len(LABEL) + 1 :]: v for k, v in found.items()})
+            states[session] = origin.state(where, found.get(f"{LABEL}.controller"))
+            if states[session] == origin.ANSWERING:
+                log.warning(
+                    "cmlcluster cleanup: left the containers of session %s alone: its process looks gone, "
+                    "but its controller at %s answers",
+                    session,
+                    found.get(f"{LABEL}.controller"),
+                )
+        if states[session] != origin.GONE:
             continue
         removed.append(container.name)
         if not dry_run:

@@ -16,7 +16,7 @@ import ipyparallel as ipp
 import pytest
 from conftest import DOCKER_TEST_IMAGE
 
-from cmlcluster import ConfigError, Session
+from cmlcluster import ConfigError, Session, origin
 from cmlcluster.backends.base import SessionContext, run_tag_labels
 from cmlcluster.backends.docker import DockerBackend
 from cmlcluster.backends.docker_engine import remove_orphans
@@ -181,14 +181,22 @@ def test_killed_session_process_leaves_no_container_within_10_seconds(client):
 def test_cleanup_removes_containers_of_dead_sessions_only(client):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs
-    # The run's tag: under one, `cmlcluster cleanup` looks only at its run's containers.
-    labels = {"cmlcluster.session": "feed00", "cmlcluster.host": os.uname().nodename, **run_tag_labels()}
+    # The run's tag: under one, `cmlcluster cleanup` looks only at its run's containers. The origin: this
+    # process's (its host, boot, PID namespace, pid and start time), with the pid of a process gone for
+    # the orphan; the other's is this very process, which runs.
+    mine = {f"cmlcluster.{k}": v for k, v in origin.this_process().as_strings().items()}
+    labels = {"cmlcluster.session": "feed00", **mine, **run_tag_labels()}
     orphan = client.containers.run(
         DOCKER_TEST_IMAGE,
         ["/usr/bin/sleep", "600"],
         detach=True,
         volumes=["/usr:/usr:ro"],
-        labels={**labels, "cmlcluster.worker": "feed00-0", "cmlcluster.pid": str(dead.pid)},
+        labels={
+            **labels,
+            "cmlcluster.session": "feed01",
+            "cmlcluster.worker": "feed01-0",
+            "cmlcluster.pid": str(dead.pid),
+        },
     )
     alive = client.containers.run(
         DOCKER_TEST_IMAGE,
@@ -203,8 +211,8 @@ def test_cleanup_removes_containers_of_dead_sessions_only(client):
             [sys.executable, "-m", "cmlcluster", "cleanup"], capture_output=True, text=True, check=True
         ).stdout
         assert f"ended container {orphan.name}" in out
-        names = [c.name for c in client.containers.list(all=True, filters={"label": "cmlcluster.session=feed00"})]
-        assert names == [alive.name]
+        left = client.containers.list(all=True, filters={"label": "cmlcluster.session"}, ignore_removed=True)
+        assert [c.name for c in left if c.name in (orphan.name, alive.name)] == [alive.name]
     finally:
         for c in (orphan, alive):
             try:

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from jupyter_client.manager import KernelManager
 
-from cmlcluster import Session
+from cmlcluster import Session, origin
 from cmlcluster.ui.widget import RENDER_HZ, WidgetView
 
 pytestmark = pytest.mark.integration
@@ -238,8 +238,13 @@ def test_cli_list_sees_another_process_session_and_cleanup_ends_what_a_killed_on
         listed = subprocess.run([CLI, "list"], env=env, capture_output=True, text=True, check=True).stdout
         assert re.search(rf"^session {session_id}  pid {other.pid}  local  up \d+ s$", listed, re.M), listed
         assert len(re.findall(rf"^  {session_id}-[01] +running +127\.0\.0\.1 ", listed, re.M)) == 2, listed
+        # The record says which process the session is and where its controller listens (cleanup asks it).
+        record = json.loads((tmp_path / "state" / f"{session_id}.json").read_text())
+        assert record["origin"]["pid"] == str(other.pid) and origin.answers(record["controller"]), record
         other.kill()  # as a killed kernel would be: no close(), nothing stopped
         other.wait()
+        # Gone once its controller has followed it (its lifeline ends it at once): until then it answers.
+        eventually(lambda: not origin.answers(record["controller"]), timeout=10)
         listed = subprocess.run([CLI, "list"], env=env, capture_output=True, text=True, check=True).stdout
         assert "its process is gone" in listed
         cleaned = subprocess.run([CLI, "cleanup"], env=env, capture_output=True, text=True, check=True).stdout

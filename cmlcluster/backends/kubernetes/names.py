@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 
 from ...errors import ConfigError
+from ...origin import Origin
 
 # Labels (keys in cmlcluster's own prefix, plus the well-known app.kubernetes.io ones).
 SESSION_LABEL = "cmlcluster.io/session"
@@ -17,7 +19,9 @@ WORKER_LABEL = "cmlcluster.io/worker"
 COMPONENT_LABEL = "app.kubernetes.io/component"  # "session" (the Secret) or "worker" (a pod)
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGER = "cmlcluster"
-# Where the session runs, on its Secret: `cmlcluster cleanup` on that host ends sessions whose process is gone.
+# Where the session runs, on its Secret: `cmlcluster cleanup` on that host ends sessions that are gone.
+# The host and pid, and with them the rest of the session's origin (origin.py), as ORIGIN_PREFIX + field.
+ORIGIN_PREFIX = "cmlcluster.io/"
 HOST_ANNOTATION = "cmlcluster.io/host"
 PID_ANNOTATION = "cmlcluster.io/pid"
 
@@ -119,3 +123,15 @@ def session_selector(session_id: str) -> str:
 def worker_labels(session_id: str, worker_id: str) -> dict[str, str]:
     """The labels of a worker's pod."""
     return {**session_labels(session_id), WORKER_LABEL: label_value(worker_id), COMPONENT_LABEL: "worker"}
+
+
+def origin_annotations(origin: Origin) -> dict[str, str]:
+    """The Secret's annotations that say which process its session is (host, boot, pidns, pid, start)."""
+    return {ORIGIN_PREFIX + key: value for key, value in origin.as_strings().items()}
+
+
+def origin_of(annotations: Mapping[str, str]) -> Origin | None:
+    """The origin that origin_annotations wrote; None when they cannot tell (an older cmlcluster's)."""
+    return Origin.from_strings(
+        {key[len(ORIGIN_PREFIX) :]: value for key, value in annotations.items() if key.startswith(ORIGIN_PREFIX)}
+    )
