@@ -8,6 +8,7 @@ Python's bool is an int: `n_workers=True` is a mistake, not 1.
 from __future__ import annotations
 
 import math
+import re
 
 
 def whole(value: object, low: int | None = None, high: int | None = None) -> bool:
@@ -27,3 +28,19 @@ def number(value: object, *, low: float | None = None, above: float | None = Non
 def port(value: object) -> bool:
     """Whether `value` is a TCP port number one can connect to (1-65535)."""
     return whole(value, 1, 65535)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A host as ssh, horovodrun's -H and a hostfile take it: a name, an IPv4 address or a bare IPv6 one.
+_HOST = re.compile(r"[A-Za-z0-9_.%:][A-Za-z0-9_.%:-]*")
+
+
+def env_name(value: object) -> bool:
+    """Whether `value` is a variable name every shell and `env` take as one (POSIX: [A-Za-z_][A-Za-z0-9_]*)."""
+    return isinstance(value, str) and _ENV_NAME.fullmatch(value) is not None
+
+
+def host(value: object) -> bool:
+    """Whether `value` is a host ssh cannot read as anything else: no leading '-' (an option),
+    no brackets, whitespace, commas, '@' or shell characters; letters, digits, '.', '_', '-', ':', '%'."""
+    return isinstance(value, str) and _HOST.fullmatch(value) is not None

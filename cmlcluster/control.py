@@ -348,19 +348,20 @@ def connection_files(ip: str, ports: list[int]) -> tuple[dict[str, Any], dict[st
         "registration": registration,
         "key": secrets.token_hex(16),  # signs every message: the controller's and workers' secret
         "curve_serverkey": None,
-        "location": ip,
         "pack": "json",
         "unpack": "json",
         "signature_scheme": "hmac-sha256",
     }
-    engine: dict[str, Any] = {"interface": f"tcp://{ip}"}
+    engine: dict[str, Any] = {"interface": f"tcp://{ip}", "location": ip}
     for channel in ENGINE_CHANNELS:
         port = next(rest)
         if channel == "broadcast":
             engine.setdefault(channel, []).append(port)
         else:
             engine[channel] = port
-    client: dict[str, Any] = {"interface": f"tcp://{CLIENT_IP}", "task_scheme": "leastload"}
+    # The client's location is this machine: its own loopback (ipyparallel would otherwise look for the
+    # controller's address among this machine's addresses, a list it reads once, and warn).
+    client: dict[str, Any] = {"interface": f"tcp://{CLIENT_IP}", "location": CLIENT_IP, "task_scheme": "leastload"}
     for channel in CLIENT_CHANNELS:
         client[channel] = next(rest)
     return {**engine, **shared}, {**client, **shared}

@@ -10,6 +10,9 @@ CONNECTION_ENV = "CMLCLUSTER_CONNECTION"
 CONNECTION_FILE_ENV = "CMLCLUSTER_CONNECTION_FILE"
 ENGINE_ID_ENV = "CMLCLUSTER_ENGINE_ID"  # the engine id the agent registers as
 PRELOAD_ENV = "CMLCLUSTER_PRELOAD"  # modules the agent imports while its engine registers
+# Names a 0600 JSON file of a Horovod run's env= that each rank reads (cmlcluster.horovod.rank): its
+# values never travel on horovodrun's or ssh's command line.
+RANK_ENV_FILE_ENV = "CMLCLUSTER_RANK_ENV"
 
 # The controller's ping period. The hub announces a new engine at the beat after the first ping
 # it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start.

@@ -209,8 +209,30 @@ def validate_launch(
         if not os.path.isfile(path):
             raise ConfigError(f"script={script!r}: no such file (looked for {path}); give a path to a Python file")
         script = os.path.abspath(path)
-    if env is not None:
-        bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
-        if bad:
-            raise ConfigError(f"env={bad!r}: environment names and values must be strings; convert with str()")
+    check_env(env)
     return Program(script=script, code=code)
+
+
+def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """Refuse an env= whose names are not variable names or whose values are not strings; return it.
+
+    A name reaches a shell on some hosts (horovodrun's `env NAME=value ...`), so only what every
+    shell reads as a name passes. Messages name the key, never a value: values may be secrets.
+    """
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        kind = type(env).__name__
+        raise ConfigError(f"env= got a {kind}: give a dict of names to strings, e.g. {{'MY_TOKEN': '...'}}")
+    for name, value in env.items():
+        if not checks.env_name(name):
+            raise ConfigError(
+                f"env key {name!r} is not a variable name: use letters, digits and '_', not starting with a "
+                "digit (e.g. 'MY_TOKEN')"
+            )
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"env[{name!r}] is a {type(value).__name__}: environment names and values must be strings; "
+                "convert with str()"
+            )
+    return dict(env)

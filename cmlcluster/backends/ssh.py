@@ -37,6 +37,8 @@ from .._proc import signal_group
 from .._version import __version__
 from ..errors import BackendError, ConfigError
 from ..ports import route_address
+from ..ssh.config import ssh_path
+from ..ssh.keys import tofu_known_hosts
 from ..workers import Resources, WorkerSpec
 from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 
@@ -91,7 +93,12 @@ def parse_hosts(hosts: Sequence[str] | None = None, hostfile: str | None = None)
         slots = int(match.group("colon") or match.group("slots") or 1)
         if slots < 1:
             raise ConfigError(f"{where}: a host needs 1 or more slots")
-        host = match.group("host").strip("[]")
+        host = re.sub(r"^\[(.*)\]$", r"\1", match.group("host"))  # "[IPv6 address]" as the address
+        if not checks.host(host):  # a leading '-' would be an ssh option
+            raise ConfigError(
+                f"{where}: {host!r} is not a host name or address (no leading '-', brackets, spaces, '@' or "
+                "shell characters); give the login name as user="
+            )
         if host in (h for h, _ in parsed):
             raise ConfigError(f"{where}: host {host!r} is listed twice; give it once with all its slots")
         parsed.append((host, slots))
@@ -120,8 +127,9 @@ class SSHBackend(Backend[SSHHandle]):
         them. Never copied anywhere.
     known_hosts: the known_hosts file that pins the hosts' keys (default: ssh's own). An unknown
         or changed key is refused.
-    trust_on_first_use: accept (and record in known_hosts) the key of a host seen for the first
-        time; a changed key is still refused. Off unless asked for.
+    trust_on_first_use: accept the key of a host seen for the first time, recorded in known_hosts=
+        or else in cmlcluster's own file (~/.config/cmlcluster/known_hosts, never ~/.ssh/known_hosts);
+        a changed key is still refused. Off unless asked for.
     python: the interpreter on the hosts, with cmlcluster installed ("python3").
     gpus: {host: [GPU ids]} for hosts with GPUs.
     controller_ip: the session's address as the hosts reach it (default: this machine's address
@@ -186,7 +194,9 @@ class SSHBackend(Backend[SSHHandle]):
         argv += ["-o", f"ServerAliveInterval={KEEPALIVE_SECONDS}", "-o", f"ServerAliveCountMax={KEEPALIVE_MISSES}"]
         argv += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
         if self.known_hosts:
-            argv += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
+            argv += ["-o", f"UserKnownHostsFile={ssh_path(self.known_hosts)}"]
+        elif self.trust_on_first_use:  # a new key goes into the first file: ours; the user's still pins its keys
+            argv += ["-o", f"UserKnownHostsFile={ssh_path(tofu_known_hosts())} ~/.ssh/known_hosts"]
         if self.identity:
             argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
         for option in self.ssh_options:
@@ -264,7 +274,8 @@ class SSHBackend(Backend[SSHHandle]):
             return None
         last = (err.strip().splitlines() or [f"exit code {code}"])[-1]
         if "Host key verification failed" in err or "REMOTE HOST IDENTIFICATION HAS CHANGED" in err:
-            where = self.known_hosts or "~/.ssh/known_hosts"
+            tofu = f"{tofu_known_hosts()} or " if self.trust_on_first_use else ""
+            where = self.known_hosts or f"{tofu}~/.ssh/known_hosts"
             return (
                 f"its host key is unknown or not the one in {where} (refused). Add the host's key there after "
                 "checking it (ssh-keyscan, then compare fingerprints), or pass trust_on_first_use=True for a "

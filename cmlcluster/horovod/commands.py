@@ -21,8 +21,10 @@ def check_hosts(hosts: Hosts) -> list[tuple[str, int]]:
         raise ConfigError("hosts=[]: give at least one (address, slots) pair")
     seen = set()
     for host, slots in hosts:
-        if not isinstance(host, str) or not host or any(c.isspace() or c == "," for c in host):
-            raise ConfigError(f"host {host!r}: give an IP address or host name")
+        if not checks.host(host):  # a leading '-' would be an option of ssh or mpirun
+            raise ConfigError(
+                f"host {host!r}: give an IP address or host name (no leading '-', brackets, spaces or commas)"
+            )
         if not checks.whole(slots, 1):
             raise ConfigError(f"host {host!r} has slots={slots!r}: each host needs 1 or more slots")
         if host in seen:
@@ -60,14 +62,14 @@ def horovodrun_argv(
     identity_file: str | None = None,
     start_timeout: int | None = None,
     network_interfaces: Sequence[str] = (),
-    horovodrun: str = "horovodrun",
+    horovodrun: Sequence[str] = ("horovodrun",),
     extra: Sequence[str] = (),
 ) -> list[str]:
     """horovodrun -np N -H ip:slots,... [-p 2222] [-i key] [--start-timeout s] [--network-interfaces ...] cmd..."""
     _check_np(np, hosts)
     if not command:
         raise ConfigError("command=[]: give the training command, e.g. [sys.executable, 'train.py']")
-    argv = [horovodrun, "-np", str(np), "-H", hosts_arg(hosts)]
+    argv = [*horovodrun, "-np", str(np), "-H", hosts_arg(hosts)]
     if ssh_port is not None:
         _check_port(ssh_port)
         argv += ["-p", str(ssh_port)]

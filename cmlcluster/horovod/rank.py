@@ -5,16 +5,44 @@ worker's own. The worker's sshd tells its sessions where (CMLCLUSTER_WORKDIR, CM
 see cmlcluster.ssh.sshd); this runs the script from there, as ``python script args`` would, and
 ends with the status the script decided: through cmlcluster._exit, which leaves without
 finalizing the interpreter, where Horovod's Gloo threads could abort a rank that finished.
+
+The run's env= is not on the command line (horovodrun would put it on every rank's ssh or
+`env` command line, which `ps` shows every user): it is in the 0600 file that
+CMLCLUSTER_RANK_ENV names (cmlcluster.ssh.sshd:set_rank_env, or the session's folder on the
+local backend). The rank starts again with it in its environment, so that variables read
+as Python starts (PYTHONPATH, LD_PRELOAD, PYTHONHASHSEED) work as they would from a shell.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
 from typing import NoReturn
 
 from .._exit import exit_now, status_of
+from ..wire import RANK_ENV_FILE_ENV
+
+RANK_MODULE = "cmlcluster.horovod.rank"
+
+
+def with_run_env(argv: list[str]) -> None:
+    """Start this rank again with the run's env= in its environment, when the run has one.
+
+    The variable naming the file goes first, so the new process runs the script at once.
+    """
+    path = os.environ.pop(RANK_ENV_FILE_ENV, None)
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            env = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"cmlcluster: this run's env= file {path} cannot be read ({e}); run the job again")
+    if env:
+        # The same interpreter and module, argv as given: nothing from a shell.
+        os.execve(sys.executable, [sys.executable, "-m", RANK_MODULE, *argv], {**os.environ, **env})  # noqa: S606
 
 
 def run_script(argv: list[str]) -> None:
@@ -32,6 +60,7 @@ def run_script(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> NoReturn:
+    with_run_env(argv)
     try:
         run_script(argv)
         status = 0

@@ -13,16 +13,17 @@ starts the ranks itself on localhost, without workers or SSH.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import _lifeline, checks
@@ -36,7 +37,9 @@ from ..progress import output_event
 from ..runs import RunError, RunResult, report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH
-from ..workers import Resources
+from ..ssh.sshd import write_env_file
+from ..wire import RANK_ENV_FILE_ENV
+from ..workers import Resources, check_env
 from . import commands
 from .ssh_cluster import SSHCluster, ssh_cluster
 
@@ -44,6 +47,7 @@ RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 PROCESS_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.$")
 FIRST_FAILURE = re.compile(r"Process name: (\d+)")  # in horovodrun's final error
 RANK = "cmlcluster.horovod.rank"
+DRIVER = "cmlcluster.horovod.driver"  # horovodrun, with its rendezvous off the other interfaces
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 log = logging.getLogger(__name__)
@@ -118,7 +122,8 @@ def run_horovod(
 
     np: processes in all (default: workers x slots). workers: how many workers (default: enough
     for np). slots: processes per worker (default: its GPUs, or 1). env: variables for every rank
-    (ranks on other machines get only these and Horovod's own). reuse: keep the workers (and
+    (ranks on other machines get only these and Horovod's own), read by each rank from a 0600 file,
+    never on a command line. reuse: keep the workers (and
     their sshd) for the next run, and use those of the previous reuse=True run.
     ship_working_folder: copy the working folder to workers that do not see it. check: raise
     HorovodError instead of returning a failed result.
@@ -138,8 +143,7 @@ def run_horovod(
         )
     if not os.path.isfile(script):
         raise ConfigError(f"script={script!r}: no such file; give the path of the training script")
-    if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise ConfigError(f"env={env!r}: environment names and values must be strings")
+    env = check_env(env)
     script = os.path.abspath(script)
     horovodrun = _horovodrun()
     if session is None and backend is not None and reuse:
@@ -155,16 +159,18 @@ def run_horovod(
                 argv = commands.horovodrun_argv(
                     np,
                     hosts,
-                    [sys.executable, script, *args],
+                    [sys.executable, "-m", RANK, script, *args],
                     ssh_port=None,
                     start_timeout=start_timeout,
                     horovodrun=horovodrun,
                 )
-                return _execute(argv, hosts, {**os.environ, **(env or {})}, view, check)
+                with _local_env_file(session, env) as driver_env:
+                    return _execute(argv, hosts, driver_env, view, check)
             shipment = session.ship([script], working_folder=ship_working_folder)
             cluster = ssh_cluster(
                 session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment
             )
+            cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
             # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
             command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
             argv = commands.horovodrun_argv(
@@ -177,7 +183,7 @@ def run_horovod(
                 network_interfaces=capabilities.interfaces,
                 horovodrun=horovodrun,
             )
-            return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh, env), view, check, cluster.job)
+            return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh), view, check, cluster.job)
         except KeyboardInterrupt:
             kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
             log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
@@ -190,17 +196,36 @@ def run_horovod(
                     cluster.close()
 
 
-def _remote_driver_env(ssh: SessionSSH, env: Mapping[str, str] | None) -> dict[str, str]:
+def _remote_driver_env(ssh: SessionSSH) -> dict[str, str]:
     """horovodrun's environment when ranks run elsewhere.
 
     horovodrun copies its whole environment onto every rank's ssh command line, so it gets only
-    what ranks should see: the user's env= and a neutral PATH; never the notebook's variables.
-    Its own ssh is the session's, first on PATH.
+    a neutral PATH and the locale: never the notebook's variables, nor env= (ranks read that from
+    a file on their host, see SSHCluster.set_rank_env). Its own ssh is the session's, first on PATH.
     """
     driver = {"PATH": f"{ssh.ssh_wrapper_dir}{os.pathsep}{SYSTEM_PATH}", "PYTHONUNBUFFERED": "1"}
     driver.update({k: os.environ[k] for k in ("LANG", "LC_ALL") if k in os.environ})
-    driver.update(env or {})
     return driver
+
+
+@contextlib.contextmanager
+def _local_env_file(session: Session, env: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """horovodrun's environment on this machine: the notebook's, and env= in a 0600 file of the
+    session's folder that ranks read (horovodrun would write the values on each rank's `env`
+    command line); the file goes when the run ends."""
+    driver = dict(os.environ)
+    if not env:
+        yield driver
+        return
+    fd, path = tempfile.mkstemp(prefix="rank-env-", suffix=".json", dir=session.session_dir)  # 0600
+    os.close(fd)
+    try:
+        write_env_file(path, dict(env))
+        driver[RANK_ENV_FILE_ENV] = path
+        yield driver
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _default_session_on(backend: str | Backend) -> Session:
@@ -220,16 +245,15 @@ def _default_session_on(backend: str | Backend) -> Session:
     return session
 
 
-def _horovodrun() -> str:
-    """The horovodrun of this interpreter's environment (a venv's bin is often not on PATH)."""
-    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    found = beside if os.access(beside, os.X_OK) else shutil.which("horovodrun")
-    if not found:
+def _horovodrun() -> list[str]:
+    """horovodrun, run by this interpreter through cmlcluster.horovod.driver (its rendezvous then
+    listens on the address the ranks dial only)."""
+    if importlib.util.find_spec("horovod") is None:
         raise ConfigError(
-            "horovodrun is not installed in this environment; build Horovod with scripts/build_horovod.sh "
+            f"Horovod is not installed in this Python ({sys.executable}); build it with scripts/build_horovod.sh "
             "(or pip install horovod against your TensorFlow)"
         )
-    return found
+    return [sys.executable, "-m", DRIVER]
 
 
 def _execute(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..jobs import Job, Role, launch_job
@@ -36,6 +37,11 @@ class SSHCluster:
     @property
     def worker_ids(self) -> list[str]:
         return self.job.worker_ids
+
+    def set_rank_env(self, env: Mapping[str, str]) -> None:
+        """This run's env= for its ranks, in a 0600 file on each host (cmlcluster.ssh.sshd:set_rank_env):
+        horovodrun would put the values on every rank's ssh command line, which `ps` shows every user."""
+        self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (dict(env),)) for w in self.sshd_workers])
 
     def end_ranks(self) -> None:
         """End what runs on the workers through sshd (ranks a failed or interrupted run left); sshd stays."""
@@ -77,10 +83,14 @@ def ssh_cluster(
             by_address.setdefault(m.address, []).append(m.worker_id)
         cluster.sshd_workers = [ids[0] for ids in by_address.values()]
         send_files(session, cluster.sshd_workers, shipment)  # before sshd starts, the first time
-        started = session.call_each(
-            [(w, f"{SSHD_MODULE}:start", (cluster.ssh.public_key, port)) for w in cluster.sshd_workers]
-        )
         addresses = list(by_address)
+        # sshd listens only on the address horovodrun and the session reach the worker at.
+        started = session.call_each(
+            [
+                (w, f"{SSHD_MODULE}:start", (cluster.ssh.public_key, port, address))
+                for w, address in zip(cluster.sshd_workers, addresses, strict=True)
+            ]
+        )
         cluster.ssh.pin(
             {a: s["host_key"] for a, s in zip(addresses, started, strict=True)},
             port,

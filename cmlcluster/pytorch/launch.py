@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -58,11 +59,43 @@ def main(argv: list[str]) -> None:
             _write(report, {"error": f"the rendezvous was not reached: {e}"})
             sys.exit(1)
     os.environ["CMLCLUSTER_TORCHRUN_PID"] = str(os.getpid())  # each process dies with this one (rank.py)
+    args = parse_args(arguments)
+    store = _store_on(args.master_addr, args.master_port) if args.node_rank == 0 else None
     try:
-        run(parse_args(arguments))
+        run(args)
     except ChildFailedError as e:
         _write(report, {"failures": failures_of(e)})
         sys.exit(1)
+    finally:
+        del store  # open until torchrun is done
+
+
+def _store_on(address: str, port: int) -> Any:
+    """Node 0: the rendezvous store, listening on `address` (the one the other nodes dial) only.
+
+    torchrun's own TCPStore would listen on every interface of the host. A multi-tenant TCPStore is
+    one server per port in a process, so torchrun's agent, creating its store on the same port in
+    this process, uses this one, which listens on a socket bound to `address`.
+    """
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(where)
+    listener.listen(128)
+    store = TCPStore(
+        address,
+        port,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=60),
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=listener.fileno(),
+    )
+    return store, listener
 
 
 def _write(report: str, content: dict[str, Any]) -> None:

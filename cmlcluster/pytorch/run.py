@@ -35,7 +35,7 @@ from ..events import Event, OutputLine
 from ..jobs import Job, JobFailure, Role, launch_job
 from ..runs import RunError, RunResult, report_end, send_files, session_for
 from ..session import Session
-from ..workers import FAILED, Resources
+from ..workers import FAILED, Resources, check_env
 from . import commands
 
 NODE = "cmlcluster.pytorch.node"
@@ -157,8 +157,7 @@ def run_torch(
     for name, seconds in (("join_timeout", join_timeout), ("start_timeout", start_timeout)):
         if not checks.number(seconds, above=0):
             raise ConfigError(f"{name}={seconds!r}: give a number of seconds above 0")
-    if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise ConfigError(f"env={env!r}: environment names and values must be strings")
+    env = check_env(env)
     if callable(script):
         call = _pickled_call(script, tuple(args), dict(kwargs or {}))
         script_args: list[str] = []

@@ -1,16 +1,24 @@
-"""Pure builders: known_hosts lines and ssh config text. Nothing here runs anything."""
+"""Pure builders: known_hosts lines, ssh config text and sshd config text. Nothing here runs anything."""
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping
 
+from .. import checks
 from ..errors import ConfigError
 
 
 def host_pattern(host: str, port: int) -> str:
     """How known_hosts names a host on a port: "10.0.0.2" on 22, "[10.0.0.2]:2222" elsewhere."""
     return f"[{host}]:{port}" if port != 22 else host
+
+
+def ssh_path(path: str) -> str:
+    """A file's path as an ssh option's value: quoted (it may hold spaces), '%' doubled (ssh expands
+    %-tokens in paths such as UserKnownHostsFile)."""
+    if '"' in path:
+        raise ConfigError(f"{path!r}: ssh cannot be given a path with a double quote in it; choose another")
+    return '"' + path.replace("%", "%%") + '"'
 
 
 def known_hosts_text(host_keys: Mapping[str, str], port: int) -> str:
@@ -29,11 +37,8 @@ def ssh_config_text(logins: Mapping[str, str], port: int, identity_file: str, kn
     """An ssh config so that plain `ssh <host>` (and horovodrun, mpirun) log in as {host: user} with this key."""
     blocks = []
     for host, user in logins.items():
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            if not host or any(c.isspace() for c in host):
-                raise ConfigError(f"host {host!r}: give an IP address or host name") from None
+        if not checks.host(host):
+            raise ConfigError(f"host {host!r}: give an IP address or host name (no leading '-', brackets or spaces)")
         if not user or any(c.isspace() for c in user):
             raise ConfigError(f"user {user!r} for host {host!r}: give a login name")
         blocks.append(
@@ -48,3 +53,36 @@ def ssh_config_text(logins: Mapping[str, str], port: int, identity_file: str, kn
             f"    BatchMode yes\n"
         )
     return "\n".join(blocks)
+
+
+def sshd_config_text(folder: str, port: int, user: str, env: Mapping[str, str], listen: str | None = None) -> str:
+    """The config of a worker's sshd (cmlcluster.ssh.sshd): its files in `folder`, key-only logins of
+    `user` alone, on `listen` (the address peers use; every address when None), no forwarding of any
+    kind, and `env` set in every login (SetEnv)."""
+    if not user or any(c.isspace() or c in ",*?!" for c in user):
+        raise ConfigError(f"user {user!r}: sshd admits a login name, without spaces or patterns")
+    if listen is not None and not checks.host(listen):
+        raise ConfigError(f"listen={listen!r}: give the IP address peers reach this worker at")
+    words = " ".join(f'"{name}={value}"' for name, value in env.items())
+    return (
+        f"Port {port}\n" + (f"ListenAddress {listen}\n" if listen is not None else "") + f"HostKey {folder}/host_key\n"
+        f"AuthorizedKeysFile {folder}/authorized_keys\n"
+        f"PidFile {folder}/sshd.pid\n"
+        f"AllowUsers {user}\n"
+        "PubkeyAuthentication yes\n"
+        "PasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\n"
+        "PermitRootLogin prohibit-password\n"
+        "PermitEmptyPasswords no\n"
+        "UsePAM no\n"
+        "StrictModes no\n"  # the folder is the agent's own, mode 0700
+        # Ranks need a command and its output, nothing more: no tunnels into or out of the worker.
+        "DisableForwarding yes\n"
+        "AllowTcpForwarding no\n"
+        "AllowStreamLocalForwarding no\n"
+        "GatewayPorts no\n"
+        "PermitTunnel no\n"
+        "X11Forwarding no\n"
+        "AllowAgentForwarding no\n"
+        "PermitUserEnvironment no\n" + (f"SetEnv {words}\n" if words else "") + "LogLevel ERROR\n"
+    )

@@ -84,3 +84,15 @@ class SessionSSH:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def tofu_known_hosts() -> str:
+    """cmlcluster's own known_hosts file, where host keys accepted on first use are recorded (made
+    empty, 0600, in a 0700 folder, on first use): $XDG_CONFIG_HOME/cmlcluster/known_hosts, else
+    ~/.config/cmlcluster/known_hosts. Never the user's ~/.ssh/known_hosts, which other tools trust."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    folder = os.path.join(base, "cmlcluster")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, "known_hosts")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    return path

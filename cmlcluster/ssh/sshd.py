@@ -3,14 +3,15 @@
 Key-only (no passwords, no keyboard-interactive), a host key made for this worker
 at start (its public half goes back to the session, which pins it), everything in
 a private folder. sshd is a child of the worker's agent, in its process group, so
-it ends with the worker. It runs as the worker's user, root or not: a non-root sshd
-lets in only its own user, which is all a session needs.
+it ends with the worker. It runs as the worker's user, root or not, and lets in only that
+user (AllowUsers), on the address peers use, with every kind of forwarding off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import getpass
+import json
 import os
 import shutil
 import signal
@@ -19,17 +20,23 @@ import subprocess
 import tempfile
 import time
 
-from .. import agent_files
+from .. import agent_files, wire
 from .._proc import descendants
+from .config import sshd_config_text
 from .keys import new_ed25519
 
 SSHD_BINARY = "/usr/sbin/sshd"
+RANK_ENV_FILE = "rank_env.json"  # the run's env=, in sshd's folder (wire.RANK_ENV_FILE_ENV names it to ranks)
 _running: subprocess.Popen[bytes] | None = None
 _home: str | None = None  # sshd's private folder (in the worker's own temp folder)
 
 
-def start(authorized_key: str, port: int = 2222) -> dict[str, str]:
-    """Start sshd on `port` admitting `authorized_key`.
+def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> dict[str, str]:
+    """Start sshd on `port` admitting `authorized_key`, for this worker's user only.
+
+    listen: the address the session and the other workers reach this worker at (the session
+    learns it from the worker's route to it, so it passes it here); sshd listens there only.
+    Without it sshd listens on every address: a worker alone cannot tell which one its peers use.
 
     Returns this worker's host public key, the user to log in as, and the working folder
     that commands run through this sshd start in (see cmlcluster.horovod.rank).
@@ -46,52 +53,60 @@ def start(authorized_key: str, port: int = 2222) -> dict[str, str]:
     for name, text in files.items():
         with open(os.open(os.path.join(home, name), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(text)
+    user = getpass.getuser()
     config = os.path.join(home, "sshd_config")
     with open(config, "w") as f:
-        f.write(
-            f"Port {port}\n"
-            f"HostKey {home}/host_key\n"
-            f"AuthorizedKeysFile {home}/authorized_keys\n"
-            f"PidFile {home}/sshd.pid\n"
-            "PubkeyAuthentication yes\n"
-            "PasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\n"
-            "PermitRootLogin prohibit-password\n"
-            "PermitEmptyPasswords no\n"
-            "UsePAM no\n"
-            "StrictModes no\n"  # the folder is the agent's own, mode 0700
-            "X11Forwarding no\n"
-            "AllowAgentForwarding no\n"
-            "PermitUserEnvironment no\n"
-            f"SetEnv {_session_env()}\n"
-            "LogLevel ERROR\n"
-        )
+        f.write(sshd_config_text(home, port, user, _session_env(home), listen))
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # root's sshd drops privileges there
     _running = subprocess.Popen([sshd, "-D", "-e", "-f", config])  # output joins the worker's
-    _wait_listening(port, _running)
-    return {"host_key": host_public, "user": getpass.getuser(), "workdir": os.getcwd()}
+    _wait_listening(listen or "127.0.0.1", port, _running)
+    return {"host_key": host_public, "user": user, "workdir": os.getcwd()}
 
 
-def _session_env() -> str:
-    """SetEnv's words: logins through this sshd (ranks) run where the worker runs, find what was
-    shipped to it, keep their temp files in its folder, and see its GPUs."""
-    env = {"CMLCLUSTER_WORKDIR": os.getcwd(), "CMLCLUSTER_FILES": agent_files.files_folder()}
+def set_rank_env(env: dict[str, str]) -> str:
+    """The env= of the run about to start: written to a file only this user may read (0600), which
+    every rank started through this sshd reads (cmlcluster.horovod.rank, told by wire.RANK_ENV_FILE_ENV).
+    Never on a command line: horovodrun would put them on each rank's ssh command line, which `ps`
+    shows every user of both hosts. Returns the file's path."""
+    if _home is None:
+        raise RuntimeError("sshd was not started in this worker; call cmlcluster.ssh.sshd:start first")
+    path = os.path.join(_home, RANK_ENV_FILE)
+    write_env_file(path, env)
+    return path
+
+
+def write_env_file(path: str, env: dict[str, str]) -> None:
+    """`env` as a JSON object in `path`, readable by this user alone, replacing what was there."""
+    temporary = f"{path}.{os.getpid()}.new"
+    with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(dict(env), f)
+    os.replace(temporary, path)  # a rank reading it sees the whole of the old or of the new
+
+
+def _session_env(home: str) -> dict[str, str]:
+    """SetEnv's variables: logins through this sshd (ranks) run where the worker runs, find what was
+    shipped to it and the run's env= file, keep their temp files in its folder, and see its GPUs."""
+    env = {
+        "CMLCLUSTER_WORKDIR": os.getcwd(),
+        "CMLCLUSTER_FILES": agent_files.files_folder(),
+        wire.RANK_ENV_FILE_ENV: os.path.join(home, RANK_ENV_FILE),
+    }
     env.update({k: os.environ[k] for k in ("TMPDIR", "CUDA_VISIBLE_DEVICES") if k in os.environ})
-    return " ".join(f'"{name}={value}"' for name, value in env.items())
+    return env
 
 
-def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float = 10) -> None:
+def _wait_listening(address: str, port: int, process: subprocess.Popen[bytes], timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"sshd exited with code {process.returncode} (its output is above)")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            socket.create_connection((address, port), timeout=1).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"sshd did not listen on port {port} within {timeout:g} s")
+    raise RuntimeError(f"sshd did not listen on {address} port {port} within {timeout:g} s")
 
 
 def end_sessions() -> int:

@@ -23,7 +23,7 @@ from ..jobs import Job, JobFailed, JobFailure, Member, Role, launch_job
 from ..ports import free_ports
 from ..session import Session
 from ..shipping import Shipment
-from ..workers import Program, Resources
+from ..workers import Program, Resources, check_env
 from . import coordinator, layout, versions
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,7 @@ def start_cluster(
     least that many did (a warning names the others).
     """
     min_workers = layout.check_counts(n_workers, n_ps, min_workers)
+    env = check_env(env)
     layout.check_port(port)
     if coordinator is None:
         coordinator = servers
@@ -242,7 +243,7 @@ def start_cluster(
         raise ConfigError("coordinator=True needs servers=True: a coordinator drives running servers")
     if session is None:
         session = get_session()  # the cluster outlives this call: never a session of its own
-    env = {**versions.legacy_keras_env(), **(env or {})}  # the workers' tf.keras is the notebook's
+    env = {**versions.legacy_keras_env(), **env}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
         env.setdefault(wire.PRELOAD_ENV, "tensorflow")
     roles = [  # launch_workers checks the resources before anything starts

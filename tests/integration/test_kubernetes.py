@@ -10,6 +10,9 @@ here; see docs/guide/backends.md, "What was tested, and what was not").
 
 from __future__ import annotations
 
+import base64
+import json
+import secrets
 import signal
 import subprocess
 import sys
@@ -50,7 +53,8 @@ def failure_of(session, worker, timeout=90):
 
 def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_files(kube, kube_session):
     session = kube_session
-    workers = session.launch_workers(2, cpu=0.5, memory=1)
+    marker = f"cmlc-marker-{secrets.token_hex(12)}"
+    workers = session.launch_workers(2, cpu=0.5, memory=1, env={"CMLC_MARKER": marker})
     running = session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
     assert running["failures"] == []
     ips = [w["ip_address"] for w in running["workers"]]
@@ -58,6 +62,10 @@ def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_f
     assert ips == [p["status"]["podIP"] for p in pods] and len(set(ips)) == 2 and "127.0.0.1" not in ips
 
     secret = next(s for s in kube.secrets() if s["metadata"]["name"] == names.secret_name(session.id))
+    # env= is in the session's Secret, one key per worker, and the pods only reference it.
+    assert marker not in json.dumps(pods)
+    values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items() if k.startswith("env.")}
+    assert sorted(values.values()) == [marker, marker] and len(values) == 2
     for pod in pods:
         container = pod["spec"]["containers"][0]
         assert (
@@ -75,10 +83,11 @@ def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_f
             lambda: (
                 sorted(k for k in __import__("os").environ if k.startswith("CMLCLUSTER_CONNECTION")),
                 oct(__import__("os").stat("/var/run/cmlcluster/connection.json").st_mode & 0o777),
+                __import__("os").environ.get("CMLC_MARKER"),
             )
         )
     )
-    assert seen == [([], "0o400")] * 2
+    assert seen == [([], "0o400", marker)] * 2
 
     stopped = session.stop_workers()
     assert [w["status"] for w in stopped] == ["stopped"] * 2
@@ -251,7 +260,8 @@ def test_cleanup_ends_what_a_killed_session_left_on_the_cluster(kube):
         session.wait()
     assert len(kube.pods()) == 2
     backend = kube_backend(kube)
-    would = delete_orphans(backend, dry_run=True)
+    # Until the session's controller has followed it (its lifeline ends it), cleanup leaves all of it alone.
+    would = wait_until(lambda: delete_orphans(backend, dry_run=True), timeout=30, what="the controller to end")
     assert len(would) == 3 and len(kube.pods()) == 2  # two pods and the Secret; a dry run ends nothing
     assert sorted(delete_orphans(backend)) == sorted(would)
     wait_until(lambda: not kube.pods() and not kube.containers(), timeout=30, what="the pods to go")

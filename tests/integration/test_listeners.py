@@ -7,18 +7,25 @@ connect to are on the address they reach (the Docker network's gateway here).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import threading
+from pathlib import Path
 
 import psutil
 import pytest
 from conftest import DOCKER_TEST_IMAGE
-from processes import running
+from processes import own_tree, running
 
-from cmlcluster import Session
+from cmlcluster import Session, run_horovod, run_torch
 from cmlcluster.backends.docker import DockerBackend
 from cmlcluster.control import ENGINE_CHANNELS
 
 pytestmark = pytest.mark.integration
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "worker_scripts"
+TORCH_EXAMPLE = EXAMPLES / "torch_ddp_train.py"
+HOROVOD_EXAMPLE = EXAMPLES / "horovod_keras_train.py"
 
 
 def controller_listens_on(session: Session) -> set[tuple[str, int]]:
@@ -56,3 +63,54 @@ def test_the_controller_of_a_docker_session_offers_workers_only_their_channels()
         assert len(addresses) - len(outside) >= 1 + 6, addresses
         # The session's client still reaches every worker through them.
         assert session.call(workers[0], "os:getpid", timeout=30) > 0
+
+
+class ListenersOutsideLoopback:
+    """Samples, in the background, every socket listening outside loopback in this test's process tree."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> ListenersOutsideLoopback:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for process in [psutil.Process(), *own_tree()]:
+                with contextlib.suppress(psutil.Error):
+                    for c in process.net_connections("inet"):
+                        if c.status == psutil.CONN_LISTEN and not ipaddress.ip_address(c.laddr.ip).is_loopback:
+                            self.seen.add((" ".join(process.cmdline()[:4]), c.laddr.ip, c.laddr.port))
+            self._stop.wait(0.1)
+
+
+def test_a_local_torch_run_listens_on_loopback_only(tmp_path):
+    with Session("local", echo=False) as session, ListenersOutsideLoopback() as listeners:
+        result = run_torch(
+            str(TORCH_EXAMPLE),
+            ["--epochs", "2", "--checkpoint-dir", str(tmp_path)],
+            nnodes=2,
+            nproc_per_node=1,
+            cpu=0.5,
+            memory=1,
+            session=session,
+            echo=False,
+        )
+    assert result.ok, result
+    # torchrun's rendezvous store would listen on every interface of worker 0 (cmlcluster.pytorch.launch).
+    assert listeners.seen == set()
+
+
+def test_a_local_horovod_run_listens_on_loopback_only():
+    with Session("local", echo=False) as session, ListenersOutsideLoopback() as listeners:
+        result = run_horovod(str(HOROVOD_EXAMPLE), ["--epochs", "1"], np=2, session=session, echo=False)
+    assert result.ok, result
+    # horovodrun's Gloo rendezvous would listen on every interface (cmlcluster.horovod.driver).
+    assert listeners.seen == set()

@@ -23,10 +23,11 @@ def test_horovodrun_argv_for_several_layouts():
         identity_file="/s/id_ed25519",
         start_timeout=90,
         network_interfaces=["eth0", "eth1"],
-        horovodrun="/venv/bin/horovodrun",
+        horovodrun=["/venv/bin/python", "-m", "cmlcluster.horovod.driver"],
     )
     assert argv == [
-        "/venv/bin/horovodrun", "-np", "6", "-H", "10.0.0.2:4,10.0.0.3:4", "-p", "2022", "-i", "/s/id_ed25519",
+        "/venv/bin/python", "-m", "cmlcluster.horovod.driver",
+        "-np", "6", "-H", "10.0.0.2:4,10.0.0.3:4", "-p", "2022", "-i", "/s/id_ed25519",
         "--start-timeout", "90", "--network-interfaces", "eth0,eth1",
         "/venv/bin/python", "train.py", "--epochs", "3",
     ]  # fmt: skip

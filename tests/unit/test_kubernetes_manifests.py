@@ -92,12 +92,23 @@ def container(pod: dict) -> dict:
     return only
 
 
-def env_of(pod: dict) -> dict[str, str]:
+def env_of(pod: dict, secret_data: dict[str, str] | None = None) -> dict[str, str]:
+    """The worker's variables as the kubelet sets them: a reference is looked up in secret_data
+    (the Secret's data, base64), or shown as "secret:<key>" without it."""
     pairs = container(pod)["env"]
-    assert all(set(pair) == {"name", "value"} for pair in pairs), pairs
+    assert all(set(pair) in ({"name", "value"}, {"name", "valueFrom"}) for pair in pairs), pairs
     names = [pair["name"] for pair in pairs]
     assert len(names) == len(set(names)), f"a variable set twice: {names}"
-    return {pair["name"]: pair["value"] for pair in pairs}
+    env = {}
+    for pair in pairs:
+        if "value" in pair:
+            env[pair["name"]] = pair["value"]
+            continue
+        ref = pair["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == n.secret_name(SESSION) and "optional" not in ref
+        key = ref["key"]
+        env[pair["name"]] = base64.b64decode(secret_data[key]).decode() if secret_data else f"secret:{key}"
+    return env
 
 
 def assert_valid(manifest: dict) -> None:
@@ -322,18 +333,42 @@ def test_secrets_never_reach_the_environment():
     assert env["CMLCLUSTER_CONNECTION_FILE"] == "/var/run/cmlcluster/connection.json" == m.CONNECTION_FILE
     assert "controller-key-d41d8cd98f" not in json.dumps(pod)  # nowhere in the pod, not only env
     assert "sessionkey" not in json.dumps(pod)
-    assert all("valueFrom" not in pair for pair in container(pod)["env"])
+    assert "CMLCLUSTER_CONNECTION" not in json.dumps(m.env_secret_data(spec, FULL_OPTIONS))  # a file, not a key
+
+
+def test_env_values_are_in_the_session_secret_and_the_pod_spec_only_names_them():
+    marker = "s3cr3t-marker-7f1c9e"
+    spec = make_spec(env={"WANDB_API_KEY": marker, "MY_SETTING": "launch value"}, engine_id=3)
+    pod = make_pod(spec, FULL_OPTIONS)
+    assert marker not in json.dumps(pod)  # not in env, command, annotations: nowhere in the pod
+    data = m.env_secret_data(spec, FULL_OPTIONS)
+    assert set(data) == {"env.3.WANDB_API_KEY", "env.3.MY_SETTING", "env.3.NCCL_DEBUG"}
+    assert base64.b64decode(data["env.3.WANDB_API_KEY"]).decode() == marker
+    assert env_of(pod)["WANDB_API_KEY"] == "secret:env.3.WANDB_API_KEY"
+    assert env_of(pod, data)["WANDB_API_KEY"] == marker  # what the worker sees
+    # cmlcluster's own variables (ids, addresses, paths) stay readable in the pod spec.
+    assert env_of(pod)["CDSW_ENGINE_ID"] == spec.worker_id and env_of(pod)["PYTHONUNBUFFERED"] == "1"
+    # The Secret with those keys is still a valid Secret, and the pod a valid Pod.
+    secret = m.session_secret(SESSION, namespace=NAMESPACE, connection_info=CONNECTION)
+    secret["data"].update(data)
+    assert_valid(secret)
+    assert_valid(pod)
 
 
 def test_environment_is_the_specs_plus_the_options():
     spec = make_spec(env={"MY_SETTING": "launch value"})
-    env = env_of(make_pod(spec, FULL_OPTIONS))
+    pod = make_pod(spec, FULL_OPTIONS)
+    env = env_of(pod, m.env_secret_data(spec, FULL_OPTIONS))
     expected = {k: v for k, v in spec.env.items() if k != "CMLCLUSTER_CONNECTION"}
     expected |= {"NCCL_DEBUG": "INFO", "CMLCLUSTER_CONNECTION_FILE": m.CONNECTION_FILE}
     assert env == expected
     assert env["MY_SETTING"] == "launch value"  # a launch's own env wins over the backend's default
-    assert env_of(make_pod(make_spec(), o.PodOptions(env={"MY_SETTING": "x"})))["MY_SETTING"] == "user value"
-    assert env_of(make_pod(make_spec(), o.PodOptions(env={"NEW": "x"})))["NEW"] == "x"
+
+    def seen(spec, options):
+        return env_of(make_pod(spec, options), m.env_secret_data(spec, options))
+
+    assert seen(make_spec(), o.PodOptions(env={"MY_SETTING": "x"}))["MY_SETTING"] == "user value"
+    assert seen(make_spec(), o.PodOptions(env={"NEW": "x"}))["NEW"] == "x"
 
 
 def test_pod_options_reach_the_pod_spec():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import cmlcluster
@@ -30,7 +32,8 @@ def session():
         (dict(script="train.py", code="print(1)"), "pass only one of them"),
         (dict(script="does/not/exist.py"), "script='does/not/exist.py': no such file"),
         (dict(kernel="r"), "kernel='r'"),
-        (dict(env={"A": 1}), "must be strings"),
+        (dict(env={"A": 1}), r"env\['A'\] is a int: .*must be strings"),
+        (dict(env={"A;touch /tmp/x": "1"}), r"env key 'A;touch /tmp/x' is not a variable name: use letters"),
     ],
 )
 def test_bad_launch_input_is_refused_before_anything_starts(session, kwargs, message, tmp_path, monkeypatch):
@@ -39,6 +42,41 @@ def test_bad_launch_input_is_refused_before_anything_starts(session, kwargs, mes
     args = dict(n=1, cpu=1, memory=1) | kwargs
     with pytest.raises(ConfigError, match=message):
         session.launch_workers(**args)
+    assert session.list_workers() == []
+    assert not session.backend.control.started  # not even the controller
+
+
+BAD_ENV_NAMES = ["A;touch /tmp/x", "1ABC", "A B", "A=B", "", "-x", "$(id)", "Ä", "A\nB"]
+
+
+def _entry_points(tmp_path):
+    """Every public entry point that takes env=, as a call with that env on a fake session."""
+    from cmlcluster.horovod import run_horovod
+    from cmlcluster.pytorch import run_torch
+    from cmlcluster.tensorflow import run_cluster, start_cluster
+
+    script = tmp_path / "train.py"
+    script.write_text("print(1)")
+    return {
+        "launch_workers": lambda s, env: s.launch_workers(1, cpu=1, memory=1, env=env),
+        "run_horovod": lambda s, env: run_horovod(str(script), session=s, env=env, echo=False),
+        "run_torch": lambda s, env: run_torch(str(script), session=s, env=env, echo=False),
+        "start_cluster": lambda s, env: start_cluster(1, 0, session=s, env=env),
+        "run_cluster": lambda s, env: run_cluster(1, 0, 1, 1, session=s, env=env),
+    }
+
+
+@pytest.mark.parametrize("entry", ["launch_workers", "run_horovod", "run_torch", "start_cluster", "run_cluster"])
+def test_env_names_that_are_not_variable_names_are_refused_before_anything_starts(session, entry, tmp_path):
+    call = _entry_points(tmp_path)[entry]
+    for name in BAD_ENV_NAMES:
+        with pytest.raises(ConfigError, match=rf"env key {re.escape(repr(name))} is not a variable name") as e:
+            call(session, {"GOOD": "fine", name: "s3cret-value"})
+        assert "letters, digits and '_'" in str(e.value)  # the fix
+        assert "s3cret-value" not in str(e.value)  # the message names the key, never a value
+    with pytest.raises(ConfigError, match=r"env\['N'\] is a int") as e:
+        call(session, {"TOKEN": "s3cret-value", "N": 1})
+    assert "s3cret-value" not in str(e.value)
     assert session.list_workers() == []
     assert not session.backend.control.started  # not even the controller
 

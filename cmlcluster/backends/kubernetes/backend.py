@@ -27,16 +27,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ... import checks
-from ..._proc import alive
 from ...errors import BackendError, ConfigError
+from ...origin import this_process
 from ...ports import route_address
 from ...wire import CONNECTION_ENV
 from ...workers import Resources, WorkerSpec
 from ..base import Backend, Capabilities, SessionContext, log_tail
-from . import manifests, names, preflight
+from . import manifests, names, orphans, preflight
 from .options import PodOptions, SharedVolume
 from .pods import NO_EXIT_CODE, api_message
 from .watch import WATCH_SECONDS, PodHandle, PodTracker, PodWatch
+
+MERGE_PATCH = "application/merge-patch+json"  # adds keys to a Secret, leaving the others as they are
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +211,7 @@ class KubernetesBackend(Backend[PodHandle]):
                     owner=self._notebook_pod(),
                     origin=(socket.gethostname(), os.getpid()),
                 )
+                body["metadata"].setdefault("annotations", {}).update(names.origin_annotations(this_process()))
                 created = self._core().create_namespaced_secret(self.namespace, body)
                 self._secret = {"name": created.metadata.name, "uid": created.metadata.uid}
             return self._secret
@@ -236,8 +239,13 @@ class KubernetesBackend(Backend[PodHandle]):
 
         try:
             secret = await asyncio.to_thread(self._ensure_secret, spec.env[CONNECTION_ENV])
+            # The worker's env= values join the Secret before its pod references them (never in the pod spec).
+            data = {"data": manifests.env_secret_data(spec, self.options)}
+            if data["data"]:
+                patch = self._core().patch_namespaced_secret
+                await asyncio.to_thread(patch, secret["name"], self.namespace, data, _content_type=MERGE_PATCH)
         except ApiException as e:
-            raise BackendError(f"could not create the session's Secret: {api_message(e)}") from e
+            raise BackendError(f"could not create or update the session's Secret: {api_message(e)}") from e
         body = manifests.worker_pod(
             spec,
             session_id=self.context.session_id,
@@ -372,28 +380,9 @@ class KubernetesBackend(Backend[PodHandle]):
 
 
 def delete_orphans(backend: KubernetesBackend | None = None, *, dry_run: bool = False) -> list[str]:
-    """Delete the Secrets of this host's sessions whose process is gone; their pods go with them
-    (the garbage collector; deleted here too, so that nothing waits for it). Returns what was
-    (or, with dry_run, would be) deleted, as "namespace/name". Sessions of other hosts are left alone.
-    """
+    """Delete what sessions that are gone left in the backend's namespace (orphans.py says when a
+    session is gone); returns what was (or, with dry_run, would be) deleted, as "namespace/name"."""
     backend = backend or KubernetesBackend()
-    core = backend._core()
-    selector = f"{names.MANAGED_BY_LABEL}={names.MANAGER},{names.COMPONENT_LABEL}=session"
-    host = socket.gethostname()
-    ended = []
-    for secret in core.list_namespaced_secret(backend.namespace, label_selector=selector, _request_timeout=30).items:
-        notes = secret.metadata.annotations or {}
-        if notes.get(names.HOST_ANNOTATION) != host or alive(int(notes.get(names.PID_ANNOTATION, "0"))):
-            continue
-        session = (secret.metadata.labels or {}).get(names.SESSION_LABEL, "")
-        pods = core.list_namespaced_pod(
-            backend.namespace, label_selector=f"{names.SESSION_LABEL}={session}", _request_timeout=30
-        ).items
-        ended += [f"{backend.namespace}/{pod.metadata.name}" for pod in pods]
-        ended.append(f"{backend.namespace}/{secret.metadata.name}")
-        if not dry_run:
-            for pod in pods:
-                backend._delete_pod(pod.metadata.name, 0)
-            with contextlib.suppress(Exception):
-                core.delete_namespaced_secret(secret.metadata.name, backend.namespace)
-    return ended
+    return orphans.delete_orphans(
+        backend._core(), backend.namespace, lambda name: backend._delete_pod(name, 0), dry_run=dry_run
+    )

@@ -7,7 +7,8 @@ What the objects are called and labelled is in ``names``; the options checked fo
 
 The objects of one session:
 
-- one Secret, ``cmlcluster-<session>``, holding the controller's connection info. When the
+- one Secret, ``cmlcluster-<session>``, holding the controller's connection info, and each worker's
+  env= values (keys "env.<engine id>.<NAME>", added as workers start). When the
   notebook runs in a pod, that pod owns the Secret. (No SSH key: for Horovod the session runs
   horovodrun itself and holds the private key; workers get only the public key, over the control
   plane, for their sshd.)
@@ -17,7 +18,9 @@ The objects of one session:
 So Kubernetes' garbage collector removes every worker when the Secret goes, and the Secret
 when the notebook's pod goes: a session that dies leaves nothing running. Secrets reach the
 worker as files, never as environment variables: a pod's env is readable by anyone who may
-`get pods` in the namespace, and is inherited by every process the user's code starts.
+`get pods` in the namespace, and is inherited by every process the user's code starts. What
+the user asked to be a variable (env=) is one, but the pod spec holds only a reference to the
+Secret's key (secretKeyRef), never the value.
 
 Owner references set ``controller`` only where the owner manages the object (the Secret, for
 its workers; the notebook's pod does not manage the Secret) and never ``blockOwnerDeletion``:
@@ -50,7 +53,7 @@ from .names import (
     session_labels,
     worker_labels,
 )
-from .options import PodOptions
+from .options import RESERVED_ENV, RESERVED_ENV_PREFIX, PodOptions
 
 # The session Secret, as files in every worker. The agent reads its connection info from the file
 # that CONNECTION_FILE_ENV names.
@@ -58,6 +61,9 @@ SESSION_VOLUME = "cmlcluster-session"
 SESSION_FILE_MODE = 0o400  # owner read-only: the file holds the controller's key
 CONNECTION_KEY = "connection.json"
 CONNECTION_FILE = f"{SESSION_MOUNT_PATH}/{CONNECTION_KEY}"
+# The worker's variables that may be secrets (env=) are keys of the same Secret, referenced by its pod.
+ENV_KEY_PREFIX = "env."
+MAX_SECRET_KEY = 253
 
 SHARED_VOLUME = "cmlcluster-shared"
 # A worker's own working folder (an emptyDir) when the session's is not on the shared volume: where
@@ -161,13 +167,43 @@ def worker_resources(spec: WorkerSpec) -> dict[str, dict[str, str]]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def worker_env(spec: WorkerSpec, options: PodOptions) -> list[dict[str, str]]:
-    """The worker's variables: the options' env, then the spec's (what docker.py passes as is),
-    without the connection info, which is a file in the Secret (CONNECTION_FILE_ENV names it)."""
-    env = dict(options.env)
-    env.update((name, value) for name, value in spec.env.items() if name != CONNECTION_ENV)
-    env[CONNECTION_FILE_ENV] = CONNECTION_FILE
-    return [{"name": name, "value": value} for name, value in env.items()]
+def is_own_variable(name: str) -> bool:
+    """Whether cmlcluster sets `name` in every worker (ids, addresses, file paths: nothing secret)."""
+    return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX)
+
+
+def env_secret_key(spec: WorkerSpec, name: str) -> str:
+    """The session Secret's key holding variable `name` of this worker: "env.<engine id>.<name>"."""
+    key = f"{ENV_KEY_PREFIX}{spec.engine_id}.{name}"
+    if len(key) > MAX_SECRET_KEY:
+        raise ConfigError(f"env key {name!r} is too long for a Kubernetes Secret's key; use a shorter name")
+    return key
+
+
+def _user_env(spec: WorkerSpec, options: PodOptions) -> dict[str, str]:
+    """The worker's variables that are not cmlcluster's own: the options' env, then the launch's env=."""
+    env = {name: value for name, value in options.env.items() if not is_own_variable(name)}
+    env.update((name, value) for name, value in spec.env.items() if not is_own_variable(name))
+    return env
+
+
+def env_secret_data(spec: WorkerSpec, options: PodOptions) -> dict[str, str]:
+    """What the session's Secret holds for this worker's pod to reference ({key: base64 value}):
+    every variable that is not cmlcluster's own (env=, the options' env), which may be a secret."""
+    return {env_secret_key(spec, name): _encode(value) for name, value in _user_env(spec, options).items()}
+
+
+def worker_env(spec: WorkerSpec, options: PodOptions, secret_name: str) -> list[dict[str, Any]]:
+    """The worker's variables: cmlcluster's own by value; env= and the options' env by reference to
+    the session's Secret (env_secret_data): `get pods` and the pod's YAML never show their values.
+    The connection info is a file in the Secret (CONNECTION_FILE_ENV names it)."""
+    own = {name: value for name, value in spec.env.items() if is_own_variable(name) and name != CONNECTION_ENV}
+    own[CONNECTION_FILE_ENV] = CONNECTION_FILE
+    env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in own.items()]
+    for name in _user_env(spec, options):
+        reference = {"name": secret_name, "key": env_secret_key(spec, name)}
+        env.append({"name": name, "valueFrom": {"secretKeyRef": reference}})
+    return env
 
 
 def worker_pod(
@@ -184,7 +220,8 @@ def worker_pod(
 
     secret_name, secret_uid: the session's Secret (created first: its uid is the owner reference).
     The container's command and env are the spec's, as docker.py sends them, except that the
-    controller's connection info is read from the mounted Secret instead of the environment.
+    controller's connection info is read from the mounted Secret instead of the environment, and
+    env= values are references to the Secret's keys (env_secret_data, added before the pod).
     """
     options = options or PodOptions()
     if not isinstance(image, str) or not image.strip():
@@ -197,7 +234,7 @@ def worker_pod(
         "name": CONTAINER_NAME,
         "image": image,
         "command": list(spec.argv),
-        "env": worker_env(spec, options),
+        "env": worker_env(spec, options, secret_name),
         "resources": worker_resources(spec),
         "volumeMounts": mounts,
     }

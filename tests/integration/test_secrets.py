@@ -1,0 +1,209 @@
+"""Secrets stay secret, SSH stays narrow, on real processes.
+
+- env= values are on no command line of any process on this machine while a Horovod job and a
+  PyTorch job run on local workers (every process's argv is read, as `ps` would show it to any
+  user), and the job's ranks see them.
+- A worker's sshd (cmlcluster.ssh.sshd, as Horovod starts it) listens on the address given,
+  admits its own user only, and refuses local, remote and stdio forwarding.
+- Host keys trusted on first use by the SSH backend land in cmlcluster's own known_hosts file,
+  never in the user's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import secrets
+import socket
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from cmlcluster import Session, agent_files
+from cmlcluster.backends.ssh import SSHBackend
+from cmlcluster.horovod import run_horovod
+from cmlcluster.ports import free_ports
+from cmlcluster.pytorch import run_torch
+from cmlcluster.ssh import sshd
+from cmlcluster.ssh.config import known_hosts_text
+from cmlcluster.ssh.keys import SessionSSH
+
+pytestmark = pytest.mark.integration
+
+# A rank reports a digest of what it sees (not the value: its output is not the subject here), then
+# stays a while so that the command lines are read while every rank runs.
+SHOW_MARKER = """
+import hashlib, os, sys, time
+{init}
+print("marker digest", hashlib.sha256(os.environ.get("CMLC_MARKER", "").encode()).hexdigest(), flush=True)
+time.sleep(4)
+"""
+HOROVOD_INIT = "import horovod.tensorflow as hvd\nhvd.init()\nprint('rank', hvd.rank(), 'of', hvd.size(), flush=True)"
+
+
+class ArgvWatch:
+    """Reads every process's command line on this machine until stopped; remembers where `marker` showed
+    and whether a process whose command line holds `seen_if` (the job's script) was running then."""
+
+    def __init__(self, marker: str, seen_if: str):
+        self.marker, self.seen_if = marker, seen_if
+        self.found: list[str] = []
+        self.scans_with_job = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ArgvWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            job = False
+            for p in psutil.process_iter(["cmdline"]):
+                argv = " ".join(p.info["cmdline"] or [])
+                if self.marker in argv:
+                    self.found.append(f"{p.pid}: {argv}")
+                job = job or self.seen_if in argv
+            self.scans_with_job += job
+            time.sleep(0.05)
+
+
+def check_no_argv_held(watch: ArgvWatch, result, marker: str, ranks: int) -> None:
+    assert result.ok, result.message
+    assert watch.found == [], "the env= value was on a command line"
+    assert watch.scans_with_job >= 5, "the command lines were not read while the job ran"
+    digest = hashlib.sha256(marker.encode()).hexdigest()
+    seen = [line for lines in result.output.values() for line in lines if line.startswith("marker digest")]
+    assert seen == [f"marker digest {digest}"] * ranks  # every rank saw the value
+
+
+def test_horovod_env_values_are_on_no_command_line_and_ranks_see_them(tmp_path):
+    marker = f"cmlc-marker-{secrets.token_hex(12)}"
+    script = tmp_path / f"hvd_marker_{secrets.token_hex(4)}.py"
+    script.write_text(SHOW_MARKER.format(init=HOROVOD_INIT))
+    with Session("local", echo=False) as session, ArgvWatch(marker, script.name) as watch:
+        result = run_horovod(str(script), np=2, env={"CMLC_MARKER": marker}, session=session, echo=False)
+        check_no_argv_held(watch, result, marker, ranks=2)
+        assert not [p for p in os.listdir(session.session_dir) if p.startswith("rank-env-")]  # the file is gone
+
+
+def test_torch_env_values_are_on_no_command_line_and_ranks_see_them(tmp_path):
+    marker = f"cmlc-marker-{secrets.token_hex(12)}"
+    script = tmp_path / f"torch_marker_{secrets.token_hex(4)}.py"
+    script.write_text(SHOW_MARKER.format(init="import torch"))
+    with Session("local", echo=False) as session, ArgvWatch(marker, script.name) as watch:
+        result = run_torch(
+            str(script), nnodes=2, nproc_per_node=1, env={"CMLC_MARKER": marker}, session=session, echo=False
+        )
+        check_no_argv_held(watch, result, marker, ranks=2)
+
+
+@pytest.fixture
+def worker_sshd(tmp_path):
+    """A worker's sshd as run_horovod starts it (here, in this process), on 127.0.0.1; a session key
+    pinned to it. Yields (port, user, ssh argv prefix)."""
+    if not os.path.exists(sshd.SSHD_BINARY):
+        pytest.skip("no sshd here: apt-get install openssh-server")
+    keys = SessionSSH.create(str(tmp_path))
+    files_before = agent_files._files_folder
+    [port] = free_ports(1)
+    try:
+        started = sshd.start(keys.public_key, port, listen="127.0.0.1")
+        known = tmp_path / "known_hosts"
+        known.write_text(known_hosts_text({"127.0.0.1": started["host_key"]}, port))
+        ssh = ["ssh", "-T", "-F", "/dev/null", "-p", str(port), "-i", keys.identity_file, "-o", "BatchMode=yes"]
+        ssh += ["-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes"]
+        yield port, started["user"], ssh
+    finally:
+        sshd.stop()
+        keys.close()
+        if agent_files._files_folder != files_before:  # made for sshd's SetEnv, as in a worker
+            os.rmdir(agent_files._files_folder)
+            agent_files._files_folder = files_before
+
+
+def test_a_workers_sshd_listens_where_asked_admits_its_user_only_and_forwards_nothing(worker_sshd, tmp_path):
+    port, user, ssh = worker_sshd
+    assert sshd._running is not None
+    listening = {c.laddr for c in psutil.Process(sshd._running.pid).net_connections() if c.status == "LISTEN"}
+    assert {(a.ip, a.port) for a in listening} == {("127.0.0.1", port)}  # ListenAddress, not every address
+    effective = subprocess.run(
+        [sshd.SSHD_BINARY, "-T", "-f", os.path.join(sshd._home or "", "sshd_config")], capture_output=True, text=True
+    ).stdout
+    assert f"allowusers {user}" in effective and "allowtcpforwarding no" in effective
+
+    def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*ssh, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    login = f"{user}@127.0.0.1"
+    ok = run(login, "echo in")
+    assert ok.returncode == 0 and ok.stdout.strip() == "in", ok.stderr  # the key and host key are right
+
+    # Another user, with the same key (sshd's AuthorizedKeysFile is one file for everyone): refused.
+    other = "nobody" if user != "nobody" else "root"
+    refused = run(f"{other}@127.0.0.1", "true")
+    assert refused.returncode == 255 and "Permission denied" in refused.stderr, refused.stderr
+
+    # -W (stdio forwarding) and -R (remote forwarding): refused by sshd.
+    stdio = run("-W", f"127.0.0.1:{port}", login)
+    assert stdio.returncode != 0 and "prohibited" in stdio.stderr, stdio.stderr
+    remote = run("-o", "ExitOnForwardFailure=yes", "-N", "-R", "0:127.0.0.1:9", login)
+    assert remote.returncode == 255 and "forwarding failed" in remote.stderr, remote.stderr
+
+    # -L: the client listens here, but sshd refuses every connection through it.
+    [local] = free_ports(1)
+    tunnel = subprocess.Popen(
+        [*ssh, "-N", "-L", f"127.0.0.1:{local}:127.0.0.1:{port}", login],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                connection = socket.create_connection(("127.0.0.1", local), timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and tunnel.poll() is None, "ssh -L did not listen"
+                time.sleep(0.1)
+        with connection:
+            connection.settimeout(10)
+            assert connection.recv(100) == b""  # closed at once: no SSH banner came through the tunnel
+    finally:
+        tunnel.terminate()
+        _, err = tunnel.communicate(timeout=10)
+    assert "prohibited" in err, err
+
+
+def test_host_keys_trusted_on_first_use_go_to_cmlclusters_file_not_the_users(worker_sshd, tmp_path, monkeypatch):
+    port, user, ssh = worker_sshd
+    identity = ssh[ssh.index("-i") + 1]
+    users_file = os.path.join(pwd.getpwuid(os.getuid()).pw_dir, ".ssh", "known_hosts")  # what ssh itself uses
+    before = open(users_file, "rb").read() if os.path.exists(users_file) else None
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    backend = SSHBackend(["127.0.0.1"], port=port, user=user, identity=identity, trust_on_first_use=True)
+    ran = subprocess.run(
+        [*backend.ssh_argv("127.0.0.1", "true")], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+    )
+    assert ran.returncode == 0, ran.stderr
+    ours = tmp_path / "home" / ".config" / "cmlcluster" / "known_hosts"
+    [line] = ours.read_text().splitlines()
+    pinned = (tmp_path / "known_hosts").read_text().split()[1:]  # the worker's host key, as the fixture pinned it
+    assert line.split()[1:] == pinned
+    found = subprocess.run(["ssh-keygen", "-F", f"[127.0.0.1]:{port}", "-f", str(ours)], capture_output=True)
+    assert found.returncode == 0  # recorded for that host and port (ssh may hash the name)
+    assert oct(ours.stat().st_mode & 0o777) == "0o600"
+    after = open(users_file, "rb").read() if os.path.exists(users_file) else None
+    assert after == before  # the user's own known_hosts: untouched
+    assert not (tmp_path / "home" / ".ssh").exists()
