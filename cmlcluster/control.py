@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import Any
 
 from . import ipyparallel_internals
 from ._controller import LISTENING_FILE
+from .connection import CLIENT_CHANNELS, CLIENT_IP, ENGINE_CHANNELS, Keys, connection_files, write_private
 from .errors import ControllerError
 from .ports import ports_to_listen_on
 from .wire import CONNECTION_ENV, CONTROLLER_START_TIMEOUT, HEARTBEAT_MS
@@ -124,9 +124,10 @@ class IPyParallelControl(ControlPlane):
         with contextlib.suppress(FileNotFoundError):  # a controller of this session's that failed
             os.remove(self._listening_file)
         ports = ports_to_listen_on(1 + len(ENGINE_CHANNELS) + len(CLIENT_CHANNELS))  # 1: registration
-        engine, client = connection_files(listen_ip, ports)
-        _write_private(os.path.join(security, "ipcontroller-engine.json"), engine)
-        _write_private(self._client_file, client)
+        keys = Keys.new()
+        engine, client = connection_files(listen_ip, ports, keys)
+        write_private(os.path.join(security, "ipcontroller-engine.json"), engine)
+        write_private(self._client_file, client)
         self._connection = json.dumps(engine)
         argv = [
             sys.executable,
@@ -139,6 +140,7 @@ class IPyParallelControl(ControlPlane):
             f"--IPController.engine_ip={listen_ip}",
             f"--IPController.client_ip={CLIENT_IP}",
             "--IPController.use_threads=True",
+            *keys.controller_args(),
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HUB_SILENCE_MS // HEARTBEAT_MS}",
             "--nodb",  # results live in the session, not in the controller's memory
@@ -152,7 +154,7 @@ class IPyParallelControl(ControlPlane):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=dict(os.environ, CMLCLUSTER_SESSION_DIR=session_dir),
+                env=dict(os.environ, CMLCLUSTER_SESSION_DIR=session_dir, **keys.controller_env()),
             )
 
     async def ready(self) -> None:
@@ -322,55 +324,6 @@ class IPyParallelControl(ControlPlane):
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, 9)
                 await asyncio.to_thread(process.wait)
-
-
-# ipyparallel's connection files (the format ipcontroller writes, and reads with reuse_files):
-# the channels each side connects to. "broadcast" is a port per leaf scheduler for engines (2 at
-# ipyparallel's default depth of 1), one for clients.
-ENGINE_CHANNELS = ("control", "mux", "task", "iopub", "hb_ping", "hb_pong", "broadcast", "broadcast")
-CLIENT_CHANNELS = ("control", "mux", "task", "iopub", "notification", "broadcast")
-
-
-# The session's own client is in this process, so the controller's client channels (every worker's
-# output relayed, calls to any worker) listen on loopback, whatever address the workers reach.
-CLIENT_IP = "127.0.0.1"
-
-
-def connection_files(ip: str, ports: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The engine and client connection info of a controller whose workers reach it on `ip`: a
-    registration port, then one port per ENGINE_CHANNELS and CLIENT_CHANNELS entry, in that order.
-
-    Engine channels listen on `ip`, client channels on CLIENT_IP; the registration port on both
-    (ipyparallel binds it on each address when they differ)."""
-    registration, rest = ports[0], iter(ports[1:])
-    shared = {
-        "ssh": "",
-        "registration": registration,
-        "key": secrets.token_hex(16),  # signs every message: the controller's and workers' secret
-        "curve_serverkey": None,
-        "pack": "json",
-        "unpack": "json",
-        "signature_scheme": "hmac-sha256",
-    }
-    engine: dict[str, Any] = {"interface": f"tcp://{ip}", "location": ip}
-    for channel in ENGINE_CHANNELS:
-        port = next(rest)
-        if channel == "broadcast":
-            engine.setdefault(channel, []).append(port)
-        else:
-            engine[channel] = port
-    # The client's location is this machine: its own loopback (ipyparallel would otherwise look for the
-    # controller's address among this machine's addresses, a list it reads once, and warn).
-    client: dict[str, Any] = {"interface": f"tcp://{CLIENT_IP}", "location": CLIENT_IP, "task_scheme": "leastload"}
-    for channel in CLIENT_CHANNELS:
-        client[channel] = next(rest)
-    return {**engine, **shared}, {**client, **shared}
-
-
-def _write_private(path: str, content: dict[str, Any]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(content, f, indent=2)
 
 
 def _tail(path: str, lines: int = 20) -> str:

@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensorflow.internals",
             "ipyparallel_internals",
             "probes",
+            "connection",
         ),
     ),
     # A worker's side: its agent and what runs beside it. Nothing here knows a session.

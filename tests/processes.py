@@ -41,6 +41,7 @@ CMLCLUSTER_COMMANDS = (
     "cmlcluster.pytorch.launch",  # torchrun
     "cmlcluster/pytorch/rank.py",  # the processes it starts
     "horovodrun",
+    "cmlcluster.horovod.driver",  # horovodrun, as cmlcluster runs it
     "tensorboard",
 )
 

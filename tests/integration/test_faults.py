@@ -152,7 +152,7 @@ def test_a_session_killed_during_local_horovod_leaves_no_horovodrun_or_rank(tmp_
     session = subprocess.Popen([sys.executable, "-c", KILLED_DURING_HOROVOD, str(script)])
     try:
         ranks = wait_until(lambda: len(found := processes_running(script)) >= 2 and found, what="both ranks")
-        horovodrun = running("horovodrun")
+        horovodrun = running("cmlcluster.horovod.driver")  # horovodrun, as cmlcluster runs it
         assert horovodrun
     finally:
         session.kill()

@@ -171,7 +171,7 @@ def test_interrupt_during_horovod_stops_horovodrun_ranks_and_workers(kernel, tmp
     shared = str(tmp_path_factory.getbasetemp())
     code = HOROVOD_FOREVER.format(shared=shared, image=DOCKER_TEST_IMAGE)
     content, out = interrupt_once_training(km, kc, code, 2)
-    left = processes_of("forever.py") + processes_of("horovodrun")
+    left = processes_of("forever.py") + processes_of("cmlcluster.horovod.driver")
     assert content["ename"] == "KeyboardInterrupt", out
     assert "interrupted; horovodrun and its ranks were stopped, the workers stopped" in out
     assert wait_gone(left, within=15) == []

@@ -19,7 +19,7 @@ from processes import own_tree, running
 
 from cmlcluster import Session, run_horovod, run_torch
 from cmlcluster.backends.docker import DockerBackend
-from cmlcluster.control import ENGINE_CHANNELS
+from cmlcluster.connection import ENGINE_CHANNELS
 
 pytestmark = pytest.mark.integration
 
@@ -66,14 +66,18 @@ def test_the_controller_of_a_docker_session_offers_workers_only_their_channels()
 
 
 class ListenersOutsideLoopback:
-    """Samples, in the background, every socket listening outside loopback in this test's process tree."""
+    """Samples, in the background, every socket opened to listen outside loopback in this test's process
+    tree. Those open before (a TensorFlow coordinator's server that an earlier test left in this process:
+    TensorFlow keeps it until the process ends) are not counted."""
 
     def __init__(self) -> None:
         self.seen: set[tuple[str, str, int]] = set()
+        self._before: set[tuple[str, str, int]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def __enter__(self) -> ListenersOutsideLoopback:
+        self._before = self._listening()
         self._thread.start()
         return self
 
@@ -83,12 +87,18 @@ class ListenersOutsideLoopback:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            for process in [psutil.Process(), *own_tree()]:
-                with contextlib.suppress(psutil.Error):
-                    for c in process.net_connections("inet"):
-                        if c.status == psutil.CONN_LISTEN and not ipaddress.ip_address(c.laddr.ip).is_loopback:
-                            self.seen.add((" ".join(process.cmdline()[:4]), c.laddr.ip, c.laddr.port))
+            self.seen |= self._listening() - self._before
             self._stop.wait(0.1)
+
+    @staticmethod
+    def _listening() -> set[tuple[str, str, int]]:
+        found = set()
+        for process in [psutil.Process(), *own_tree()]:
+            with contextlib.suppress(psutil.Error):
+                for c in process.net_connections("inet"):
+                    if c.status == psutil.CONN_LISTEN and not ipaddress.ip_address(c.laddr.ip).is_loopback:
+                        found.add((" ".join(process.cmdline()[:4]), c.laddr.ip, c.laddr.port))
+        return found
 
 
 def test_a_local_torch_run_listens_on_loopback_only(tmp_path):

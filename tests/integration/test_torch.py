@@ -216,6 +216,7 @@ INTERRUPTED = """
 import faulthandler, signal, sys
 from cmlcluster import Session, run_torch
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it waits, should it not end
+print("SIGINT handler at start:", signal.getsignal(signal.SIGINT), flush=True)
 with Session("local", echo=False) as session:
     run_torch(sys.argv[1], nnodes=2, nproc_per_node=1, session=session, echo=False)
 """
@@ -233,9 +234,15 @@ def test_ctrl_c_stops_every_process_and_the_next_run_is_not_blocked(tmp_path, wa
         try:
             assert session.wait(60) != 0  # a hang guard: it ends in seconds
         except subprocess.TimeoutExpired:
+            # How the process stood with SIGINT (2: bit 1 of each mask): pending, blocked, ignored, caught.
+            with open(f"/proc/{session.pid}/status") as f:
+                fields = ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+                masks = "".join(line for line in f if line.startswith(fields))
             session.send_signal(signal.SIGUSR1)
             time.sleep(2)
-            raise AssertionError(f"Ctrl-C did not end it; its output and threads:\n{log.read_text()}") from None
+            raise AssertionError(
+                f"Ctrl-C did not end it; its signal masks:\n{masks}its output and threads:\n{log.read_text()}"
+            ) from None
     finally:
         session.kill()
         session.wait()
