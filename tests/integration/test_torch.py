@@ -216,7 +216,10 @@ INTERRUPTED = """
 import faulthandler, signal, sys
 from cmlcluster import Session, run_torch
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it waits, should it not end
-print("SIGINT handler at start:", signal.getsignal(signal.SIGINT), flush=True)
+# As in a terminal. This process may start with SIGINT ignored, and Python then keeps it so: a child
+# inherits ignored signals, and the test's process ignores SIGINT and SIGQUIT while a C system() call
+# runs in any of its threads (ci17, ci18: SigIgn 0x1001006, "SIG_IGN at start", and no KeyboardInterrupt).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with Session("local", echo=False) as session:
     run_torch(sys.argv[1], nnodes=2, nproc_per_node=1, session=session, echo=False)
 """
