@@ -48,6 +48,7 @@ PROCESS_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.$")
 FIRST_FAILURE = re.compile(r"Process name: (\d+)")  # in horovodrun's final error
 RANK = "cmlcluster.horovod.rank"
 DRIVER = "cmlcluster.horovod.driver"  # horovodrun, with its rendezvous off the other interfaces
+WORKER_LOSS_WINDOW = 5.0  # how long a failed horovodrun waits to learn that a worker was lost (see _execute)
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 log = logging.getLogger(__name__)
@@ -295,6 +296,10 @@ def _execute(
         process.stdin.close()
         if view is not None:
             view.drain()  # the ranks' last lines are shown before what follows
+    if process.returncode != 0 and job is not None:
+        # A killed worker ends its ranks' ssh connections, and so horovodrun, about as soon as the
+        # session hears the worker ended: wait for that news before saying what failed.
+        job.failed.wait(WORKER_LOSS_WINDOW)
     result.worker_failure = job.failure if job is not None else None
     result.exit_code = process.returncode
     result.duration = time.monotonic() - started
