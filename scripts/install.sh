@@ -42,7 +42,8 @@ python3 -c "import venv, ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
 if $dev; then
     # cmake, g++: the Horovod build. openssh-server: sshd in workers. docker.io: the docker backend.
     # chromium: the browser tests (tests/browser), driven by Playwright; never Playwright's own download.
-    for tool in cmake:cmake g++:g++ /usr/sbin/sshd:openssh-server dockerd:docker.io chromium:chromium; do
+    # unshare (util-linux): a PID namespace of its own for the cleanup tests.
+    for tool in cmake:cmake g++:g++ /usr/sbin/sshd:openssh-server dockerd:docker.io chromium:chromium unshare:util-linux; do
         command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
     done
 fi
