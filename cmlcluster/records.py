@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from . import origin
 from .errors import ConfigError
 from .events import Event, WorkerStatus
-from .wire import CONNECTION_ENV
 
 if TYPE_CHECKING:
     from .session import Session
@@ -102,7 +101,7 @@ class Recorder:
             "pid": here.pid,
             "host": here.host,
             "origin": here.as_strings(),
-            "controller": self._controller(),
+            "controller": self.session.controller_address,  # cleanup asks it before ending anything
             "backend": self.session.backend.name,
             "started": self._started,
             "session_dir": self.session.session_dir,
@@ -112,11 +111,6 @@ class Recorder:
         with open(temporary, "w") as f:
             json.dump(record, f)
         os.replace(temporary, self.path)  # readers never see half a record
-
-    def _controller(self) -> str:
-        """ "ip:port" of the session's controller, once it has one: cleanup asks it before ending anything."""
-        control = self.session._supervisor.control  # the session's part that knows it; nothing public says it
-        return origin.controller_address(control.agent_env().get(CONNECTION_ENV, "")) if control else ""
 
     def close(self) -> None:
         self._unsubscribe()

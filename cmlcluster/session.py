@@ -16,13 +16,14 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from . import checks, live, records, shipping, ui
+from . import checks, live, origin, records, shipping, ui
 from .backends import Backend, make_backend
 from .errors import CmlClusterError, ConfigError
 from .events import Event, Subscriber
 from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
 from .supervisor import STOP_GRACE
+from .wire import CONNECTION_ENV
 from .workers import Program, Resources, validate_launch
 
 T = TypeVar("T")
@@ -211,6 +212,12 @@ class Session:
     def controller_ip(self) -> str:
         """This host's address as the session's workers reach it."""
         return self.backend.controller_ip()
+
+    @property
+    def controller_address(self) -> str:
+        """ "ip:port" where the session's workers register with its controller; "" before the first launch."""
+        control = self._supervisor.control
+        return origin.controller_address(control.agent_env().get(CONNECTION_ENV, "")) if control is not None else ""
 
     @property
     def client(self) -> Any:

@@ -46,6 +46,9 @@ if $dev; then
     for tool in cmake:cmake g++:g++ /usr/sbin/sshd:openssh-server dockerd:docker.io chromium:chromium unshare:util-linux; do
         command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
     done
+    # libnss-wrapper: sshd in a worker whose uid has no /etc/passwd entry (Docker as the user's uid, pods).
+    compgen -G "/usr/lib/*/libnss_wrapper.so" >/dev/null || compgen -G "/usr/lib*/libnss_wrapper.so" >/dev/null \
+        || missing+=(libnss-wrapper)
 fi
 if [ "${#missing[@]}" -gt 0 ]; then
     apt_install "${missing[@]}"

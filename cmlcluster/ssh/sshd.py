@@ -5,14 +5,20 @@ at start (its public half goes back to the session, which pins it), everything i
 a private folder. sshd is a child of the worker's agent, in its process group, so
 it ends with the worker. It runs as the worker's user, root or not, and lets in only that
 user (AllowUsers), on the address peers use, with every kind of forwarding off.
+
+sshd admits only users it can look up. A worker may run as a uid the image's /etc/passwd does
+not name (Docker workers as the notebook user's uid, pods under OpenShift's random uid): then
+sshd runs under libnss_wrapper, with a passwd file of its own that names the worker's uid.
 """
 
 from __future__ import annotations
 
 import contextlib
-import getpass
+import glob
+import grp
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -26,6 +32,8 @@ from .config import sshd_config_text
 from .keys import new_ed25519
 
 SSHD_BINARY = "/usr/sbin/sshd"
+NSS_WRAPPER_PATTERNS = ("/usr/lib/*/libnss_wrapper.so", "/usr/lib64/libnss_wrapper.so", "/usr/lib/libnss_wrapper.so")
+UNNAMED_USER = "cmlcluster"  # the name a uid without a passwd entry gets in sshd's own passwd file
 RANK_ENV_FILE = "rank_env.json"  # the run's env=, in sshd's folder (wire.RANK_ENV_FILE_ENV names it to ranks)
 _running: subprocess.Popen[bytes] | None = None
 _home: str | None = None  # sshd's private folder (in the worker's own temp folder)
@@ -53,15 +61,76 @@ def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> d
     for name, text in files.items():
         with open(os.open(os.path.join(home, name), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(text)
-    user = getpass.getuser()
+    user, env = _user_and_env(home)
     config = os.path.join(home, "sshd_config")
     with open(config, "w") as f:
         f.write(sshd_config_text(home, port, user, _session_env(home), listen))
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # root's sshd drops privileges there
-    _running = subprocess.Popen([sshd, "-D", "-e", "-f", config])  # output joins the worker's
+    _running = subprocess.Popen([sshd, "-D", "-e", "-f", config], env=env)  # output joins the worker's
     _wait_listening(listen or "127.0.0.1", port, _running)
     return {"host_key": host_public, "user": user, "workdir": os.getcwd()}
+
+
+def _user_and_env(home: str) -> tuple[str, dict[str, str] | None]:
+    """The user sshd admits, and sshd's environment (None: this process's). A uid /etc/passwd names
+    is that user; one it does not is named in a passwd file of sshd's own, which sshd (and only sshd,
+    not the commands it runs) reads through libnss_wrapper."""
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        return pwd.getpwuid(uid).pw_name, None
+    except KeyError:
+        pass
+    library = nss_wrapper()
+    if library is None:
+        raise RuntimeError(
+            f"this worker runs as uid {uid}, which /etc/passwd does not name, and sshd admits only users it "
+            "can look up: install libnss-wrapper in the worker's image (apt-get install libnss-wrapper), or "
+            f"add a user with uid {uid} to it"
+        )
+    shell = "/bin/sh"
+    home_dir = os.environ.get("HOME") or home
+    files = {
+        "passwd": _read("/etc/passwd") + f"{UNNAMED_USER}:x:{uid}:{gid}:cmlcluster worker:{home_dir}:{shell}\n",
+        "group": _read("/etc/group") + ("" if _group_named(gid) else f"{UNNAMED_USER}:x:{gid}:\n"),
+    }
+    for name, text in files.items():
+        with open(os.open(os.path.join(home, name), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(text)
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=library,
+        NSS_WRAPPER_PASSWD=os.path.join(home, "passwd"),
+        NSS_WRAPPER_GROUP=os.path.join(home, "group"),
+    )
+    return UNNAMED_USER, env
+
+
+def nss_wrapper() -> str | None:
+    """The path of libnss_wrapper.so in this worker, or None."""
+    for pattern in NSS_WRAPPER_PATTERNS:
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0]
+    return None
+
+
+def _group_named(gid: int) -> bool:
+    try:
+        grp.getgrgid(gid)
+        return True
+    except KeyError:
+        return False
+
+
+def _read(path: str) -> str:
+    """A file's text ending in a newline, or "" when it is missing."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return ""
+    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def set_rank_env(env: dict[str, str]) -> str:

@@ -5,6 +5,8 @@
   user), and the job's ranks see them.
 - A worker's sshd (cmlcluster.ssh.sshd, as Horovod starts it) listens on the address given,
   admits its own user only, and refuses local, remote and stdio forwarding.
+- A worker's sshd runs as a uid /etc/passwd does not name (Docker workers as the user's uid, pods
+  under a random uid) and admits it.
 - Host keys trusted on first use by the SSH backend land in cmlcluster's own known_hosts file,
   never in the user's.
 """
@@ -12,11 +14,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pwd
 import secrets
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -214,3 +220,93 @@ def test_host_keys_trusted_on_first_use_go_to_cmlclusters_file_not_the_users(wor
     after = open(users_file, "rb").read() if os.path.exists(users_file) else None
     assert after == before  # the user's own known_hosts: untouched
     assert not (tmp_path / "home" / ".ssh").exists()
+
+
+# Starts a worker's sshd as this process's (unnamed) uid, says what it started, and stops it at EOF.
+SSHD_AS_UNNAMED_UID = """
+import json, sys
+from cmlcluster.ssh import sshd
+started = sshd.start(sys.argv[1], int(sys.argv[2]), listen="127.0.0.1")
+print(json.dumps(started), flush=True)
+sys.stdin.read()
+sshd.stop()
+"""
+
+
+def test_a_workers_sshd_runs_as_a_uid_that_etc_passwd_does_not_name_and_admits_it(tmp_path):
+    if os.getuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv (util-linux) to become another uid")
+    if sshd.nss_wrapper() is None:
+        pytest.fail("libnss_wrapper.so is missing: bash scripts/install.sh dev installs libnss-wrapper")
+    uid = 54321
+    try:
+        pwd.getpwuid(uid)
+        pytest.skip(f"uid {uid} is named here; the test needs one that is not")
+    except KeyError:
+        pass
+    keys = SessionSSH.create(str(tmp_path))
+    own_tmp = tempfile.mkdtemp(prefix="cmlcluster-test-uid-", dir="/tmp")  # the uid's TMPDIR
+    os.chown(own_tmp, uid, uid)
+    [port] = free_ports(1)
+    child = subprocess.Popen(
+        [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            SSHD_AS_UNNAMED_UID,
+            keys.public_key,
+            str(port),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TMPDIR=own_tmp, HOME=own_tmp),
+    )
+    try:
+        line = child.stdout.readline()
+        assert line, child.communicate(timeout=10)[1]
+        started = json.loads(line)
+        assert started["user"] == sshd.UNNAMED_USER
+        known = tmp_path / "known_hosts"
+        known.write_text(known_hosts_text({"127.0.0.1": started["host_key"]}, port))
+        ran = subprocess.run(
+            [
+                "ssh",
+                "-T",
+                "-F",
+                "/dev/null",
+                "-p",
+                str(port),
+                "-i",
+                keys.identity_file,
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                f"UserKnownHostsFile={known}",
+                "-o",
+                "StrictHostKeyChecking=yes",
+                f"{started['user']}@127.0.0.1",
+                "id -u; echo $USER",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.split() == [str(uid), sshd.UNNAMED_USER]
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        keys.close()
+        shutil.rmtree(own_tmp, ignore_errors=True)

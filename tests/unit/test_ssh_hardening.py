@@ -118,3 +118,27 @@ def test_a_rank_starts_again_with_the_runs_env_from_its_file_never_its_command_l
         [sys.executable, "-m", "cmlcluster.horovod.rank", str(script)], env=env, capture_output=True, text=True
     )
     assert ran.returncode == 1 and "env= file" in ran.stderr and "gone.json" in ran.stderr
+
+
+def test_a_uid_without_a_passwd_entry_and_no_nss_wrapper_is_refused_naming_the_uid_and_the_fix(tmp_path, monkeypatch):
+    def unnamed(uid: int):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(sshd.pwd, "getpwuid", unnamed)
+    monkeypatch.setattr(sshd, "nss_wrapper", lambda: None)
+    with pytest.raises(RuntimeError, match=rf"uid {os.getuid()}, which /etc/passwd does not name.*libnss-wrapper"):
+        sshd._user_and_env(str(tmp_path))
+    assert not os.listdir(tmp_path)  # nothing written for an sshd that will not start
+
+
+def test_a_uid_without_a_passwd_entry_is_named_in_sshds_own_passwd_file_read_through_nss_wrapper(tmp_path, monkeypatch):
+    monkeypatch.setattr(sshd.pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    monkeypatch.setattr(sshd, "nss_wrapper", lambda: "/usr/lib/x/libnss_wrapper.so")
+    user, env = sshd._user_and_env(str(tmp_path))
+    assert user == sshd.UNNAMED_USER and env is not None
+    assert env["LD_PRELOAD"] == "/usr/lib/x/libnss_wrapper.so"
+    passwd = (tmp_path / "passwd").read_text().splitlines()
+    assert passwd[-1].startswith(f"{sshd.UNNAMED_USER}:x:{os.getuid()}:{os.getgid()}:")
+    assert passwd[:-1] == open("/etc/passwd").read().splitlines()  # everyone else still resolves
+    assert env["NSS_WRAPPER_PASSWD"] == str(tmp_path / "passwd")
+    assert (tmp_path / "passwd").stat().st_mode & 0o777 == 0o600
