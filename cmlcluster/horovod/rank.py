@@ -8,9 +8,10 @@ finalizing the interpreter, where Horovod's Gloo threads could abort a rank that
 
 The run's env= is not on the command line (horovodrun would put it on every rank's ssh or
 `env` command line, which `ps` shows every user): it is in the 0600 file that
-CMLCLUSTER_RANK_ENV names (cmlcluster.ssh.sshd:set_rank_env, or the session's folder on the
-local backend). The rank starts again with it in its environment, so that variables read
-as Python starts (PYTHONPATH, LD_PRELOAD, PYTHONHASHSEED) work as they would from a shell.
+CMLCLUSTER_RANK_ENV names (cmlcluster.ssh.sshd:set_rank_env; on the local backend, a file in the
+session's folder that also holds the notebook's environment). The rank starts again with it in
+its environment, so that variables read as Python starts (PYTHONPATH, LD_PRELOAD, PYTHONHASHSEED)
+work as they would from a shell.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ RANK = "cmlcluster.horovod.rank"
 DRIVER = "cmlcluster.horovod.driver"  # horovodrun, with its rendezvous off the other interfaces
 WORKER_LOSS_WINDOW = 5.0  # how long a failed horovodrun waits to learn that a worker was lost (see _execute)
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What horovodrun needs from the notebook's environment to run on this machine: nothing secret.
+DRIVER_VARIABLES = frozenset(
+    {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "HOME", "TMPDIR", "LANG", "LC_ALL"}
+)
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +215,21 @@ def _remote_driver_env(ssh: SessionSSH) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _local_env_file(session: Session, env: Mapping[str, str]) -> Iterator[dict[str, str]]:
-    """horovodrun's environment on this machine: the notebook's, and env= in a 0600 file of the
-    session's folder that ranks read (horovodrun would write the values on each rank's `env`
-    command line); the file goes when the run ends."""
-    driver = dict(os.environ)
-    if not env:
-        yield driver
-        return
+    """horovodrun's environment on this machine, naming a 0600 file in the session's folder that ranks
+    read (cmlcluster.horovod.rank); the file goes when the run ends.
+
+    horovodrun writes its whole environment on each rank's `env` command line, which `ps` shows every
+    user: it gets only what it needs to run and Horovod's own settings (HOROVOD_*). The rest of the
+    notebook's environment, and env=, reach the ranks through the file.
+    """
+    notebook = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    driver = {k: v for k, v in notebook.items() if k in DRIVER_VARIABLES or k.startswith("HOROVOD_")}
+    ranks = {k: v for k, v in notebook.items() if k not in driver}
+    ranks.update(env)
     fd, path = tempfile.mkstemp(prefix="rank-env-", suffix=".json", dir=session.session_dir)  # 0600
     os.close(fd)
     try:
-        write_env_file(path, dict(env))
+        write_env_file(path, ranks)
         driver[RANK_ENV_FILE_ENV] = path
         yield driver
     finally:

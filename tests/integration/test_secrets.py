@@ -1,8 +1,8 @@
 """Secrets stay secret, SSH stays narrow, on real processes.
 
-- env= values are on no command line of any process on this machine while a Horovod job and a
-  PyTorch job run on local workers (every process's argv is read, as `ps` would show it to any
-  user), and the job's ranks see them.
+- env= values, and the notebook's own variables, are on no command line of any process on this
+  machine while a Horovod job and a PyTorch job run on local workers (every process's argv is read,
+  as `ps` would show it to any user), and the job's ranks see them.
 - A worker's sshd (cmlcluster.ssh.sshd, as Horovod starts it) listens on the address given,
   admits its own user only, and refuses local, remote and stdio forwarding.
 - A worker's sshd runs as a uid /etc/passwd does not name (Docker workers as the user's uid, pods
@@ -84,31 +84,37 @@ class ArgvWatch:
 
 def check_no_argv_held(watch: ArgvWatch, result, marker: str, ranks: int) -> None:
     assert result.ok, result.message
-    assert watch.found == [], "the env= value was on a command line"
+    assert watch.found == [], "the value was on a command line"
     assert watch.scans_with_job >= 5, "the command lines were not read while the job ran"
     digest = hashlib.sha256(marker.encode()).hexdigest()
     seen = [line for lines in result.output.values() for line in lines if line.startswith("marker digest")]
     assert seen == [f"marker digest {digest}"] * ranks  # every rank saw the value
 
 
-def test_horovod_env_values_are_on_no_command_line_and_ranks_see_them(tmp_path):
+@pytest.mark.parametrize("given", ["env=", "the notebook's environment"])
+def test_horovod_env_values_are_on_no_command_line_and_ranks_see_them(given, tmp_path, monkeypatch):
     marker = f"cmlc-marker-{secrets.token_hex(12)}"
     script = tmp_path / f"hvd_marker_{secrets.token_hex(4)}.py"
     script.write_text(SHOW_MARKER.format(init=HOROVOD_INIT))
+    env = {"CMLC_MARKER": marker} if given == "env=" else None
+    if env is None:
+        monkeypatch.setenv("CMLC_MARKER", marker)  # a secret the notebook holds, a CML API key say
     with Session("local", echo=False) as session, ArgvWatch(marker, script.name) as watch:
-        result = run_horovod(str(script), np=2, env={"CMLC_MARKER": marker}, session=session, echo=False)
+        result = run_horovod(str(script), np=2, env=env, session=session, echo=False)
         check_no_argv_held(watch, result, marker, ranks=2)
         assert not [p for p in os.listdir(session.session_dir) if p.startswith("rank-env-")]  # the file is gone
 
 
-def test_torch_env_values_are_on_no_command_line_and_ranks_see_them(tmp_path):
+@pytest.mark.parametrize("given", ["env=", "the notebook's environment"])
+def test_torch_env_values_are_on_no_command_line_and_ranks_see_them(given, tmp_path, monkeypatch):
     marker = f"cmlc-marker-{secrets.token_hex(12)}"
     script = tmp_path / f"torch_marker_{secrets.token_hex(4)}.py"
     script.write_text(SHOW_MARKER.format(init="import torch"))
+    env = {"CMLC_MARKER": marker} if given == "env=" else None
+    if env is None:
+        monkeypatch.setenv("CMLC_MARKER", marker)
     with Session("local", echo=False) as session, ArgvWatch(marker, script.name) as watch:
-        result = run_torch(
-            str(script), nnodes=2, nproc_per_node=1, env={"CMLC_MARKER": marker}, session=session, echo=False
-        )
+        result = run_torch(str(script), nnodes=2, nproc_per_node=1, env=env, session=session, echo=False)
         check_no_argv_held(watch, result, marker, ranks=2)
 
 
