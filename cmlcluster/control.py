@@ -278,11 +278,13 @@ class IPyParallelControl(ControlPlane):
 
     async def _apply_streaming(self, engine_id: int, args: tuple[Any, ...], on_output: OutputCallback) -> Any:
         loop = asyncio.get_running_loop()
+        client = self._client
 
         def on_iopub(msg: dict[str, Any]) -> None:
             if msg["header"]["msg_type"] == "stream":
                 content = msg["content"]
                 loop.call_soon_threadsafe(on_output, content["name"], content["text"])
+                ipyparallel_internals.forget_stream_text(client, msg)
 
         future, result = self._apply(engine_id, args, on_iopub)
         try:

@@ -38,6 +38,17 @@ def engine_ident(client: Any, engine_id: int) -> bytes:
     return ident
 
 
+def forget_stream_text(client: Any, message: dict[str, Any]) -> None:
+    """Drop the text the client kept of a stream message's request (an iopub callback, called just
+    after the client stored it). ipyparallel's client keeps each request's whole output in
+    client.metadata and copies it on every stream message, on the thread that carries every reply:
+    a program printing for hours would fill the notebook's memory and delay its replies. The
+    session has the output already (its own callback)."""
+    metadata = client.metadata.get(message["parent_header"].get("msg_id"))
+    if metadata is not None:
+        metadata[message["content"]["name"]] = ""
+
+
 def captured_fd_unread(stream: Any) -> int:
     """How many bytes wait in the pipe an ipykernel OutStream captures fd 1 or 2 through (what child
     processes wrote, not yet read by the stream's watcher thread); 0 when it captures none."""
@@ -88,11 +99,20 @@ def _client_checks() -> list[probes.Check]:
         ("Client._registration_callbacks", lambda: "_registration_callbacks" in client().class_trait_names()),
         ("Client._mux_stream", lambda: "_mux_stream" in inspect.getsource(client())),
         ("Client._build_targets", lambda: callable(client()._build_targets)),
+        ("Client._dispatch_iopub stores a stream's text, then runs the iopub callbacks", _stream_text_then_callbacks),
         (
             "Client.send_apply_request(..., ident=, message_future_hook=)",
             lambda: {"ident", "message_future_hook"} <= set(inspect.signature(client().send_apply_request).parameters),
         ),
     ]
+
+
+def _stream_text_then_callbacks() -> bool:
+    from ipyparallel import Client
+
+    source = inspect.getsource(Client._dispatch_iopub)
+    stored, called = source.find("md[name] = new_text"), source.find("iopub_callbacks")
+    return 0 <= stored < called
 
 
 def _engine_checks() -> list[probes.Check]:

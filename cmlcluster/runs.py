@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from .backends import Backend
     from .jobs import JobFailure
 
+RESULT_LINES_KEPT = 10_000  # per rank, in a run's result (a run may print for hours)
+
 
 class RunResult:
     """What a run did. Every kind has these; each adds what its framework knows (hosts, the master).

@@ -21,6 +21,7 @@ from .backends import Backend
 from .control import ControlPlane
 from .errors import BackendError, ConfigError, WorkerError
 from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
+from .lines import LineSplitter
 from .progress import output_event
 from .waiting import Changes
 from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
@@ -49,7 +50,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_watchers: dict[str, asyncio.Task[None]] = {}
         self._programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, run to its ending
-        self._partial: dict[tuple[str, str], str] = {}  # a line still being written, per worker and stream
+        self._lines: dict[tuple[str, str], LineSplitter] = {}  # per worker and stream, its line being written
 
     def new_engine_id(self) -> int:
         engine_id = self._next_engine_id
@@ -339,21 +340,17 @@ class Supervisor:
     # ------------------------------------------------------------ output and changes
 
     def _on_output(self, worker: Worker, stream: str, text: str) -> None:
-        key = (worker.id, stream)
-        lines = (self._partial.pop(key, "") + text).split("\n")
-        if lines[-1]:
-            self._partial[key] = lines[-1]
-        for line in lines[:-1]:
+        splitter = self._lines.setdefault((worker.id, stream), LineSplitter())
+        for line in splitter.feed(text):
             self._output_line(worker, stream, line)
 
     def _flush_partial(self, worker: Worker) -> None:
         for stream in ("stdout", "stderr"):
-            rest = self._partial.pop((worker.id, stream), "")
-            if rest:
-                self._output_line(worker, stream, rest)
+            splitter = self._lines.pop((worker.id, stream), None)
+            for line in splitter.flush() if splitter is not None else ():
+                self._output_line(worker, stream, line)
 
     def _output_line(self, worker: Worker, stream: str, line: str) -> None:
-        line = line.rstrip("\r")
         event = output_event(worker.id, stream, line)
         if isinstance(event, OutputLine):  # else a report(), not output
             worker.output.append(line)

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "live",
             "shipping",
             "progress",
+            "lines",
             "_controller",
             "ssh",
             "ssh.config",

@@ -23,8 +23,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import IO
 
 from .. import _lifeline, checks
 from .._proc import end_group
@@ -33,8 +35,9 @@ from ..backends import Backend
 from ..errors import ConfigError
 from ..events import OutputLine
 from ..jobs import Job, JobFailure
+from ..lines import CUT_MARK, MAX_LINE_CHARS
 from ..progress import output_event
-from ..runs import RunError, RunResult, report_end, session_for
+from ..runs import RESULT_LINES_KEPT, RunError, RunResult, report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..ssh.sshd import write_env_file
@@ -327,23 +330,44 @@ def _execute(
 def _read_output(process: subprocess.Popen[str], result: HorovodResult, view: Session | None) -> None:
     """Collect horovodrun's output into `result`; publish it (ranks' reports as Progress) to `view`."""
     assert process.stdout is not None
-    for raw in process.stdout:
-        line = raw.rstrip("\n")
-        match = RANK_LINE.match(line)
-        if match:
-            rank, stream, text = int(match.group(1)), match.group(2), match.group(3)
-            event = output_event(f"rank {rank}", stream, text)
-            if isinstance(event, OutputLine):
-                result.output.setdefault(rank, []).append(text)
+    ranks: dict[int, deque[str]] = {}
+    driver: deque[str] = deque(maxlen=RESULT_LINES_KEPT)
+    try:
+        for line in _lines(process.stdout):
+            match = RANK_LINE.match(line)
+            if match:
+                rank, stream, text = int(match.group(1)), match.group(2), match.group(3)
+                event = output_event(f"rank {rank}", stream, text)
+                if isinstance(event, OutputLine):
+                    ranks.setdefault(rank, deque(maxlen=RESULT_LINES_KEPT)).append(text)
+                if view is not None:
+                    view.publish(event)
+                continue
+            exited = PROCESS_EXIT.match(line)
+            if exited:
+                result.rank_exit_codes[int(exited.group(1))] = int(exited.group(2))
+            driver.append(line)
             if view is not None:
-                view.publish(event)
+                view.publish(OutputLine("horovodrun", "stdout", line))
+    finally:
+        result.output = {rank: list(lines) for rank, lines in sorted(ranks.items())}
+        result.driver_output = list(driver)
+
+
+def _lines(stream: IO[str]) -> Iterator[str]:
+    """The stream's lines, without their newline, each cut at MAX_LINE_CHARS (a rank that prints one
+    endless line would otherwise be read whole into memory)."""
+    cut = False
+    for chunk in iter(lambda: stream.readline(MAX_LINE_CHARS), ""):
+        ended = chunk.endswith("\n")
+        if cut:
+            cut = not ended  # the rest of a line already cut
             continue
-        exited = PROCESS_EXIT.match(line)
-        if exited:
-            result.rank_exit_codes[int(exited.group(1))] = int(exited.group(2))
-        result.driver_output.append(line)
-        if view is not None:
-            view.publish(OutputLine("horovodrun", "stdout", line))
+        if not ended and len(chunk) >= MAX_LINE_CHARS:
+            cut = True
+            yield chunk + CUT_MARK
+            continue
+        yield chunk.rstrip("\n")
 
 
 def _stop(process: subprocess.Popen[str], grace: float = 5.0) -> None:

@@ -19,6 +19,7 @@ import tempfile
 from typing import IO, Any
 
 from .. import _lifeline, agent_files
+from ..lines import MAX_LINE_CHARS
 from . import commands
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # what every process runs
@@ -117,6 +118,9 @@ def _relay(process: subprocess.Popen[bytes], node_rank: int, nproc: int, rank0_o
                     lines = [partial.pop(pipe)] if partial[pipe] else []
                 else:
                     *lines, partial[pipe] = (partial[pipe] + chunk).split(b"\n")
+                    if len(partial[pipe]) > MAX_LINE_CHARS:  # a line with no end (a "\r" progress bar): pass it on
+                        lines.append(partial[pipe])
+                        partial[pipe] = b""
                 labelled = [line for raw in lines for line in teed[pipe].feed(raw.decode(errors="replace"))]
                 if not chunk:
                     labelled += teed[pipe].flush()

@@ -33,13 +33,12 @@ from ..backends import Backend
 from ..errors import ConfigError
 from ..events import Event, OutputLine
 from ..jobs import Job, JobFailure, Role, launch_job
-from ..runs import RunError, RunResult, report_end, send_files, session_for
+from ..runs import RESULT_LINES_KEPT, RunError, RunResult, report_end, send_files, session_for
 from ..session import Session
 from ..workers import FAILED, Resources, check_env
 from . import commands
 
 NODE = "cmlcluster.pytorch.node"
-OUTPUT_LINES_KEPT = 10_000  # per rank, in the result
 STOPPED_NODES_WAIT = 10.0  # seconds to wait for the other nodes' calls to end once the run failed
 LOST_WORKER_WAIT = 5.0  # seconds for a node's worker status to arrive after its call failed
 # After a node reports a failed rank, how long the other nodes' failures may take to arrive before the
@@ -228,7 +227,7 @@ class _Nodes:
         if isinstance(event, OutputLine) and event.source in self.nodes:
             parsed = commands.parse_rank_line(event.text)
             if parsed is not None:
-                self.output.setdefault(parsed[0], deque(maxlen=OUTPUT_LINES_KEPT)).append(parsed[1])
+                self.output.setdefault(parsed[0], deque(maxlen=RESULT_LINES_KEPT)).append(parsed[1])
 
     def start(self, node_rank: int, plan: dict[str, Any]) -> None:
         worker_id = self.job.members[node_rank].worker_id

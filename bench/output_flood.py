@@ -1,0 +1,93 @@
+"""A program that prints for a long time: the notebook process's memory and a call's latency.
+
+One local worker prints N lines of 97 bytes, then a "\\r" progress bar of N/100 states, each
+flushed. The session's process memory (VmRSS) is read before and after, and a call to a second,
+idle worker (os:getpid) is timed every second while the first prints: its reply shares the
+client's one IO thread with the output. Run in the same process as shipped, and with the client
+keeping each running program's whole output, as ipyparallel does by itself (the baseline: it
+copies that output on every message, so keep its N small).
+
+    python bench/output_flood.py [--lines 1000000] [--baseline-lines 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import threading
+import time
+from unittest import mock
+
+from cmlcluster import Session, ipyparallel_internals
+
+PRINTER = """
+import sys
+for i in range({lines}):
+    print(f"{{i:>12}} " + "x" * 84)
+for i in range({lines} // 100):
+    sys.stdout.write(f"\\rstep {{i}}")
+    sys.stdout.flush()  # as a progress bar does on each update
+print()
+"""
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def flood(lines: int) -> tuple[float, float, float]:
+    """(seconds to print it all, MiB the session grew, worst call latency in s while printing)."""
+    with Session("local", echo=False) as session:
+        [warm] = session.launch_workers(1, cpu=1, memory=1)  # idle: answers calls
+        session.await_workers([warm], wait_for_completion=False, timeout_seconds=120)
+        before = rss_mib()
+        t0 = time.perf_counter()
+        [worker] = session.launch_workers(1, cpu=1, memory=1, code=PRINTER.format(lines=lines))
+        latencies: list[float] = []
+        done = threading.Event()
+
+        def probe() -> None:
+            while not done.wait(1.0):
+                started = time.perf_counter()
+                try:
+                    session.call(warm, "os:getpid", timeout=60)
+                except Exception as e:
+                    print(f"call failed: {e}")
+                    return
+                latencies.append(time.perf_counter() - started)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        result = session.await_workers([worker], timeout_seconds=3600)
+        elapsed = time.perf_counter() - t0
+        done.set()
+        prober.join()
+        assert [w["status"] for w in result["workers"]] == ["succeeded"], result
+        grown = rss_mib() - before
+    return elapsed, grown, max(latencies, default=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=1_000_000)
+    parser.add_argument("--baseline-lines", type=int, default=200_000)
+    args = parser.parse_args()
+    print(f"{'run':<28} {'lines':>9} {'MB printed':>10} {'seconds':>8} {'RSS grew MiB':>12} {'worst call s':>12}")
+    for name, lines, keep_output in (
+        ("shipped", args.baseline_lines, False),
+        ("client keeps output", args.baseline_lines, True),
+        ("shipped", args.lines, False),
+    ):
+        keeping = mock.patch.object(ipyparallel_internals, "forget_stream_text", lambda *a: None)
+        with keeping if keep_output else contextlib.nullcontext():
+            elapsed, grown, worst = flood(lines)
+        printed = lines * 98 / 1e6
+        print(f"{name:<28} {lines:>9} {printed:>10.1f} {elapsed:>8.1f} {grown:>12.1f} {worst:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""A program's output cut into lines in bounded memory, as a terminal would show them.
+
+A program may print for hours: a tqdm bar rewrites one line with "\\r" for as long as it runs,
+and a line may have no end at all. What is kept of a line still being written is what a
+terminal shows of it (the text after its last carriage return, as ipyparallel's own client
+reduces it), and at most MAX_LINE_CHARS of it: the rest of a longer line is dropped, and the
+line ends with CUT_MARK.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_LINE_CHARS = 16_384
+CUT_MARK = " [cut by cmlcluster: line longer than 16384 characters]"
+_OVERWRITTEN = re.compile(r".*\r(?=[^\n])", re.DOTALL)  # text a later "\r" writes over
+
+
+def visible(text: str) -> str:
+    """What a terminal shows of `text` (no newline in it): what follows its last carriage return
+    that more text follows, without a trailing "\\r" (a CRLF line's)."""
+    return _OVERWRITTEN.sub("", text).rstrip("\r")
+
+
+class LineSplitter:
+    """Text in (any chunks), whole lines out; what waits for its newline stays small."""
+
+    def __init__(self, limit: int = MAX_LINE_CHARS):
+        self.limit = limit
+        self._partial = ""
+        self._cut = False  # the line being written was too long: dropped until its newline
+
+    def feed(self, text: str) -> list[str]:
+        """The lines that `text` ends, in order, each as a terminal shows it."""
+        *ended, rest = text.split("\n")
+        lines = []
+        for piece in ended:
+            if self._cut:
+                self._cut = False  # its cut beginning was already kept
+                self._partial = ""
+                continue
+            lines.append(self._line(self._partial + piece))
+            self._partial = ""
+        if not self._cut:
+            self._partial = _keep_visible(self._partial + rest)
+            if len(self._partial) > self.limit:
+                lines.append(self._line(self._partial))
+                self._partial, self._cut = "", True
+        return lines
+
+    def flush(self) -> list[str]:
+        """The line still being written, as it stands (the program ended without its newline)."""
+        partial, cut = self._partial, self._cut
+        self._partial, self._cut = "", False
+        return [visible(partial)] if partial and not cut else []
+
+    def _line(self, text: str) -> str:
+        line = visible(text)
+        return line[: self.limit] + CUT_MARK if len(line) > self.limit else line
+
+
+def _keep_visible(partial: str) -> str:
+    """A line still being written, less what a later "\\r" already wrote over; a trailing "\\r" stays
+    (the newline that makes it a CRLF line may come in the next chunk)."""
+    at = partial.rfind("\r", 0, len(partial) - 1)
+    return partial[at + 1 :] if at >= 0 else partial
