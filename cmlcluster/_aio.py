@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -70,3 +70,18 @@ def _wait_in_slices(future: concurrent.futures.Future[T], timeout: float | None)
             waited += _WAIT_SLICE
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(f"gave up after {timeout:g} s") from None
+
+
+def settle_on_this_thread(future: asyncio.Future[T], loop: asyncio.AbstractEventLoop, call: Callable[[], T]) -> None:
+    """Run call() on this thread; settle `future` (of `loop`) with its result or exception."""
+
+    def settle(method: Callable[[Any], None], outcome: Any) -> None:
+        if not future.done():
+            method(outcome)
+
+    try:
+        result = call()
+    except BaseException as e:
+        loop.call_soon_threadsafe(settle, future.set_exception, e)
+    else:
+        loop.call_soon_threadsafe(settle, future.set_result, result)

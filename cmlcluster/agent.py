@@ -94,8 +94,8 @@ def session_connection() -> str:
             return f.read()
     except OSError as e:
         raise SystemExit(
-            f"cmlcluster agent: cannot read the controller's connection info from {path} ({e}); it is mounted "
-            f"for the pod's user only (mode 0400): run the worker image as the user that owns it (root)"
+            f"cmlcluster agent: cannot read the controller's connection info from {path} ({e}); only the "
+            "worker's user (and, in a pod, its fsGroup) may read it: run the worker as that user"
         ) from None
 
 

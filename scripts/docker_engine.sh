@@ -13,7 +13,9 @@ RECIPE=2  # bump when the root folder below changes, to remake the image
 if ! docker info >/dev/null 2>&1; then
     command -v dockerd >/dev/null || { echo "docker_engine.sh: dockerd is missing (apt-get install docker.io)" >&2; exit 1; }
     echo "starting dockerd in the background (log: /var/log/cmlcluster-dockerd.log)"
-    nohup dockerd >/var/log/cmlcluster-dockerd.log 2>&1 &
+    # Every Docker session makes a network of its own, and the default pools hold about 30: give it
+    # 256 ranges of /24, so that a test run's sessions, the stand-in cluster and SSH hosts all fit.
+    nohup dockerd --default-address-pool base=10.200.0.0/16,size=24 >/var/log/cmlcluster-dockerd.log 2>&1 &
     for _ in $(seq 60); do
         docker info >/dev/null 2>&1 && break
         sleep 0.5

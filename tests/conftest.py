@@ -58,7 +58,7 @@ os.makedirs(os.environ["TMPDIR"])
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 import processes  # noqa: E402 - after the run's tag is set
-from processes import alive_after, cmlcluster_processes, own_tree, run_containers  # noqa: E402
+from processes import alive_after, cmlcluster_processes, own_tree, run_containers, run_networks  # noqa: E402
 from sshhosts import CONTAINER_LABEL as TEST_HOST_LABEL  # noqa: E402
 
 DOCKER_TEST_IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
@@ -151,6 +151,11 @@ def pytest_sessionfinish(session, exitstatus):
     left += [f"container {c.name}" for c in containers]
     for c in containers:
         c.remove(force=True)
+    networks = run_networks(whole_run=IS_ROOT)  # free once their containers are gone
+    left += [f"network {n.name}" for n in networks]
+    for n in networks:
+        with contextlib.suppress(Exception):
+            n.remove()
     for p in own_tree():  # this process's, and only its
         with contextlib.suppress(psutil.Error):  # gone meanwhile
             p.kill()
@@ -316,20 +321,27 @@ def settle(find):
 
 @pytest.fixture(autouse=True)
 def no_leaked_containers(request):
-    """No container of the run's made during the test is left (but the run's SSH test hosts)."""
+    """No container or session network of the run's made during the test is left (but the run's SSH
+    test hosts)."""
     if not checks_leaks(request):
         yield
         return
     before = {c.id for c in run_containers()}
+    networks_before = {n.id for n in run_networks()}
     yield
     # The SSH test hosts stay for the whole run (a session fixture, perhaps started by this test).
     leaked = settle(lambda: [c for c in run_containers() if c.id not in before and TEST_HOST_LABEL not in c.labels])
     names = [c.name for c in leaked]
-    if names:
-        append_line(REPORTS, {"containers": names})
     for c in leaked:  # do not let one leak fail every later test
         c.remove(force=True)
-    assert not leaked, f"containers left behind: {names}"
+    leaked_networks = settle(lambda: [n for n in run_networks() if n.id not in networks_before])
+    names += [f"network {n.name}" for n in leaked_networks]
+    for n in leaked_networks:
+        with contextlib.suppress(Exception):
+            n.remove()
+    if names:
+        append_line(REPORTS, {"containers": names})
+    assert not names, f"containers left behind: {names}"
 
 
 @pytest.fixture(autouse=True)

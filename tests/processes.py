@@ -77,6 +77,22 @@ def run_containers(*, whole_run: bool = False, **filters) -> list:
     return [c for c in found if c.labels.get(RUN_TAG_LABEL, "").startswith(RUN_TAG)]
 
 
+def run_networks(*, whole_run: bool = False) -> list:
+    """This process's session networks on Docker (DockerBackend's own, one per session), or with
+    whole_run those of every process of the run; [] where no Docker engine answers."""
+    if not RUN_TAG:
+        return []
+    try:
+        import docker
+
+        client = docker.from_env(timeout=10)
+        tag = RUN_TAG_LABEL if whole_run else f"{RUN_TAG_LABEL}={RUN_TAG}"
+        found = client.networks.list(filters={"label": [tag, "cmlcluster.network=session"]})
+    except Exception:  # no Docker engine: nothing of the run there
+        return []
+    return [n for n in found if (n.attrs.get("Labels") or {}).get(RUN_TAG_LABEL, "").startswith(RUN_TAG)]
+
+
 def run_processes() -> list[psutil.Process]:
     """This run's live processes: its own tree, and the processes in its running containers."""
     found = own_tree()

@@ -1,8 +1,8 @@
-"""Workers as Docker containers on one engine, each with its own IP on a user-defined network.
+"""Workers as Docker containers on one engine, each with its own IP on the session's own network.
 
-Every container carries labels naming its session and worker (and the session's
-process and controller), so `cmlcluster cleanup` can find what a dead session left. The
-containers are started with --rm and --init: when a worker's agent exits (its
+Every container and the session's network carry labels naming their session (and the session's
+process; containers also their worker and controller), so `cmlcluster cleanup` can find what a dead
+session left. The containers are started with --rm and --init: when a worker's agent exits (its
 program is done, it was stopped, or its controller went away) the container
 is gone too. Its output is streamed into the session's folder as it is
 printed, so it survives the container; a worker's exit is reported once that
@@ -10,13 +10,14 @@ stream has ended (the container's last lines are in), as the contract asks.
 
 The controller listens on the network's gateway, the host's own address on
 that network, which every container reaches. What concerns the engine itself (its
-client, the image, the network, orphans' cleanup) is in docker_engine.py.
+client, the image, the networks, orphans' cleanup) is in docker_engine.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -25,29 +26,35 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import BackendError, ConfigError
+from .._aio import settle_on_this_thread
+from ..errors import BackendError
 from ..resources import GpuPool, visible_gpus
 from ..workers import PACKAGE_PARENT, Resources, WorkerSpec
+from . import docker_worker
 from .base import (
     OUTPUT_DRAIN_SECONDS,
     Backend,
     Capabilities,
     SessionContext,
     log_tail,
-    run_tag_labels,
     signal_exit_code,
 )
 from .docker_engine import (
     DEFAULT_IMAGE,
-    DEFAULT_NETWORK,
     LABEL,
+    SessionStates,
     check_gpu_runtime,
     check_image,
     connect,
+    controller_label,
     ensure_network,
     gpu_request,
-    origin_labels,
+    remove_orphan_networks,
     remove_orphans,
+    remove_session_network,
+    session_labels,
+    session_network,
+    session_network_name,
 )
 
 T = TypeVar("T")
@@ -68,10 +75,19 @@ class DockerBackend(Backend[DockerHandle]):
     """Options (image and host_python also from CMLCLUSTER_DOCKER_IMAGE, CMLCLUSTER_DOCKER_HOST_PYTHON=1):
 
     image: the worker image (cmlcluster, Python and, for Horovod, sshd and Horovod in it).
-    network: a user-defined bridge network, created when missing and then kept, as Docker keeps its own
-        bridge: every session on this engine shares it, and removing it when one session ends would
-        pull it from under another starting at that moment (and move its gateway, where its
-        controller listens).
+    network: None (the default) gives each session a bridge network of its own, cmlcluster-<session id>,
+        removed when the session closes (or by `cmlcluster cleanup` once its session is gone): no other
+        session's container reaches its workers, whose servers (TensorFlow's) listen on every
+        interface. The opt-out: the name of a user-defined bridge network that sessions share (your
+        own, or any name: created when missing), never removed, as Docker keeps its own bridge;
+        every container on it reaches the workers. Each session network takes one of the engine's
+        address ranges (about 30 on a default engine); sharing one spares them.
+    user: "uid:gid" the workers run as (default: this process's, so that files they write in
+        mounted folders are the notebook user's). Containers run with every capability dropped,
+        no-new-privileges and a pids limit; as root (uid 0) they keep only what sshd needs
+        (docker_worker.ROOT_SSHD_CAPABILITIES). A user that is not root gets HOME in a folder of its own.
+    pids_limit: the most processes and threads in one worker (default 4096; None: no limit), so a
+        fork bomb or a thread leak cannot take the engine's host down.
     volumes: {host path: container path} (or "host:container[:ro]" strings), shared by every worker:
         data, checkpoints, logs, like the EFS mount of the AWS template.
     host_python: bind-mount this host's /usr, Python environment and cmlcluster read-only, so
@@ -80,6 +96,10 @@ class DockerBackend(Backend[DockerHandle]):
         the project's files as CML workers do (default True).
     gpu_ids: the GPU ids to hand out (default: nvidia-smi's); without any, requests are by count.
     python: the interpreter in the image (ignored with host_python).
+
+    The controller's connection info (the session's keys) is a 0600 file of the worker's user in
+    the container, put there between create and start, never in the container's environment,
+    which `docker inspect` shows to whoever asks (and monitoring agents collect).
     """
 
     name = "docker"
@@ -87,7 +107,9 @@ class DockerBackend(Backend[DockerHandle]):
     def __init__(
         self,
         image: str | None = None,
-        network: str = DEFAULT_NETWORK,
+        network: str | None = None,
+        user: str | None = None,
+        pids_limit: int | None = docker_worker.DEFAULT_PIDS_LIMIT,
         volumes: Mapping[str, str] | Iterable[str] | None = None,
         host_python: bool | None = None,
         mount_cwd: bool = True,
@@ -97,7 +119,10 @@ class DockerBackend(Backend[DockerHandle]):
         # The environment can choose these once for every session (CMLCLUSTER_BACKEND=docker and these).
         self.image = image or os.environ.get("CMLCLUSTER_DOCKER_IMAGE", DEFAULT_IMAGE)
         self.network = network
-        self.volumes = _parse_volumes(volumes)
+        self.user = user if user is not None else f"{os.getuid()}:{os.getgid()}"
+        self.uid, self.gid = docker_worker.parse_user(self.user)
+        self.pids_limit = docker_worker.check_pids_limit(pids_limit)
+        self.volumes = docker_worker.parse_volumes(volumes)
         if host_python is None:
             host_python = os.environ.get("CMLCLUSTER_DOCKER_HOST_PYTHON", "") not in ("", "0")
         self.host_python = host_python
@@ -113,7 +138,7 @@ class DockerBackend(Backend[DockerHandle]):
     # ---------------------------------------------------------------- before anything starts
 
     async def check(self, n: int, resources: Resources) -> None:
-        await asyncio.to_thread(self._check, n, resources)
+        await self._call(self._check, n, resources)
 
     def _check(self, n: int, resources: Resources) -> None:
         client = self._client or connect()
@@ -126,8 +151,11 @@ class DockerBackend(Backend[DockerHandle]):
 
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
-        self._client = self._client or await asyncio.to_thread(connect)
-        self._gateway = await asyncio.to_thread(ensure_network, self._client, self.network)
+        self._client = self._client or await self._call(connect)
+        if self.network is None:
+            self._gateway = await self._call(session_network, self._client, context.session_id)
+        else:
+            self._gateway = await self._call(ensure_network, self._client, self.network)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cmlcluster-docker")
 
     def controller_ip(self) -> str:
@@ -157,7 +185,7 @@ class DockerBackend(Backend[DockerHandle]):
     # ---------------------------------------------------------------- workers
 
     def container_options(self, spec: WorkerSpec, gpus: Sequence[str]) -> dict[str, Any]:
-        """Everything sent to Docker for one worker (tests inspect this)."""
+        """Everything sent to Docker for one worker (tests inspect this), but its files (docker_worker.files)."""
         mounts = dict(self.volumes)
         mounts.update(self._same_path_mounts(spec.cwd))
         if self.host_python:
@@ -167,15 +195,16 @@ class DockerBackend(Backend[DockerHandle]):
             "command": list(spec.argv),
             "name": f"cmlcluster-{spec.worker_id}",
             "hostname": f"worker-{spec.worker_id}",
-            "environment": dict(spec.env),
+            "environment": docker_worker.environment(spec, self.uid),
             "working_dir": spec.cwd,
-            "network": self.network,
+            "network": self.network or session_network_name(self.context.session_id),
             "labels": {
-                f"{LABEL}.session": self.context.session_id,
+                **session_labels(self.context.session_id),
                 f"{LABEL}.worker": spec.worker_id,
-                **origin_labels(spec.env),
-                **run_tag_labels(),
+                **controller_label(spec.env),
             },
+            "user": self.user,
+            **docker_worker.privileges(self.uid, self.pids_limit),
             "nano_cpus": int(spec.resources.cpu * 1e9),
             "mem_limit": f"{spec.resources.memory_mib}m",
             "volumes": [f"{host}:{binding}" for host, binding in mounts.items()],
@@ -192,12 +221,24 @@ class DockerBackend(Backend[DockerHandle]):
         log_dir = os.path.join(self.context.session_dir, "workers")
         os.makedirs(log_dir, exist_ok=True)
         options = self.container_options(spec, gpus)
-        # Create, start watching for the exit, then start: a container that dies at once is still seen.
+        # Create, give it its files, start watching for the exit, then start: a container that dies at
+        # once is still seen.
         try:
             container = await self._call(self._client.containers.create, **_create_options(options))
         except Exception as e:
             self._gpus.give_back(gpus)
             raise BackendError(f"could not create container for worker {spec.worker_id}: {_explain(e)}") from e
+        try:
+            # Into the container's own layer, Docker keeping the archive's owners and modes: unlike a
+            # bind-mounted file of the session's folder, this needs no chown to another uid (which only
+            # root may do), works with an engine on another machine, and goes with the container.
+            if not await self._call(container.put_archive, "/", docker_worker.files(spec, self.uid, self.gid)):
+                raise BackendError("Docker did not take the archive")
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                await self._call(container.remove, force=True)
+            self._gpus.give_back(gpus)
+            raise BackendError(f"could not give worker {spec.worker_id} its connection info: {_explain(e)}") from e
         loop = asyncio.get_running_loop()
         handle = DockerHandle(
             container=container,
@@ -291,19 +332,43 @@ class DockerBackend(Backend[DockerHandle]):
         return log_tail(handle.log_path)
 
     async def close(self) -> None:
-        if self._client is not None:
-            await asyncio.to_thread(self._client.close)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        self._client, self._pool = None, None
+        # Every worker was stopped (their containers removed) before: the session's network is free.
+        try:
+            if self.network is None and self._client is not None:
+                await self._call(remove_session_network, self._client, self.context.session_id)
+        finally:
+            if self._client is not None:
+                await self._call(self._client.close)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._client, self._pool = None, None
 
     @classmethod
     def cleanup(cls, dry_run: bool, options: Mapping[str, Any]) -> list[str]:
-        return [f"container {name}" for name in remove_orphans(dry_run=dry_run)]
+        # Containers first: a network is free once its containers are gone.
+        client, states = connect(), SessionStates()
+        try:
+            containers = remove_orphans(client, dry_run=dry_run, states=states)
+            networks = remove_orphan_networks(client, dry_run=dry_run, states=states)
+        finally:
+            client.close()
+        return [f"container {name}" for name in containers] + [f"network {name}" for name in networks]
 
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        assert self._pool is not None, "attach() first"
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: function(*args, **kwargs))
+        """function(*args, **kwargs), which blocks, on the session's pool (or, before attach, any thread).
+
+        A session closed by atexit (the interpreter exiting) finds every executor refusing work:
+        Python shuts them down before atexit runs. Its calls get a thread of their own, so that its
+        workers are stopped and its network removed (measured: without, the exit of a session with
+        one worker took 35 s instead of 3, and left its network)."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(function, *args, **kwargs)
+        try:
+            future = loop.run_in_executor(self._pool, call)  # submits now: a refusal raises here
+        except RuntimeError:
+            future = loop.create_future()
+            _thread("exiting", settle_on_this_thread, future, loop, call)
+        return await future
 
 
 def _create_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -318,23 +383,3 @@ def _thread(name: str, target: Callable[..., None], *args: Any) -> None:
 
 def _explain(error: Exception) -> str:
     return str(getattr(error, "explanation", None) or error)
-
-
-def _parse_volumes(volumes: Mapping[str, str] | Iterable[str] | None) -> dict[str, str]:
-    """{host: "container[:mode]"} from a mapping or "host:container[:mode]" strings; host paths must exist."""
-    parsed: dict[str, str] = {}
-    if volumes is None:
-        return parsed
-    items = volumes.items() if isinstance(volumes, Mapping) else (_split_volume(v) for v in volumes)
-    for host, target in items:
-        if not os.path.isabs(host) or not os.path.exists(host):
-            raise ConfigError(f"volumes: {host!r} is not an existing absolute path on this host; create it first")
-        parsed[host] = target if target.count(":") else f"{target}:rw"
-    return parsed
-
-
-def _split_volume(volume: str) -> tuple[str, str]:
-    host, sep, target = volume.partition(":")
-    if not sep or not target:
-        raise ConfigError(f"volumes: {volume!r} should be 'host path:container path[:ro]'")
-    return host, target

@@ -1,10 +1,11 @@
-"""The Docker engine beneath the docker backend: its client, the worker image, the shared network,
-GPU requests, and the cleanup of containers that dead sessions left.
+"""The Docker engine beneath the docker backend: its client, the worker image, the networks,
+GPU requests, and the cleanup of what dead sessions left.
 
-Every container cmlcluster starts carries labels (LABEL.session, .worker, the session's origin:
-.host, .boot, .pidns, .pid, .start, and .controller) naming its session, the session's process
-and where its controller listens; `remove_orphans` finds by them what a session that died
-without stopping its workers left running.
+Everything cmlcluster makes on the engine carries labels (session_labels: LABEL.session, the
+session's origin .host, .boot, .pidns, .pid, .start, and the run tag) naming its session and the
+session's process; containers also name their worker and where their controller listens
+(.controller). `remove_orphans` finds by them what a session that died without closing left: its
+containers, then its network.
 """
 
 from __future__ import annotations
@@ -12,18 +13,24 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import origin
-from ..errors import ConfigError
+from ..errors import BackendError, ConfigError
 from ..wire import CONNECTION_ENV
 from .base import run_tag_labels
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "cmlcluster-worker:latest"  # built from the repository's Dockerfile
-DEFAULT_NETWORK = "cmlcluster"
-LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, origin_labels()'s
+LABEL = "cmlcluster"  # label keys: cmlcluster.session, .worker, .controller, session_labels()'s
+SESSION_NETWORK_PREFIX = "cmlcluster-"  # a session's own network: cmlcluster-<session id>
+# What Docker 20.10 to 27 say when every range of its default-address-pools is taken.
+POOL_EXHAUSTED = (
+    "could not find an available, non-overlapping",
+    "all predefined address pools have been fully subnetted",
+)
 
 
 def connect(timeout: int = 30) -> Any:
@@ -76,8 +83,44 @@ def gpu_request(gpu_ids: Sequence[str], count: int) -> Any:
     return DeviceRequest(count=count, capabilities=[["gpu"]])
 
 
+def session_network_name(session_id: str) -> str:
+    return f"{SESSION_NETWORK_PREFIX}{session_id}"
+
+
+def session_network(client: Any, session_id: str) -> str:
+    """Make the session's own bridge network (session_network_name); return its IPv4 gateway.
+
+    Docker drops traffic between two user-defined bridge networks, so no other session's workers
+    (nor any other container) reach this session's, whatever they listen on: TensorFlow's servers
+    bind every interface. The session's machine reaches the gateway, where the controller listens."""
+    import docker.errors
+
+    name = session_network_name(session_id)
+    labels = {**session_labels(session_id), f"{LABEL}.network": "session"}
+    # A session killed before it could close (a kernel restarted) left its network, and each holds
+    # one of the engine's few address ranges: those of sessions that are gone go first.
+    remove_orphan_networks(client, quiet=True)
+    try:
+        network = client.networks.create(name, driver="bridge", labels=labels)
+    except docker.errors.APIError as e:
+        explanation = str(e.explanation or e)
+        if any(words in explanation for words in POOL_EXHAUSTED):
+            raise ConfigError(
+                f"Docker has no free address range for this session's network {name!r} ({explanation}): each "
+                "network takes a range from the engine's default-address-pools (about 30 on a default engine). "
+                "`cmlcluster cleanup` removes the networks of sessions that are gone; `docker network ls` shows "
+                'the rest. Give the engine more, smaller ranges ("default-address-pools": [{"base": '
+                '"10.200.0.0/16", "size": 24}] in /etc/docker/daemon.json, then restart dockerd), or share '
+                "one network between sessions: DockerBackend(network='cmlcluster')"
+            ) from None
+        raise ConfigError(f"could not create this session's network {name!r}: {explanation}") from None
+    network.reload()
+    return _gateway(network)
+
+
 def ensure_network(client: Any, name: str) -> str:
-    """Make the user-defined bridge network `name` unless it exists; return its IPv4 gateway."""
+    """Make the user-defined bridge network `name` unless it exists; return its IPv4 gateway. A shared
+    network (the network= opt-out): cmlcluster never removes it."""
     import docker.errors
 
     try:
@@ -85,7 +128,7 @@ def ensure_network(client: Any, name: str) -> str:
     except docker.errors.NotFound:
         try:
             network = client.networks.create(
-                name, driver="bridge", check_duplicate=True, labels={f"{LABEL}.network": "1"}
+                name, driver="bridge", check_duplicate=True, labels={f"{LABEL}.network": "shared"}
             )
         except docker.errors.APIError as e:
             try:
@@ -102,6 +145,11 @@ def ensure_network(client: Any, name: str) -> str:
             f"network={name!r} uses the {network.attrs.get('Driver')!r} driver; the docker backend "
             "needs a user-defined bridge network (pass another network=)"
         )
+    return _gateway(network)
+
+
+def _gateway(network: Any) -> str:
+    name = network.attrs.get("Name")
     configs = (network.attrs.get("IPAM") or {}).get("Config") or []
     gateways = [c["Gateway"] for c in configs if c.get("Gateway") and ":" not in c["Gateway"]]
     if not gateways:
@@ -109,16 +157,82 @@ def ensure_network(client: Any, name: str) -> str:
     return str(gateways[0])
 
 
-def origin_labels(env: Mapping[str, str]) -> dict[str, str]:
-    """The labels that say which process a container's session is and where its controller listens
-    (from the workers' environment `env`), for `remove_orphans`."""
-    labels = {f"{LABEL}.{key}": value for key, value in origin.this_process().as_strings().items()}
-    labels[f"{LABEL}.controller"] = origin.controller_address(env.get(CONNECTION_ENV, ""))
-    return labels
+def remove_network(client: Any, name: str) -> None:
+    """Remove a session's network (its containers gone); one already gone is fine."""
+    import docker.errors
+
+    with contextlib.suppress(docker.errors.NotFound):
+        client.networks.get(name).remove()
 
 
-def remove_orphans(client: Any = None, *, dry_run: bool = False) -> list[str]:
-    """Remove containers labelled for a session that is gone; returns their names.
+def remove_session_network(client: Any, session_id: str) -> None:
+    """Remove a closing session's own network; its workers were stopped, but a container whose stop
+    could not remove it in time would still hold the network: such containers go first."""
+    import docker.errors
+
+    name = session_network_name(session_id)
+    try:
+        remove_network(client, name)
+        return
+    except docker.errors.APIError:
+        pass
+    for container in client.containers.list(
+        all=True, filters={"label": f"{LABEL}.session={session_id}"}, ignore_removed=True
+    ):
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+    try:
+        remove_network(client, name)
+    except docker.errors.APIError as e:
+        explained = getattr(e, "explanation", None) or e
+        raise BackendError(
+            f"could not remove this session's network {name}: {explained}; the next session on this engine, "
+            "or `cmlcluster cleanup`, removes it"
+        ) from e
+
+
+def session_labels(session_id: str) -> dict[str, str]:
+    """The labels of everything a session makes on the engine: its id, its process's origin (which
+    `remove_orphans` reads) and the run tag."""
+    return {
+        f"{LABEL}.session": session_id,
+        **{f"{LABEL}.{key}": value for key, value in origin.this_process().as_strings().items()},
+        **run_tag_labels(),
+    }
+
+
+def controller_label(env: Mapping[str, str]) -> dict[str, str]:
+    """The label that says where a container's controller listens (from its worker's environment
+    `env`), which `remove_orphans` asks before ending anything."""
+    return {f"{LABEL}.controller": origin.controller_address(env.get(CONNECTION_ENV, ""))}
+
+
+@dataclass
+class SessionStates:
+    """origin.state per session, asked once per session of the labels seen (its controller too)."""
+
+    states: dict[str, str] = field(default_factory=dict)
+
+    def of(self, labels: Mapping[str, str]) -> str:
+        session = labels.get(f"{LABEL}.session", "")
+        controller = labels.get(f"{LABEL}.controller")
+        if session in self.states and not (controller and self.states[session] == origin.GONE):
+            return self.states[session]
+        # A network's labels name no controller (it is made before its controller listens): a
+        # container of the same session asks it, then its answer holds for the network too.
+        where = origin.Origin.from_strings({k[len(LABEL) + 1 :]: v for k, v in labels.items()})
+        state = self.states[session] = origin.state(where, controller)
+        if state == origin.ANSWERING:
+            log.warning(
+                "cmlcluster cleanup: left session %s alone: its process looks gone, but its controller at %s answers",
+                session,
+                controller,
+            )
+        return state
+
+
+def remove_orphans(client: Any = None, *, dry_run: bool = False, states: SessionStates | None = None) -> list[str]:
+    """Remove the containers labelled for a session that is gone; returns their names.
 
     Gone is origin.state's word: a session of this machine, boot and PID namespace whose
     process no longer runs and whose controller does not answer. Containers of sessions elsewhere,
@@ -126,26 +240,46 @@ def remove_orphans(client: Any = None, *, dry_run: bool = False) -> list[str]:
     (CMLCLUSTER_RUN_TAG: a CI job's, a test run's) so are those of other runs.
     """
     client = client or connect()
+    states = states or SessionStates()
     removed = []
-    labels = [f"{LABEL}.session", *(f"{k}={v}" for k, v in run_tag_labels().items())]
-    states: dict[str, str] = {}  # per session: its controller is asked once
-    for container in client.containers.list(all=True, filters={"label": labels}, ignore_removed=True):
-        found = container.labels
-        session = found.get(f"{LABEL}.session", "")
-        if session not in states:
-            where = origin.Origin.from_strings({k[len(LABEL) + 1 :]: v for k, v in found.items()})
-            states[session] = origin.state(where, found.get(f"{LABEL}.controller"))
-            if states[session] == origin.ANSWERING:
-                log.warning(
-                    "cmlcluster cleanup: left the containers of session %s alone: its process looks gone, "
-                    "but its controller at %s answers",
-                    session,
-                    found.get(f"{LABEL}.controller"),
-                )
-        if states[session] != origin.GONE:
+    for container in client.containers.list(all=True, filters={"label": _owned()}, ignore_removed=True):
+        if states.of(container.labels) != origin.GONE:
             continue
         removed.append(container.name)
         if not dry_run:
             with contextlib.suppress(Exception):
                 container.remove(force=True)
     return removed
+
+
+def remove_orphan_networks(
+    client: Any = None, *, dry_run: bool = False, states: SessionStates | None = None, quiet: bool = False
+) -> list[str]:
+    """Remove the networks of sessions that are gone (as remove_orphans decides, with the states it
+    found: call it first, so that their containers are gone); returns their names. Docker refuses
+    to remove a network that a container still uses: it is left for the next cleanup (said in the
+    log, unless quiet)."""
+    import docker.errors
+
+    client = client or connect()
+    states = states or SessionStates()
+    removed = []
+    for network in client.networks.list(filters={"label": _owned()}):
+        if states.of(network.attrs.get("Labels") or {}) != origin.GONE:
+            continue
+        if not dry_run:
+            try:
+                network.remove()
+            except docker.errors.NotFound:
+                pass
+            except docker.errors.APIError as e:
+                level = logging.DEBUG if quiet else logging.WARNING
+                log.log(level, "cmlcluster cleanup: left network %s: %s", network.name, e.explanation or e)
+                continue
+        removed.append(network.name)
+    return removed
+
+
+def _owned() -> list[str]:
+    """The label filter of what cleanup looks at: a session's, and under a run tag only that run's."""
+    return [f"{LABEL}.session", *(f"{k}={v}" for k, v in run_tag_labels().items())]

@@ -19,7 +19,7 @@ from conftest import DOCKER_TEST_IMAGE
 from cmlcluster import ConfigError, Session, origin
 from cmlcluster.backends.base import SessionContext, run_tag_labels
 from cmlcluster.backends.docker import DockerBackend
-from cmlcluster.backends.docker_engine import remove_orphans
+from cmlcluster.backends.docker_engine import remove_orphan_networks, remove_orphans
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +83,7 @@ def test_containers_have_their_own_ips_and_reach_each_other(docker_session, clie
     assert sorted(found) == sorted(w["id"] for w in workers)
     for w in running:
         networks = found[w["id"]].attrs["NetworkSettings"]["Networks"]
-        assert networks["cmlcluster"]["IPAddress"] == w["ip_address"]
+        assert networks[f"cmlcluster-{docker_session.id}"]["IPAddress"] == w["ip_address"]
     # Worker b talks to worker a by a's IP, and a sees b's IP as the peer.
     port = docker_session.client[workers[0]["engine_id"]].apply_sync(listen_once)
     assert docker_session.client[workers[1]["engine_id"]].apply_sync(dial, a, port) == f"hello {b}"
@@ -117,16 +117,24 @@ def test_gpu_requests_are_device_requests_for_each_workers_own_gpus(client, tmp_
         [request] = options["device_requests"]
         assert request["DeviceIDs"] == ["0", "1"] and request["Capabilities"] == [["gpu"]]
         assert backend.container_options(spec, second)["device_requests"][0]["DeviceIDs"] == ["2", "3"]
-        created = client.containers.create(**{k: v for k, v in options.items() if k not in ("detach", "auto_remove")})
         try:
-            [recorded] = created.attrs["HostConfig"]["DeviceRequests"]
-            assert recorded["DeviceIDs"] == ["0", "1"] and recorded["Capabilities"] == [["gpu"]]
+            created = client.containers.create(
+                **{k: v for k, v in options.items() if k not in ("detach", "auto_remove")}
+            )
+            try:
+                [recorded] = created.attrs["HostConfig"]["DeviceRequests"]
+                assert recorded["DeviceIDs"] == ["0", "1"] and recorded["Capabilities"] == [["gpu"]]
+            finally:
+                created.remove(force=True)
         finally:
-            created.remove(force=True)
+            asyncio.run(backend.close())  # the session network attach() made
         # Without known ids, the request is by count.
         by_count = DockerBackend(image=DOCKER_TEST_IMAGE, gpu_ids=[])
-        asyncio.run(by_count.attach(SessionContext(session_id=s.id, session_dir=str(tmp_path))))
-        assert by_count.container_options(spec, [])["device_requests"][0]["Count"] == 2
+        asyncio.run(by_count.attach(SessionContext(session_id=f"{s.id}-by-count", session_dir=str(tmp_path))))
+        try:
+            assert by_count.container_options(spec, [])["device_requests"][0]["Count"] == 2
+        finally:
+            asyncio.run(by_count.close())
     # This engine has no GPU runtime: a GPU launch is refused before anything starts, saying why.
     with Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as s:
         with pytest.raises(ConfigError, match=r"nvidia_gpu=1: this Docker engine has no GPU runtime.*nvidia-ctk"):
@@ -161,7 +169,7 @@ SESSION_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_killed_session_process_leaves_no_container_within_10_seconds(client):
+def test_killed_session_process_leaves_no_container_within_10_seconds_and_cleanup_takes_its_network(client):
     env = dict(os.environ, CMLCLUSTER_BACKEND="docker", CMLCLUSTER_DOCKER_IMAGE=DOCKER_TEST_IMAGE)
     env["CMLCLUSTER_DOCKER_HOST_PYTHON"] = "1"
     proc = subprocess.Popen(
@@ -176,9 +184,17 @@ def test_killed_session_process_leaves_no_container_within_10_seconds(client):
     while containers_of(client, session_id) and time.monotonic() - killed_at < 10:
         time.sleep(0.2)
     assert containers_of(client, session_id) == [], "containers outlived their session by 10 s"
+    # Its network outlives it (no one closed the session), until cleanup, or the next session's start.
+    [network] = client.networks.list(filters={"label": f"cmlcluster.session={session_id}"})
+    assert network.name == f"cmlcluster-{session_id}"
+    out = subprocess.run(
+        [sys.executable, "-m", "cmlcluster", "cleanup"], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"ended network {network.name}" in out
+    assert client.networks.list(filters={"label": f"cmlcluster.session={session_id}"}) == []
 
 
-def test_cleanup_removes_containers_of_dead_sessions_only(client):
+def test_cleanup_removes_containers_and_networks_of_dead_sessions_only(client):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs
     # The run's tag: under one, `cmlcluster cleanup` looks only at its run's containers. The origin: this
@@ -205,18 +221,34 @@ def test_cleanup_removes_containers_of_dead_sessions_only(client):
         volumes=["/usr:/usr:ro"],
         labels={**labels, "cmlcluster.worker": "feed00-1", "cmlcluster.pid": str(os.getpid())},
     )
+    # Their sessions' networks: the orphan's is taken once its container is gone; the live one's stays.
+    orphan_network = client.networks.create(
+        f"cmlcluster-feed01-{os.getpid()}",
+        labels={**labels, "cmlcluster.session": "feed01", "cmlcluster.pid": str(dead.pid)},
+    )
+    alive_network = client.networks.create(
+        f"cmlcluster-feed00-{os.getpid()}", labels={**labels, "cmlcluster.pid": str(os.getpid())}
+    )
     try:
         assert remove_orphans(dry_run=True) == [orphan.name]
+        assert remove_orphan_networks(dry_run=True) == [orphan_network.name]
         out = subprocess.run(
             [sys.executable, "-m", "cmlcluster", "cleanup"], capture_output=True, text=True, check=True
         ).stdout
-        assert f"ended container {orphan.name}" in out
+        assert f"ended container {orphan.name}" in out and f"ended network {orphan_network.name}" in out
         left = client.containers.list(all=True, filters={"label": "cmlcluster.session"}, ignore_removed=True)
         assert [c.name for c in left if c.name in (orphan.name, alive.name)] == [alive.name]
+        names = [n.name for n in client.networks.list(filters={"label": "cmlcluster.session"})]
+        assert orphan_network.name not in names and alive_network.name in names
     finally:
         for c in (orphan, alive):
             try:
                 c.remove(force=True)
+            except docker.errors.NotFound:
+                pass
+        for n in (orphan_network, alive_network):
+            try:
+                n.remove()
             except docker.errors.NotFound:
                 pass
 
