@@ -52,6 +52,8 @@ def check_allreduce(result, n_hosts):
 def horovod_backend(name, request, tmp_path_factory):
     if name == "docker":
         return docker_backend(tmp_path_factory)
+    if name == "docker as a uid the image does not name":  # sshd through libnss_wrapper, no capabilities
+        return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, user="4321:4321")
     if name == "ssh":
         return ssh_backend(request.getfixturevalue("ssh_hosts"))
     if name == "kubernetes":
@@ -59,7 +61,7 @@ def horovod_backend(name, request, tmp_path_factory):
     return name
 
 
-@pytest.mark.parametrize("backend_name", ["docker", "ssh", "kubernetes"])
+@pytest.mark.parametrize("backend_name", ["docker", "docker as a uid the image does not name", "ssh", "kubernetes"])
 def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_path_factory, capsys):
     cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
     result = shell.run_line_magic("horovod", f"-np 2 {EXAMPLE} --epochs 2")
