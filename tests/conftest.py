@@ -216,10 +216,29 @@ def kube(tmp_path_factory):
     pods Docker containers that run this host's Python, with the tests' folder as a claim (KUBE_CLAIM)."""
     from kubestandin import StandInCluster
 
-    shared = str(tmp_path_factory.getbasetemp())
+    shared = kube_folder(str(tmp_path_factory.getbasetemp()), 0o2750)
     # A node big enough for any test's workers: its scheduler is real, and 2 CPUs would hold few pods.
     with StandInCluster(node_cpu="64", node_memory="256Gi", host_python=True, claims={KUBE_CLAIM: shared}) as cluster:
         yield cluster
+
+
+def kube_folder(path, mode):
+    """A host folder made usable by the stand-in's pods, which run as random uids in the backend's
+    default fsGroup: a claim is a host folder whose ownership no kubelet manages, like an NFS export
+    prepared for a group."""
+    from cmlcluster.backends.kubernetes.options import DEFAULT_FS_GROUP
+
+    os.chown(path, -1, DEFAULT_FS_GROUP)
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def kube_tmp_path(request):
+    """A Kubernetes test's tmp_path, which its pods write through the claim, is their group's too."""
+    if "[kubernetes" in request.node.name or "kube" in request.fixturenames:
+        kube_folder(request.getfixturevalue("tmp_path"), 0o2770)
+    yield
 
 
 def kube_backend(cluster, **options):

@@ -1,6 +1,7 @@
 """The Kubernetes stand-in (tests/kubestandin), driven only through the official client, as the
 Kubernetes backend drives it: pods run as Docker containers, watches, logs, garbage collection,
-the scripted faults and RBAC denials."""
+the scripted faults and RBAC denials. Its namespaces enforce Pod Security "restricted" and its pods
+run as random uids (test_kube_restricted.py tests that), so the pods here are written to pass."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kubestandin import StandInCluster  # noqa: E402
 pytestmark = pytest.mark.integration
 
 IMAGE = "cmlcluster-test:latest"
+FS_GROUP = 2000  # the test pods' fsGroup: it reads their Secrets, and owns the folders they write
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def cluster(tmp_path_factory):
         docker.from_env(timeout=10).images.get(IMAGE)
     except Exception as e:
         pytest.skip(f"no Docker engine with {IMAGE}: {e}")
-    shared = tmp_path_factory.mktemp("claim")
+    shared = group_folder(tmp_path_factory.mktemp("claim"))
     with StandInCluster(claims={"shared": str(shared)}, node_cpu="4", node_memory="8Gi") as cluster:
         cluster.shared = shared
         yield cluster
@@ -57,8 +59,20 @@ def pod(name, command, *, owner=None, labels=None, volumes=(), mounts=(), **cont
         meta["ownerReferences"] = [{**ref, "controller": True, "blockOwnerDeletion": False}]
     spec = {"name": "worker", "image": IMAGE, "command": command, "volumeMounts": list(mounts), **container}
     spec.setdefault("resources", {"limits": {"cpu": "500m", "memory": "256Mi"}})
+    # What Pod Security "restricted" asks of a pod (the stand-in's namespaces enforce it).
+    spec.setdefault("securityContext", {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}})
     pod_spec = {"restartPolicy": "Never", "containers": [spec], "volumes": list(volumes)}
+    pod_spec["securityContext"] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    pod_spec["securityContext"]["fsGroup"] = FS_GROUP
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def group_folder(path):
+    """`path` made the test pods' to write, as an admin prepares an NFS export for a group: the
+    stand-in's claims and mounts are host folders whose ownership no kubelet changes."""
+    os.chown(path, -1, FS_GROUP)
+    os.chmod(path, 0o2770)
+    return path
 
 
 def follow(api, name, until, timeout=30, since=None):
@@ -158,8 +172,9 @@ def test_pod_life_log_labels_and_garbage_collection(cluster, api):
     assert versions == sorted(set(versions)), versions
 
     log = api.read_namespaced_pod_log("life", "default")
-    # Both streams (docker keeps no order between them); the Secret's file with its defaultMode.
-    assert {"sekret", "400", "out", "err"} <= set(log.split("\n")), log
+    # Both streams (docker keeps no order between them); the Secret's file with its defaultMode, and
+    # readable by the pod's fsGroup, which owns it (a kubelet adds group read where there is one).
+    assert {"sekret", "440", "out", "err"} <= set(log.split("\n")), log
     assert api.read_namespaced_pod_log("life", "default", tail_lines=1).strip() in ("out", "err")
 
     assert [p.metadata.name for p in api.list_namespaced_pod("default", label_selector="t=life").items] == ["life"]
@@ -372,6 +387,7 @@ def test_gpu_node_and_close_removes_everything(tmp_path):
     dead = {"cmlcluster-standin.pod": "default/old", "cmlcluster-standin.pid": "999999999"}
     leftover = engine.containers.create(IMAGE, ["true"], labels=dead)
     network = "cmlcluster-kube-closing"
+    group_folder(tmp_path)
     with StandInCluster(network=network, node_gpus=1, mount_paths=[str(tmp_path)]) as cluster:
         assert not engine.containers.list(all=True, filters={"id": leftover.id})
         api = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(cluster.configuration()))

@@ -36,9 +36,10 @@ def kube_session(kube):
     with Session(kube_backend(kube), echo=False) as s:
         yield s
     kube.clear_faults()
-    # Nothing of the session is left on the cluster: no pod, no container, no Secret.
+    # Nothing of the session is left on the cluster: no pod, no container, no Secret, no NetworkPolicy.
     wait_until(lambda: not kube.pods() and not kube.containers(), timeout=30, what="the session's pods to go")
     assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]
+    assert not kube.network_policies()
 
 
 def pod_of(kube, worker_id):
@@ -68,16 +69,16 @@ def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_f
     assert sorted(values.values()) == [marker, marker] and len(values) == 2
     for pod in pods:
         container = pod["spec"]["containers"][0]
-        assert (
-            container["resources"]["limits"] == container["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
-        )
+        assert container["resources"]["limits"] == {"cpu": "500m", "memory": "1Gi"}
+        assert container["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi", "ephemeral-storage": "10Gi"}
         # the connection info is a file, never an environment variable
         env_names = {e["name"] for e in container["env"]}
         assert "CMLCLUSTER_CONNECTION_FILE" in env_names and "CMLCLUSTER_CONNECTION" not in env_names
         assert pod["metadata"]["ownerReferences"][0]["uid"] == secret["metadata"]["uid"]
 
-    # In the worker: the key came from the mounted Secret, read-only to its owner, and is not in the
-    # environment that user code (and every process it starts) sees.
+    # In the worker: the key came from the mounted Secret, read-only to its owner and the pod's fsGroup
+    # (the worker's uid is the cluster's pick), and is not in the environment that user code (and
+    # every process it starts) sees.
     seen = session.client[:].apply_sync(
         ipp.interactive(
             lambda: (
@@ -87,7 +88,7 @@ def test_workers_are_pods_with_their_own_addresses_resources_and_the_secret_as_f
             )
         )
     )
-    assert seen == [([], "0o400", marker)] * 2
+    assert seen == [([], "0o440", marker)] * 2
 
     stopped = session.stop_workers()
     assert [w["status"] for w in stopped] == ["stopped"] * 2
@@ -262,10 +263,12 @@ def test_cleanup_ends_what_a_killed_session_left_on_the_cluster(kube):
     backend = kube_backend(kube)
     # Until the session's controller has followed it (its lifeline ends it), cleanup leaves all of it alone.
     would = wait_until(lambda: delete_orphans(backend, dry_run=True), timeout=30, what="the controller to end")
-    assert len(would) == 3 and len(kube.pods()) == 2  # two pods and the Secret; a dry run ends nothing
+    # Two pods, the NetworkPolicy and the Secret; a dry run ends nothing.
+    assert len(would) == 4 and len(kube.pods()) == 2 and len(kube.network_policies()) == 1
     assert sorted(delete_orphans(backend)) == sorted(would)
     wait_until(lambda: not kube.pods() and not kube.containers(), timeout=30, what="the pods to go")
     assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]
+    assert not kube.network_policies()
     assert delete_orphans(backend) == []
 
 
@@ -274,14 +277,17 @@ def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
     notebook = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "jupyter-alice"},
+        "metadata": {"name": "jupyter-alice", "labels": {"app": "jupyterhub", "hub.jupyter.org/username": "alice"}},
         "spec": {
             "restartPolicy": "Never",
+            # The stand-in's namespace enforces Pod Security "restricted", as a hardened cluster's would.
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [
                 {
                     "name": "notebook",
                     "image": DOCKER_TEST_IMAGE,
                     "command": [sys.executable, "-c", "import time; time.sleep(600)"],
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
                 }
             ],
         },
@@ -295,6 +301,12 @@ def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
         assert [(o["kind"], o["name"], o["uid"]) for o in secret["metadata"]["ownerReferences"]] == [
             ("Pod", "jupyter-alice", created.metadata.uid)
         ]
+        # The session's NetworkPolicy lets the notebook's pod in by its labels (a plugin may not match its IP).
+        pods = {p["metadata"]["name"]: p for p in kube.pods()}
+        worker_pod = pods[names.pod_name(workers[0]["id"])]
+        assert kube.connection_allowed(worker_pod, source_pod=pods["jupyter-alice"])
+        bob = {"metadata": {"namespace": "default", "labels": {"app": "jupyterhub", "hub.jupyter.org/username": "bob"}}}
+        assert not kube.connection_allowed(worker_pod, source_pod=bob)
         # The notebook's pod goes (its kernel with it): the garbage collector takes the Secret, then the workers.
         kube.delete_pod("jupyter-alice", grace_period_seconds=0)
         wait_until(lambda: not kube.pods(), timeout=30, what="the workers to go with the notebook's pod")

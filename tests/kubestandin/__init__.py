@@ -6,6 +6,13 @@ well enough for that client, and scripts the faults a real cluster shows.
     with StandInCluster(claims={"shared": str(tmp_path)}) as cluster:
         api = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(cluster.configuration()))
 
+Least privilege by default, as a hardened cluster has it: every namespace enforces Pod Security
+"restricted" (pod_security=; a pod that breaks it is refused with 403, podsecurity.py), and a pod
+without runAsUser runs as a random non-root uid in group 0, with its fsGroup (random_uids=;
+OpenShift's restricted SCC does the same). NetworkPolicies are stored, validated, and enforced with
+iptables on the pods' bridge (netfilter.py) where the host allows it (`enforcing` says; root and
+br_netfilter needed); `connection_allowed` says what they let through (netpol.py).
+
 Everything it creates (containers, Secret folders, the network if it made it) is gone at exit;
 containers carry the label cmlcluster-standin.pod=<ns>/<name>, and a new cluster removes those
 whose process is dead.
@@ -17,6 +24,7 @@ import contextlib
 import importlib.util
 import os
 import queue
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -24,10 +32,12 @@ from typing import Any
 import docker
 import psutil
 
+from . import netfilter
 from .api import Api, HttpServer, Store, Watcher
-from .kubelet import GPU, LABEL, Fault, Kubelet, host_python_mounts
+from .kubelet import GPU, LABEL, RANDOM_UIDS, Fault, Kubelet, host_python_mounts
+from .netpol import connection_allowed
 
-__all__ = ["StandInCluster"]
+__all__ = ["RANDOM_UIDS", "StandInCluster"]
 
 _LIVE: set[str] = set()  # this process's open clusters: their containers are not leftovers
 
@@ -40,15 +50,19 @@ class StandInCluster:
         node_gpus: int = 0,
         node_cpu: str = "2",
         node_memory: str = "8Gi",
+        node_storage: str = "1Ti",  # the node's ephemeral-storage: pods request some for their emptyDirs
         claims: Mapping[str, str] | None = None,
         host_python: bool = True,
         mount_paths: Iterable[str] = (),
+        pod_security: str = "restricted",
+        random_uids: bool = True,
+        enforce_network_policies: bool = True,
     ):
         self.namespaces = tuple(namespaces)
         self.claims = dict(claims or {})
         self.id = uuid.uuid4().hex[:12]
         self.network_name = network or f"cmlcluster-kube-{self.id}"  # its own: clusters may run at once
-        capacity = {"cpu": str(node_cpu), "memory": str(node_memory), "pods": "110"}
+        capacity = {"cpu": str(node_cpu), "memory": str(node_memory), "ephemeral-storage": node_storage, "pods": "110"}
         if node_gpus:
             capacity[GPU] = str(node_gpus)
         mounts: dict[str, tuple[str, str]] = {}
@@ -58,6 +72,10 @@ class StandInCluster:
             mounts.update(host_python_mounts(os.path.dirname(os.path.dirname(spec.origin))))
         mounts.update({path: (path, "rw") for path in mount_paths})
         self._capacity, self._mounts = capacity, mounts
+        self.pod_security, self.random_uids = pod_security, random_uids
+        self.enforce_network_policies = enforce_network_policies
+        self.enforcer: netfilter.Enforcer | None = None
+        self.not_enforcing = ""  # why NetworkPolicies are not enforced, if they are not
         self._client: Any = None
         self._created_network = False
         self._server: HttpServer | None = None
@@ -93,12 +111,23 @@ class StandInCluster:
             capacity=self._capacity,
             claims=self.claims,
             mounts=self._mounts,
+            random_uids=self.random_uids,
         )
-        self.api = Api(self.store, self.kubelet, self.namespaces)
+        self.api = Api(self.store, self.kubelet, self.namespaces, self.pod_security)
+        self.not_enforcing = "enforce_network_policies=False"
+        if self.enforce_network_policies:
+            self.not_enforcing = netfilter.available()
+        if not self.not_enforcing:
+            self.enforcer = netfilter.Enforcer(self.id, self._bridge(), self._network_state)
+            self.store.listeners.append(self.enforcer.changed)
+            self.enforcer.start()
         self._server = HttpServer(self.api)
         self._server.thread.start()
 
     def close(self) -> None:
+        if self.enforcer is not None:
+            self.enforcer.close()
+            self.enforcer = None
         if self._server is not None:
             self.store.drop_watches()  # lets handlers blocked on a watch finish
             self._server.shutdown()
@@ -121,7 +150,9 @@ class StandInCluster:
         _LIVE.discard(self.id)
 
     def _remove_leftovers(self) -> None:
-        """Containers of stand-ins whose process died (or closed without cleaning up, in this one)."""
+        """Containers (and iptables chains) of stand-ins whose process died (or closed without cleaning
+        up, in this one)."""
+        netfilter.remove_dead(psutil.pid_exists)
         for container in self._client.containers.list(all=True, filters={"label": f"{LABEL}.pod"}):
             labels = container.labels
             pid = int(labels.get(f"{LABEL}.pid", "0") or 0)
@@ -129,6 +160,34 @@ class StandInCluster:
             if mine or not psutil.pid_exists(pid):
                 with contextlib.suppress(docker.errors.APIError):
                     container.remove(force=True)
+
+    def _bridge(self) -> str:
+        """The Linux bridge of the cluster's Docker network (what its pods' traffic crosses)."""
+        attrs = self._client.networks.get(self.network_name).attrs
+        return (attrs.get("Options") or {}).get("com.docker.network.bridge.name") or f"br-{attrs['Id'][:12]}"
+
+    def _network_state(self) -> tuple[list, list, dict]:
+        """(pods, NetworkPolicies, {namespace: labels}) for the enforcer."""
+        assert self.api is not None
+        namespaces = {name: self.api._namespace(name)["metadata"]["labels"] for name in self.namespaces}
+        return self.pods(), self.network_policies(), namespaces
+
+    @property
+    def enforcing(self) -> bool:
+        """Whether NetworkPolicies are enforced on the pods' network (else `not_enforcing` says why)."""
+        return self.enforcer is not None
+
+    def wait_for_network_rules(self, timeout: float = 10) -> None:
+        """Return once the enforcer has applied every change made so far (no-op when not enforcing)."""
+        if self.enforcer is None:
+            return
+        target = self.enforcer.applied + 1
+        self.enforcer.changed()
+        deadline = time.monotonic() + timeout
+        while self.enforcer.applied < target:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the network rules were not applied in {timeout} s: {self.enforcer.error}")
+            time.sleep(0.05)
 
     def _ensure_network(self) -> str:
         try:
@@ -169,6 +228,25 @@ class StandInCluster:
 
     def secrets(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return self.store.list("secrets", namespace)[0]
+
+    def network_policies(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.store.list("networkpolicies", namespace)[0]
+
+    def set_pod_security(self, level: str, namespace: str = "default") -> None:
+        """The namespace enforces Pod Security `level` from now on ("privileged": nothing), as
+        `kubectl label ns <namespace> pod-security.kubernetes.io/enforce=<level>` does."""
+        assert self.api is not None, "start() first"
+        self.api.pod_security[namespace] = level
+
+    def connection_allowed(
+        self, destination: dict[str, Any], *, source_pod: dict[str, Any] | None = None, source_ip: str | None = None
+    ) -> bool:
+        """Whether the NetworkPolicies of the destination pod's namespace let a connection to it in from
+        `source_pod` or `source_ip` (what a network plugin would decide; the stand-in enforces nothing)."""
+        assert self.api is not None, "start() first"
+        _, _, namespaces = self._network_state()
+        policies = self.network_policies(destination["metadata"]["namespace"])
+        return connection_allowed(policies, namespaces, destination, source_pod=source_pod, source_ip=source_ip)
 
     def delete_secret(self, name: str, namespace: str = "default") -> None:
         """Someone (or the garbage collector, its owner gone) deletes a Secret; what it owns goes too."""

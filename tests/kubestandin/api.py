@@ -1,9 +1,14 @@
 """The stand-in's API server: an object store with resourceVersions and watch history, served over
 plain HTTP in the Kubernetes API's wire format (paths, JSON shapes, Status errors, chunked watches).
 
-Only what the official Python client needs for Pods, Secrets, Namespaces, Nodes and
-SelfSubjectAccessReviews. The kubelet (kubelet.py) runs the pods and reports their status through
-the same store, so every change a client can see arrives as a watch event, as on a real cluster.
+Only what the official Python client needs for Pods, Secrets, NetworkPolicies, Namespaces, Nodes and
+SelfSubjectAccessReviews. Namespaces enforce a Pod Security level as their
+pod-security.kubernetes.io/enforce label says (podsecurity.py): "restricted" unless told otherwise.
+NetworkPolicies are validated against the API's schema and stored; netpol.py says what they let
+through, and netfilter.py enforces that on the pods' network.
+
+The kubelet (kubelet.py) runs the pods and reports their status through the same store, so every
+change a client can see arrives as a watch event, as on a real cluster.
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-KINDS = {"pods": "Pod", "secrets": "Secret"}  # the namespaced resources the store holds
+from . import podsecurity
+
+# The namespaced resources the store holds: their kinds, and the API group/version each is served under.
+KINDS = {"pods": "Pod", "secrets": "Secret", "networkpolicies": "NetworkPolicy"}
+API_VERSIONS = {"pods": "v1", "secrets": "v1", "networkpolicies": "networking.k8s.io/v1"}
 HISTORY = 10_000  # watch events kept; a watch from before the oldest gets 410 Gone
 USER = "system:serviceaccount:default:standin"  # who "you" are in Forbidden messages
 VERSION = {"major": "1", "minor": "31", "gitVersion": "v1.31.0", "gitCommit": "standin", "gitTreeState": "clean"}
@@ -139,6 +148,7 @@ class Store:
         self.history: collections.deque[tuple[int, str, str, dict[str, Any]]] = collections.deque()
         self.oldest = 0  # events after this resourceVersion are all in history
         self.watchers: set[Watcher] = set()
+        self.listeners: list[Callable[[], None]] = []  # told of every change (quick: under the lock)
 
     def _record(self, kind: str, resource: str, obj: dict[str, Any]) -> dict[str, Any]:
         self.history.append((self.rv, kind, resource, obj))
@@ -147,6 +157,8 @@ class Store:
         for watcher in self.watchers:
             if watcher.resource == resource and watcher.wants(obj):
                 watcher.events.put((kind, obj))
+        for listener in self.listeners:
+            listener()
         return copy.deepcopy(obj)
 
     def _next(self, obj: dict[str, Any]) -> None:
@@ -305,9 +317,11 @@ _VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DE
 class Api:
     """Routes requests to the store and the kubelet; checks the scripted RBAC denials first."""
 
-    def __init__(self, store: Store, kubelet: Any, namespaces: tuple[str, ...]):
+    def __init__(self, store: Store, kubelet: Any, namespaces: tuple[str, ...], pod_security: str = "restricted"):
         self.store, self.kubelet = store, kubelet
         self.namespaces = {ns: str(uuid.uuid4()) for ns in namespaces}
+        # Each namespace's pod-security.kubernetes.io/enforce level ("privileged": none enforced).
+        self.pod_security = dict.fromkeys(namespaces, pod_security)
         self.denied: set[tuple[str, str, str]] = set()  # (verb, resource[/subresource], namespace or "")
         self.requests: list[Served] = []
         # Kubernetes' garbage collector runs on its own: an owner removed by the kubelet (a pod whose
@@ -340,7 +354,10 @@ class Api:
         if not self.allowed(verb, resource, namespace):
             what = f'{resource.split("/")[0]} "{name}"' if name else resource.split("/")[0]
             scope = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
-            message = f'{what} is forbidden: User "{USER}" cannot {verb} resource "{resource}" in API group "" {scope}'
+            group = API_VERSIONS.get(resource.split("/")[0], "v1").rpartition("/")[0]
+            message = (
+                f'{what} is forbidden: User "{USER}" cannot {verb} resource "{resource}" in API group "{group}" {scope}'
+            )
             raise ApiError(403, "Forbidden", message, {"name": name, "kind": resource.split("/")[0]})
 
     # -- routing
@@ -353,11 +370,15 @@ class Api:
             return 200, VERSION
         if parts[:4] == ["apis", "authorization.k8s.io", "v1", "selfsubjectaccessreviews"] and method == "POST":
             return self._access_review(body)
-        if parts[:2] != ["api", "v1"]:
+        if parts[:2] == ["api", "v1"]:
+            version, rest = "v1", parts[2:]
+        elif parts[:3] == ["apis", "networking.k8s.io", "v1"]:
+            version, rest = "networking.k8s.io/v1", parts[3:]
+        else:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
-        rest = parts[2:]
+        served = {r for r, v in API_VERSIONS.items() if v == version}  # the resources under this path
         watch = query.get("watch") in ("true", "1")
-        if rest[:1] == ["nodes"] and method == "GET" and len(rest) <= 2:
+        if version == "v1" and rest[:1] == ["nodes"] and method == "GET" and len(rest) <= 2:
             self._authorize("get" if len(rest) == 2 else ("watch" if watch else "list"), "nodes", "", None)
             node = self.kubelet.node()
             if len(rest) == 2:
@@ -365,15 +386,15 @@ class Api:
                     raise not_found("nodes", rest[1])
                 return 200, node
             return 200, {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": [node]}
-        if len(rest) == 1 and rest[0] in KINDS and method == "GET":  # every namespace
+        if len(rest) == 1 and rest[0] in served and method == "GET":  # every namespace
             return self._collection(method, rest[0], None, query, body)
         if rest[:1] != ["namespaces"] or len(rest) < 2:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         namespace = rest[1]
-        if len(rest) == 2 and method == "GET":
+        if len(rest) == 2 and method == "GET" and version == "v1":
             self._authorize("get", "namespaces", "", namespace)
             return 200, self._namespace(namespace)
-        if len(rest) < 3 or rest[2] not in KINDS:
+        if len(rest) < 3 or rest[2] not in served:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         resource = rest[2]
         if len(rest) == 3:
@@ -401,6 +422,8 @@ class Api:
             raise not_found("namespaces", name)
         meta = {"name": name, "uid": self.namespaces[name], "resourceVersion": "1", "labels": {}}
         meta["labels"]["kubernetes.io/metadata.name"] = name
+        if self.pod_security.get(name, "privileged") != "privileged":
+            meta["labels"][podsecurity.ENFORCE_LABEL] = self.pod_security[name]
         spec, status = {"finalizers": ["kubernetes"]}, {"phase": "Active"}
         return {"kind": "Namespace", "apiVersion": "v1", "metadata": meta, "spec": spec, "status": status}
 
@@ -433,7 +456,7 @@ class Api:
             item.pop("apiVersion", None)
         return 200, {
             "kind": KINDS[resource] + "List",
-            "apiVersion": "v1",
+            "apiVersion": API_VERSIONS[resource],
             "metadata": {"resourceVersion": rv},
             "items": items,
         }
@@ -444,7 +467,7 @@ class Api:
         if not isinstance(body, dict):
             raise bad_request("the body of the request was in an unknown format")
         obj = copy.deepcopy(body)
-        obj["kind"], obj["apiVersion"] = KINDS[resource], "v1"
+        obj["kind"], obj["apiVersion"] = KINDS[resource], API_VERSIONS[resource]
         meta = obj.setdefault("metadata", {})
         if meta.get("namespace", namespace) != namespace:
             raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
@@ -465,7 +488,14 @@ class Api:
             obj.setdefault("type", "Opaque")
             created = self.store.create(resource, obj)
             self.kubelet.secret_changed(namespace, name)
+        elif resource == "networkpolicies":
+            _validate(obj)
+            created = self.store.create(resource, obj)
         else:
+            # Pod Security admission first, as on a real API server: a refused pod is never defaulted.
+            refused = podsecurity.refusal(obj, self.pod_security.get(namespace, "privileged"))
+            if refused:
+                raise ApiError(403, "Forbidden", refused, {"name": name, "kind": "pods"})
             self.kubelet.admit(obj)  # defaults and validation (422), as the API's admission would
             created = self.store.create(resource, obj)
             self.kubelet.pod_created(created)
@@ -501,9 +531,11 @@ class Api:
                 meta[key] = current["metadata"][key]
         if resource == "pods":
             new["status"] = current.get("status")  # kept: status is the kubelet's
-        else:
+        elif resource == "secrets":
             _encode_string_data(new)
-        new["kind"], new["apiVersion"] = KINDS[resource], "v1"
+        new["kind"], new["apiVersion"] = KINDS[resource], API_VERSIONS[resource]
+        if resource == "networkpolicies":
+            _validate(new)
 
         def replace(obj: dict[str, Any]) -> None:
             obj.clear()
@@ -531,7 +563,8 @@ class Api:
             gone = self.store.delete(resource, namespace, name, uid=current["metadata"]["uid"])
             if gone is None:
                 raise not_found(resource, name)
-            self.kubelet.secret_changed(namespace, name)
+            if resource == "secrets":
+                self.kubelet.secret_changed(namespace, name)
             details = {"name": name, "kind": resource, "uid": gone["metadata"]["uid"]}
             answer = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}
         if policy != "Orphan":
@@ -547,7 +580,8 @@ class Api:
         if (query.get("propagationPolicy") or options.get("propagationPolicy")) != "Orphan":
             self._collect_garbage(namespace)
         meta = {"resourceVersion": str(self.store.rv)}
-        return 200, {"kind": KINDS[resource] + "List", "apiVersion": "v1", "metadata": meta, "items": deleted}
+        listed = {"kind": KINDS[resource] + "List", "apiVersion": API_VERSIONS[resource], "metadata": meta}
+        return 200, {**listed, "items": deleted}
 
     def delete_pod(self, namespace: str, name: str, grace: int | None) -> dict[str, Any]:
         """Graceful deletion: a pod with a running container is marked (deletionTimestamp, MODIFIED)
@@ -598,7 +632,8 @@ class Api:
         gone = self.store.delete(resource, namespace, name)
         if gone is None:
             raise not_found(resource, name)
-        self.kubelet.secret_changed(namespace, name)
+        if resource == "secrets":
+            self.kubelet.secret_changed(namespace, name)
         return gone
 
     # -- watch, log, access reviews
@@ -626,7 +661,12 @@ class Api:
                     if bookmarks:
                         meta = {"resourceVersion": str(self.store.rv)}
                         yield _event(
-                            "BOOKMARK", {"kind": KINDS[watcher.resource], "apiVersion": "v1", "metadata": meta}
+                            "BOOKMARK",
+                            {
+                                "kind": KINDS[watcher.resource],
+                                "apiVersion": API_VERSIONS[watcher.resource],
+                                "metadata": meta,
+                            },
                         )
                     return
                 if item is None:  # dropped
@@ -655,6 +695,19 @@ class Api:
         review.setdefault("metadata", {})["creationTimestamp"] = None
         review["status"] = {"allowed": allowed} if allowed else {"allowed": False, "reason": ""}
         return 201, review
+
+
+def _validate(obj: dict[str, Any]) -> None:
+    """The API's validation of an object against its OpenAPI schema (422 Invalid), through
+    kubernetes-validate. Not strict: a real API server drops unknown fields with a warning."""
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(copy.deepcopy(obj), VERSION["gitVersion"].lstrip("v"), strict=False)
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(str(p) for p in e.path) or "spec"
+        name = (obj.get("metadata") or {}).get("name", "")
+        raise invalid(obj["kind"], name, path, f"Invalid value: {e.message}") from None
 
 
 def _int(value: Any) -> int | None:

@@ -5,6 +5,14 @@ with the container waiting (ContainerCreating, ErrImagePull, CreateContainerConf
 with its IP on the network, then terminated with docker's exit code (OOMKilled from docker's
 State.OOMKilled). The thread waits on the container with docker's `wait`, never by polling.
 Every change goes through the store, so clients see it as a watch event.
+
+Containers run as their securityContext says (user_of): as runAsUser, or, where none is set, as a
+random uid from RANDOM_UIDS with group 0, as OpenShift's restricted SCC runs pods; the fsGroup and
+supplementalGroups join the process's groups, and own the pod's Secret and emptyDir folders (as a
+kubelet's volume ownership management does: group read for Secrets, setgid and group write for
+emptyDirs). Capabilities dropped and allowPrivilegeEscalation=false become docker's cap_drop and
+no-new-privileges. Claims are the host's folders as they are, like NFS volumes, whose ownership no
+kubelet changes. An emptyDir's sizeLimit is not enforced.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ import contextlib
 import dataclasses
 import os
 import platform
+import random
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -31,6 +41,9 @@ from cmlcluster.backends.base import run_tag_labels
 from .api import ApiError, Store, invalid, now
 
 NODE = "standin-node"
+# Where a pod without runAsUser gets its uid when the kubelet assigns one (OpenShift's ranges start
+# at 1000000000): high, and never a user of the host's.
+RANDOM_UIDS = range(1_000_000_000, 2_000_000_000)
 LABEL = "cmlcluster-standin"  # container labels: .pod=<ns>/<name>, .uid, .cluster, .pid
 GPU = "nvidia.com/gpu"
 _SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -86,6 +99,7 @@ class PodRuntime:
     waiting_for: str | None = None  # the Secret a CreateContainerConfigError waits for
     killed_for_oom: bool = False
     folders: dict[str, tuple[str, str, dict]] = dataclasses.field(default_factory=dict)  # volume: (secret, dir, source)
+    fs_group: int | None = None  # the pod's fsGroup: it owns the Secret's files and emptyDirs
     timers: list[threading.Timer] = dataclasses.field(default_factory=list)
 
 
@@ -101,6 +115,7 @@ class Kubelet:
         capacity: dict[str, str],
         claims: dict[str, str],
         mounts: dict[str, tuple[str, str]],  # container path: (host path, "ro" or "rw")
+        random_uids: bool = True,
     ):
         self.store, self.client, self.network, self.gateway = store, client, network, gateway
         self.cluster_id, self.capacity, self.claims, self.mounts = cluster_id, capacity, claims, mounts
@@ -110,6 +125,7 @@ class Kubelet:
         self.unschedulable: list[PodRuntime] = []
         self.node_uid, self.node_created = str(uuid.uuid4()), now()
         self.closing = False
+        self.random_uids = random_uids  # a pod without runAsUser runs as a random uid, else as the image's user
 
     # ---------------------------------------------------------------- the node
 
@@ -235,7 +251,7 @@ class Kubelet:
             for secret_name, folder, source in list(rt.folders.values()):
                 if secret_name == name and secret is not None:
                     with contextlib.suppress(_Missing, OSError):
-                        _write_secret(folder, secret, source)
+                        _write_secret(folder, secret, source, rt.fs_group)
             if secret is not None:
                 self._wake(rt, name)
 
@@ -352,7 +368,11 @@ class Kubelet:
                 self._report(rt, "Pending", {"waiting": {"reason": "ImagePullBackOff", "message": message}})
             return
         try:
+            user, groups = self._user_of(pod, c)
             binds, env = self._prepare(rt, pod)
+        except _Refused as e:
+            self._report(rt, "Pending", {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}})
+            return
         except _Missing as e:
             self._report(rt, "Pending", {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}})
             with self.lock:
@@ -377,6 +397,9 @@ class Kubelet:
             "labels": labels,
             "volumes": [f"{host}:{path}:{mode}" for path, (host, mode) in binds.items()],
             "init": True,  # the pause container's part: PID 1 reaps orphans and forwards signals
+            "user": user,
+            "group_add": groups,
+            **_confinement(c.get("securityContext") or {}, spec.get("securityContext") or {}),
         }
         if limits.get("cpu"):
             options["nano_cpus"] = int(parse_quantity(limits["cpu"]) * 10**9)
@@ -448,12 +471,32 @@ class Kubelet:
         rt.killed_for_oom = True
         _quietly(rt.container.kill, signal="SIGKILL")
 
+    def _user_of(self, pod: dict[str, Any], c: dict[str, Any]) -> tuple[str, list[str]]:
+        """docker's "uid:gid" and extra groups for the container, from its and the pod's securityContext;
+        _Refused when runAsNonRoot is asked for and it would run as root (the kubelet's check)."""
+        pod_context, context = pod["spec"].get("securityContext") or {}, c.get("securityContext") or {}
+        uid = context.get("runAsUser", pod_context.get("runAsUser"))
+        gid = context.get("runAsGroup", pod_context.get("runAsGroup"))
+        if uid is None and self.random_uids:
+            uid = random.choice(RANDOM_UIDS)
+            gid = 0 if gid is None else gid  # OpenShift's arbitrary uids are in the root group
+        if uid is None:
+            image_user = (self.client.images.get(c["image"]).attrs.get("Config") or {}).get("User") or "0"
+            uid = image_user.partition(":")[0]
+        non_root = context.get("runAsNonRoot", pod_context.get("runAsNonRoot"))
+        if non_root and str(uid) in ("0", "root"):
+            raise _Refused("container has runAsNonRoot and image will run as root")
+        groups = [pod_context.get("fsGroup"), *(pod_context.get("supplementalGroups") or [])]
+        user = str(uid) if gid is None else f"{uid}:{gid}"
+        return user, [str(g) for g in groups if g is not None]
+
     def _prepare(self, rt: PodRuntime, pod: dict[str, Any]) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
         """The container's mounts ({container path: (host path, mode)}) and environment; _Missing if a
         Secret (or a key of one) it needs is not there."""
         c = pod["spec"]["containers"][0]
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
         binds = dict(self.mounts)
+        rt.fs_group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
         for mount in c.get("volumeMounts") or []:
             volume = volumes[mount["name"]]
             mode = "ro" if mount.get("readOnly") else "rw"
@@ -462,7 +505,10 @@ class Kubelet:
                 continue
             if volume["name"] not in rt.folders:
                 folder = tempfile.mkdtemp(prefix="kubestandin-")
-                os.chmod(folder, 0o755)  # the files carry their own modes
+                # A Secret's folder is readable by all (its files carry their own modes); an emptyDir
+                # is anyone's to write, as a kubelet makes it (0777).
+                secret_folder = "secret" in volume
+                _own(folder, 0o755 if secret_folder else 0o777, rt.fs_group, directory=True, read_only=secret_folder)
                 source = volume.get("secret") or {}
                 rt.folders[volume["name"]] = (source.get("secretName", ""), folder, source)
             secret_name, folder, source = rt.folders[volume["name"]]
@@ -471,7 +517,7 @@ class Kubelet:
                 if secret is None and not source.get("optional"):
                     raise _Missing(f'secret "{secret_name}" not found', secret_name)
                 if secret is not None:
-                    _write_secret(folder, secret, source)
+                    _write_secret(folder, secret, source, rt.fs_group)
                 mode = "ro"  # Secret volumes are always read-only
             binds[mount["mountPath"]] = (folder, mode)
         env = {}
@@ -618,9 +664,48 @@ def _condition(status: dict[str, Any], kind: str, value: bool, reason: str | Non
         conditions[conditions.index(found)] = new
 
 
-def _write_secret(folder: str, secret: dict[str, Any], source: dict[str, Any]) -> None:
-    """A Secret's data as files (mode from defaultMode or the item), replaced atomically so that a
-    reader never sees half a file; keys no longer in the Secret disappear."""
+def _own(path: str, mode: int, fs_group: int | None, *, directory: bool = False, read_only: bool = False) -> None:
+    """A volume's file or folder as a kubelet leaves it: `mode`, and with an fsGroup, that group's and
+    readable by it (writable too unless read_only; folders setgid and searchable), so that a process
+    with any uid in the group reads (or writes) it."""
+    if fs_group is not None:
+        os.chown(path, -1, fs_group)
+        mode |= 0o440 if read_only else 0o660
+        if directory:
+            mode |= 0o110 | stat.S_ISGID
+    os.chmod(path, mode)
+
+
+def _confinement(context: dict[str, Any], pod_context: dict[str, Any]) -> dict[str, Any]:
+    """docker's options for a container's securityContext: capabilities, privilege escalation,
+    seccomp (docker's default profile is the runtime's default), privileged."""
+    options: dict[str, Any] = {}
+    capabilities = context.get("capabilities") or {}
+    if capabilities.get("drop"):
+        options["cap_drop"] = list(capabilities["drop"])
+    if capabilities.get("add"):
+        options["cap_add"] = list(capabilities["add"])
+    security = []
+    if context.get("allowPrivilegeEscalation") is False:
+        security.append("no-new-privileges")
+    seccomp = (context.get("seccompProfile") or pod_context.get("seccompProfile") or {}).get("type")
+    if seccomp == "Unconfined":
+        security.append("seccomp=unconfined")
+    if security:
+        options["security_opt"] = security
+    if context.get("privileged"):
+        options["privileged"] = True
+    return options
+
+
+class _Refused(Exception):  # the kubelet will not run the container as its securityContext says
+    pass
+
+
+def _write_secret(folder: str, secret: dict[str, Any], source: dict[str, Any], fs_group: int | None = None) -> None:
+    """A Secret's data as files (mode from defaultMode or the item; with an fsGroup, owned by it and
+    readable by it, as a kubelet does), replaced atomically so that a reader never sees half a
+    file; keys no longer in the Secret disappear."""
     data, mode = secret.get("data") or {}, source.get("defaultMode", 0o644)
     if source.get("items"):
         missing = [i["key"] for i in source["items"] if i["key"] not in data]
@@ -638,7 +723,7 @@ def _write_secret(folder: str, secret: dict[str, Any], source: dict[str, Any]) -
         partial = os.path.join(os.path.dirname(target), f"..{os.path.basename(target)}.tmp")
         with open(partial, "wb") as f:
             f.write(base64.b64decode(value))
-        os.chmod(partial, file_mode)
+        _own(partial, file_mode, fs_group, read_only=True)
         os.replace(partial, target)
 
 

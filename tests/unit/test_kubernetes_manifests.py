@@ -257,7 +257,8 @@ def test_worker_resources_are_requests_and_limits(cpu, memory, cpu_quantity, mem
     pod = make_pod(make_spec(cpu=cpu, memory=memory))
     resources = container(pod)["resources"]
     expected = {"cpu": cpu_quantity, "memory": memory_quantity}
-    assert resources == {"requests": expected, "limits": expected}
+    # Local disk is requested (for the scheduler) and not limited: the working folder's sizeLimit is.
+    assert resources == {"requests": {**expected, "ephemeral-storage": "10Gi"}, "limits": expected}
     # The quantities mean what cmlcluster means: GB are GiB, the same whole MiB docker's mem_limit gives.
     mib = int(memory * 1024)
     assert parse_quantity(resources["limits"]["memory"]) == mib * 2**20
@@ -293,13 +294,15 @@ def test_impossible_resources_are_refused(resources, message):
         make_pod(spec)
 
 
-def test_session_secret_is_mounted_read_only_owner_read_only():
+def test_session_secret_is_mounted_read_only_to_owner_and_group_and_the_work_folder_is_bounded():
     pod = make_pod()
     assert pod["spec"]["volumes"] == [
-        {"name": "cmlcluster-session", "secret": {"secretName": f"cmlcluster-{SESSION}", "defaultMode": 0o400}},
-        {"name": "cmlcluster-work", "emptyDir": {}},
+        {"name": "cmlcluster-session", "secret": {"secretName": f"cmlcluster-{SESSION}", "defaultMode": 0o440}},
+        {"name": "cmlcluster-work", "emptyDir": {"sizeLimit": "10Gi"}},
     ]
-    assert pod["spec"]["volumes"][0]["secret"]["defaultMode"] == 256  # what the API receives
+    assert pod["spec"]["volumes"][0]["secret"]["defaultMode"] == 288  # what the API receives
+    # The pod's fsGroup owns the Secret's files: a worker under any uid the cluster picks reads them.
+    assert pod["spec"]["securityContext"]["fsGroup"] == 1000
     assert container(pod)["volumeMounts"] == [
         {"name": "cmlcluster-session", "mountPath": "/var/run/cmlcluster", "readOnly": True},
         {"name": "cmlcluster-work", "mountPath": "/var/cmlcluster/work"},
@@ -384,6 +387,97 @@ def test_pod_options_reach_the_pod_spec():
     assert pod_spec["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror.example.com"}]
 
 
+# ---------------------------------------------------------------- Pod Security "restricted"
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """The rules of Pod Security "restricted" (kubernetes.io/docs/concepts/security/pod-security-standards)
+    that `pod` breaks, as the stand-in cluster's admission checks them."""
+    from kubestandin.podsecurity import violations
+
+    return violations(pod)
+
+
+@pytest.mark.parametrize("options", [None, FULL_OPTIONS, o.PodOptions(fs_group=None, run_as_user=1000680000)])
+def test_worker_pods_pass_pod_security_restricted(options):
+    pod = make_pod(make_spec(cwd="/shared/project"), options)
+    assert restricted_violations(pod) == []
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container(pod)["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    # The check is real: the same pod without one of them is refused, naming the rule.
+    loose = json.loads(json.dumps(pod))
+    del container(loose)["securityContext"]["allowPrivilegeEscalation"]
+    assert [v.split(" (")[0] for v in restricted_violations(loose)] == ["allowPrivilegeEscalation != false"]
+
+
+def test_run_as_user_is_left_to_the_cluster_unless_given():
+    # OpenShift's restricted SCC assigns a uid from the namespace's range, and refuses one outside it.
+    assert "runAsUser" not in make_pod()["spec"]["securityContext"]
+    given = make_pod(options=o.PodOptions(run_as_user=2000, fs_group=None))["spec"]["securityContext"]
+    assert given["runAsUser"] == 2000 and "fsGroup" not in given
+
+
+def test_working_folder_size_and_local_disk_are_options():
+    pod = make_pod(options=o.PodOptions(work_size="2Gi", ephemeral_storage="3Gi"))
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["cmlcluster-work"]["emptyDir"] == {"sizeLimit": "2Gi"}
+    assert container(pod)["resources"]["requests"]["ephemeral-storage"] == "3Gi"
+    assert "ephemeral-storage" not in container(pod)["resources"]["limits"]
+    assert_valid(pod)
+    # Local disk follows the working folder's size unless given.
+    follows = container(make_pod(options=o.PodOptions(work_size="5G")))["resources"]["requests"]
+    assert follows["ephemeral-storage"] == "5G"
+
+
+# ---------------------------------------------------------------- the NetworkPolicy
+
+
+def make_policy(**kwargs) -> dict:
+    settings = dict(
+        namespace=NAMESPACE, secret_name=n.secret_name(SESSION), secret_uid=SECRET_UID, notebook_ip="10.1.2.3"
+    )
+    return m.network_policy(SESSION, **(settings | kwargs))
+
+
+def test_network_policy_is_valid_and_owned_by_the_session_secret():
+    options = o.PodOptions(allow_from=[{"ipBlock": {"cidr": "192.0.2.0/24"}}])
+    for policy in (make_policy(), make_policy(notebook_labels={"app": "jupyter", "user": "alice"}, options=options)):
+        assert_valid(policy)
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == SECRET_UID
+        assert policy["metadata"]["labels"]["cmlcluster.io/session"] == SESSION
+        assert policy["spec"]["policyTypes"] == ["Ingress"]  # workers connect out to the controller
+
+
+def test_network_policy_selects_the_sessions_pods_and_admits_them_and_the_notebook():
+    from kubestandin.netpol import admits, selects
+
+    pod = make_pod()
+    other_session = make_pod(make_spec(worker_id="ffffff-0"))
+    other_session["metadata"]["labels"] = n.worker_labels("ffffff", "ffffff-0")
+    notebook = {"metadata": {"namespace": NAMESPACE, "labels": {"app": "jupyter", "user": "alice"}}}
+    colleague = {"metadata": {"namespace": NAMESPACE, "labels": {"app": "jupyter", "user": "bob"}}}
+    policy = make_policy(notebook_labels=notebook["metadata"]["labels"])
+    namespaces = {NAMESPACE: {"kubernetes.io/metadata.name": NAMESPACE}}
+    assert selects(policy, pod) and not selects(policy, other_session)
+    assert admits(policy, namespaces, source_pod=pod)
+    assert admits(policy, namespaces, source_pod=notebook)
+    assert admits(policy, namespaces, source_ip="10.1.2.3")
+    assert not admits(policy, namespaces, source_pod=other_session)
+    assert not admits(policy, namespaces, source_pod=colleague)
+    assert not admits(policy, namespaces, source_ip="10.1.2.4")
+    # The same labels in another namespace are not the session's pods.
+    elsewhere = json.loads(json.dumps(pod))
+    elsewhere["metadata"]["namespace"] = "other"
+    assert not admits(policy, {**namespaces, "other": {}}, source_pod=elsewhere)
+
+
+def test_a_notebook_pod_without_labels_never_opens_the_policy_to_every_pod():
+    peers = make_policy(notebook_labels={})["spec"]["ingress"][0]["from"]
+    session_pods = {**n.session_labels(SESSION), "app.kubernetes.io/component": "worker"}
+    assert [peer for peer in peers if "podSelector" in peer] == [{"podSelector": {"matchLabels": session_pods}}]
+
+
 def test_without_options_workers_get_no_api_token_and_no_extras():
     pod_spec = make_pod()["spec"]
     assert pod_spec["automountServiceAccountToken"] is False
@@ -431,6 +525,16 @@ def test_pod_options_are_frozen_copies():
         (dict(env={"CDSW_MASTER_IP": "x"}), r"'CDSW_MASTER_IP' is set by cmlcluster"),
         (dict(env={"N": 1}), r"env\['N'\]=1: values must be strings"),
         (dict(shared_volume="team-efs"), r"shared_volume='team-efs'.*SharedVolume"),
+        (dict(fs_group=0), r"fs_group=0: give a non-root id"),
+        (dict(run_as_user=0), r"run_as_user=0: give a non-root id"),
+        (dict(run_as_user="1000"), r"run_as_user='1000'"),
+        (dict(work_size="0Gi"), r"work_size='0Gi': give a storage quantity greater than 0"),
+        (dict(work_size="10 GB"), r"work_size='10 GB'"),
+        (dict(ephemeral_storage=-1), r"ephemeral_storage=-1"),
+        (dict(network_policy="off"), r"network_policy='off': give True or False"),
+        (dict(allow_from={"ipBlock": {"cidr": "0.0.0.0/0"}}), r"allow_from=.*give a list of NetworkPolicy peers"),
+        (dict(allow_from=[{"cidr": "10.0.0.0/8"}]), r"allow_from: \{'cidr'.*is not a NetworkPolicy peer"),
+        (dict(allow_from=[{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]), r"an ipBlock stands alone"),
     ],
 )
 def test_bad_options_are_refused_naming_the_value(kwargs, message):

@@ -1,9 +1,10 @@
 """Workers as pods, placed by Kubernetes, through the official client.
 
-One Secret per session (manifests.session_secret) carries the controller's connection info and
-owns every worker pod; the backend deletes its pods itself, and Kubernetes' garbage collector
-removes whatever a dead session left once the Secret goes (or once the notebook's own pod goes,
-which owns the Secret when the notebook runs in a cluster).
+One Secret per session carries the controller's connection info and owns every worker pod, and
+one NetworkPolicy admits to them only the session's pods and the notebook (session_objects); the
+backend deletes its pods itself, and Kubernetes' garbage collector removes whatever a dead session
+left once the Secret goes (or once the notebook's own pod goes, which owns the Secret when the
+notebook runs in a cluster).
 
 What is checked before anything starts is in ``preflight``; what happens to pods is learnt from
 one watch of the session's pods (``watch``), read with the pure readers of ``pods``.
@@ -20,7 +21,6 @@ import contextlib
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,17 +28,15 @@ from typing import Any
 
 from ... import checks
 from ...errors import BackendError, ConfigError
-from ...origin import this_process
 from ...ports import route_address
 from ...wire import CONNECTION_ENV
 from ...workers import Resources, WorkerSpec
 from ..base import Backend, Capabilities, SessionContext, log_tail
 from . import manifests, names, orphans, preflight
-from .options import PodOptions, SharedVolume
+from .options import DEFAULT_FS_GROUP, PodOptions, SharedVolume
 from .pods import NO_EXIT_CODE, api_message
+from .session_objects import SessionObjects
 from .watch import WATCH_SECONDS, PodHandle, PodTracker, PodWatch
-
-MERGE_PATCH = "application/merge-patch+json"  # adds keys to a Secret, leaving the others as they are
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +56,15 @@ class KubernetesBackend(Backend[PodHandle]):
         else the kubeconfig (KUBECONFIG or ~/.kube/config) and its current context.
     node_selector, tolerations, service_account, image_pull_secrets, env, shared_volume: for every
         worker pod (see options.PodOptions).
+    fs_group (default 1000; None on OpenShift, whose SCC assigns one), run_as_user (default None:
+        the image's or the cluster's), work_size (the working folder's size limit, "10Gi"),
+        ephemeral_storage (local disk requested; default work_size): pods pass Pod Security
+        "restricted" (see options.PodOptions).
+    network_policy: a NetworkPolicy per session admitting to its pods only the session's own pods
+        and the notebook (its pod's labels in a cluster, and controller_ip); default True. Turn it
+        off where no network plugin enforces policies or the namespace's own policies decide.
+    allow_from: NetworkPolicyPeer dicts also admitted, e.g. [{"ipBlock": {"cidr": "192.0.2.0/24"}}]
+        where the notebook reaches the pods through a NAT or VPN that changes its address.
     wait_for_nodes: seconds a pod the scheduler cannot place may wait (for a cluster autoscaler to
         add a node) before it fails with the scheduler's message; default 0: at once.
     notebook_pod: the pod the notebook runs in, in `namespace`: it owns the session's Secret, so
@@ -80,6 +87,12 @@ class KubernetesBackend(Backend[PodHandle]):
         image_pull_secrets: list[str] | tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         shared_volume: SharedVolume | None = None,
+        fs_group: int | None = DEFAULT_FS_GROUP,
+        run_as_user: int | None = None,
+        work_size: str = "10Gi",
+        ephemeral_storage: str | None = None,
+        network_policy: bool = True,
+        allow_from: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
         wait_for_nodes: float = 0.0,
         notebook_pod: str | None = None,
         python: str = "python3",
@@ -94,6 +107,12 @@ class KubernetesBackend(Backend[PodHandle]):
             image_pull_secrets=tuple(image_pull_secrets),
             env=env or {},
             shared_volume=shared_volume,
+            fs_group=fs_group,
+            run_as_user=run_as_user,
+            work_size=work_size,
+            ephemeral_storage=ephemeral_storage,
+            network_policy=network_policy,
+            allow_from=allow_from,
         )
         if not checks.number(wait_for_nodes, low=0):
             raise ConfigError(f"wait_for_nodes={wait_for_nodes!r}: give seconds, 0 or more")
@@ -105,8 +124,7 @@ class KubernetesBackend(Backend[PodHandle]):
         self._api: Any = None  # kubernetes.client.ApiClient
         self._checked = False
         self._handles: dict[str, PodHandle] = {}  # by pod name
-        self._secret: dict[str, Any] | None = None  # the session's, once created
-        self._secret_lock = threading.Lock()
+        self._objects: SessionObjects | None = None  # the session's Secret and NetworkPolicy, from attach on
         self._watching: PodWatch | None = None
         self._pods: PodTracker | None = None  # what the watch says, from attach on
         # Threads that create or delete pods, which close() waits for: none may be left behind.
@@ -135,6 +153,11 @@ class KubernetesBackend(Backend[PodHandle]):
         from kubernetes import client
 
         return client.CoreV1Api(self._connect())
+
+    def _networking(self) -> Any:
+        from kubernetes import client
+
+        return client.NetworkingV1Api(self._connect())
 
     def controller_ip(self) -> str:
         if self._controller_ip:
@@ -181,6 +204,7 @@ class KubernetesBackend(Backend[PodHandle]):
                 self.namespace,
                 notebook_pod=self.notebook_pod,
                 image_pull_secrets=self.options.image_pull_secrets,
+                network_policy=self.options.network_policy,
             )
             self._checked = True
         if resources.nvidia_gpu:
@@ -191,7 +215,16 @@ class KubernetesBackend(Backend[PodHandle]):
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
         await asyncio.to_thread(self._connect)
-        self._secret = None
+        notebook_pod = self.notebook_pod or (os.environ.get("HOSTNAME", "") if self._in_cluster else "")
+        self._objects = SessionObjects(
+            self._core,
+            self._networking,
+            self.namespace,
+            context.session_id,
+            self.options,
+            notebook_pod,
+            self.controller_ip,
+        )
         self._handles = {}
         tracker = self._pods = PodTracker(
             self._handles, self._core(), self.namespace, self.wait_for_nodes, self._delete_in_background
@@ -200,50 +233,12 @@ class KubernetesBackend(Backend[PodHandle]):
         self._watching = PodWatch(self._core(), self.namespace, selector, tracker.report, tracker.report_missing)
         self._watching.start()
 
-    def _ensure_secret(self, connection_info: str) -> dict[str, Any]:
-        """{"name", "uid"} of the session's Secret, created by the first start (on a thread)."""
-        with self._secret_lock:
-            if self._secret is None:
-                body = manifests.session_secret(
-                    self.context.session_id,
-                    namespace=self.namespace,
-                    connection_info=connection_info,
-                    owner=self._notebook_pod(),
-                    origin=(socket.gethostname(), os.getpid()),
-                )
-                body["metadata"].setdefault("annotations", {}).update(names.origin_annotations(this_process()))
-                created = self._core().create_namespaced_secret(self.namespace, body)
-                self._secret = {"name": created.metadata.name, "uid": created.metadata.uid}
-            return self._secret
-
-    def _notebook_pod(self) -> dict[str, str] | None:
-        """{"name", "uid"} of the pod this notebook runs in, to own the session's Secret; None outside one."""
-        name = self.notebook_pod or (os.environ.get("HOSTNAME", "") if self._in_cluster else "")
-        if not name:
-            return None
-        from kubernetes.client.rest import ApiException
-
-        try:
-            pod = self._core().read_namespaced_pod(name, self.namespace, _request_timeout=10)
-        except ApiException as e:
-            log.warning(
-                "cmlcluster: could not read this notebook's pod %r (%s): its workers will not go with it if it dies",
-                name,
-                e.reason,
-            )
-            return None
-        return {"name": pod.metadata.name, "uid": pod.metadata.uid}
-
     async def start(self, spec: WorkerSpec) -> PodHandle:
         from kubernetes.client.rest import ApiException
 
+        assert self._objects is not None, "attach() first"
         try:
-            secret = await asyncio.to_thread(self._ensure_secret, spec.env[CONNECTION_ENV])
-            # The worker's env= values join the Secret before its pod references them (never in the pod spec).
-            data = {"data": manifests.env_secret_data(spec, self.options)}
-            if data["data"]:
-                patch = self._core().patch_namespaced_secret
-                await asyncio.to_thread(patch, secret["name"], self.namespace, data, _content_type=MERGE_PATCH)
+            secret = await asyncio.to_thread(self._objects.secret, spec.env[CONNECTION_ENV], spec)
         except ApiException as e:
             raise BackendError(f"could not create or update the session's Secret: {api_message(e)}") from e
         body = manifests.worker_pod(
@@ -362,18 +357,9 @@ class KubernetesBackend(Backend[PodHandle]):
         background, self._background = self._background, []
         for thread in background:
             await asyncio.to_thread(thread.join, 30)
-        secret, self._secret = self._secret, None
-        if secret is not None:
-            # Any pod left (none, after the session's stops) goes with it: the garbage collector.
-            try:
-                await asyncio.to_thread(
-                    self._core().delete_namespaced_secret,
-                    secret["name"],
-                    self.namespace,
-                    propagation_policy="Background",
-                )
-            except Exception as e:  # not found (deleted already), or the API is gone
-                log.warning("cmlcluster: could not delete the session's Secret %s: %s", secret["name"], e)
+        objects, self._objects = self._objects, None
+        if objects is not None:
+            await asyncio.to_thread(objects.delete)  # any pod left (none, after the stops) goes with its Secret
         if watching is not None:
             # A watch request ends within WATCH_SECONDS; the thread then sees the stop.
             await asyncio.to_thread(watching.join, WATCH_SECONDS + 20)
@@ -384,5 +370,9 @@ def delete_orphans(backend: KubernetesBackend | None = None, *, dry_run: bool = 
     session is gone); returns what was (or, with dry_run, would be) deleted, as "namespace/name"."""
     backend = backend or KubernetesBackend()
     return orphans.delete_orphans(
-        backend._core(), backend.namespace, lambda name: backend._delete_pod(name, 0), dry_run=dry_run
+        backend._core(),
+        backend.namespace,
+        lambda name: backend._delete_pod(name, 0),
+        dry_run=dry_run,
+        networking=backend._networking(),
     )

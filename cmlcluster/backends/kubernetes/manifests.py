@@ -13,7 +13,10 @@ The objects of one session:
   horovodrun itself and holds the private key; workers get only the public key, over the control
   plane, for their sshd.)
 - one Pod per worker, ``cmlcluster-<session>-<engine>`` (the worker id already starts with the
-  session id), owned by the Secret, with the Secret mounted read-only at SESSION_MOUNT_PATH.
+  session id), owned by the Secret, with the Secret mounted read-only at SESSION_MOUNT_PATH. Pods
+  pass Pod Security "restricted" (pod_security_context, container_security_context).
+- one NetworkPolicy, named as the Secret and owned by it, that admits to the session's pods only
+  its own pods and the notebook (network_policy; unless PodOptions.network_policy is False).
 
 So Kubernetes' garbage collector removes every worker when the Secret goes, and the Secret
 when the notebook's pod goes: a session that dies leaves nothing running. Secrets reach the
@@ -58,7 +61,9 @@ from .options import RESERVED_ENV, RESERVED_ENV_PREFIX, PodOptions
 # The session Secret, as files in every worker. The agent reads its connection info from the file
 # that CONNECTION_FILE_ENV names.
 SESSION_VOLUME = "cmlcluster-session"
-SESSION_FILE_MODE = 0o400  # owner read-only: the file holds the controller's key
+# Read-only to its owner and the pod's fsGroup, which owns a Secret volume's files: a worker under
+# a uid the cluster picks (OpenShift's random one) reads it as a member of that group.
+SESSION_FILE_MODE = 0o440
 CONNECTION_KEY = "connection.json"
 CONNECTION_FILE = f"{SESSION_MOUNT_PATH}/{CONNECTION_KEY}"
 # The worker's variables that may be secrets (env=) are keys of the same Secret, referenced by its pod.
@@ -71,6 +76,8 @@ SHARED_VOLUME = "cmlcluster-shared"
 WORK_VOLUME = "cmlcluster-work"
 WORK_PATH = "/var/cmlcluster/work"
 GPU_RESOURCE = "nvidia.com/gpu"
+EPHEMERAL_STORAGE = "ephemeral-storage"
+NETWORK_POLICY_API = "networking.k8s.io/v1"
 
 
 # ---------------------------------------------------------------- quantities
@@ -155,16 +162,19 @@ def session_secret(
     return {"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "type": "Opaque", "data": data}
 
 
-def worker_resources(spec: WorkerSpec) -> dict[str, dict[str, str]]:
+def worker_resources(spec: WorkerSpec, options: PodOptions | None = None) -> dict[str, dict[str, str]]:
     """Requests equal to limits (the Guaranteed QoS class: the pod gets what it asked for, as in
-    CML); GPUs only when asked for: a parameter server's Resources have nvidia_gpu=0."""
+    CML); GPUs only when asked for: a parameter server's Resources have nvidia_gpu=0. Local disk
+    (ephemeral-storage) is requested, not limited: the working folder's sizeLimit bounds what matters."""
+    options = options or PodOptions()
     amounts = {"cpu": cpu_quantity(spec.resources.cpu), "memory": memory_quantity(spec.resources)}
     gpus = spec.resources.nvidia_gpu
     if not checks.whole(gpus, 0):
         raise ConfigError(f"nvidia_gpu={gpus!r}: must be a whole number of GPUs, 0 or more")
     if gpus:
         amounts[GPU_RESOURCE] = str(gpus)
-    return {"requests": dict(amounts), "limits": dict(amounts)}
+    storage = options.ephemeral_storage or options.work_size
+    return {"requests": {**amounts, EPHEMERAL_STORAGE: storage}, "limits": dict(amounts)}
 
 
 def is_own_variable(name: str) -> bool:
@@ -206,6 +216,67 @@ def worker_env(spec: WorkerSpec, options: PodOptions, secret_name: str) -> list[
     return env
 
 
+def pod_security_context(options: PodOptions) -> dict[str, Any]:
+    """What Pod Security "restricted" asks of the pod as a whole: a non-root user (the image's, the
+    one the cluster assigns, or run_as_user) and the runtime's default seccomp profile; fs_group
+    owns the volumes, so that whatever uid the worker gets reads the Secret and writes its folder."""
+    context: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if options.run_as_user is not None:
+        context["runAsUser"] = options.run_as_user
+    if options.fs_group is not None:
+        context["fsGroup"] = options.fs_group
+    return context
+
+
+def container_security_context() -> dict[str, Any]:
+    """What "restricted" asks of each container: no privilege escalation (a setuid binary gains
+    nothing), and no capabilities. Nothing in a worker needs root: sshd for Horovod runs as the
+    worker's user on port 2222."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def network_policy(
+    session_id: str,
+    *,
+    namespace: str,
+    secret_name: str,
+    secret_uid: str,
+    notebook_ip: str | None,
+    notebook_labels: Mapping[str, str] | None = None,
+    options: PodOptions | None = None,
+) -> dict[str, Any]:
+    """The session's NetworkPolicy: connections to its worker pods only from its own pods (TF,
+    torch, Horovod and sshd talk to each other on every port), from the notebook (horovodrun's
+    ssh, rendezvous), and from options.allow_from. Egress is left alone: workers connect out to
+    the session's controller. Owned by the Secret, so it goes with the session.
+
+    The notebook is admitted by its address (notebook_ip, the controller's) and, when it runs in
+    a pod of this namespace, by that pod's labels (notebook_labels): some network plugins (Cilium)
+    match ipBlock only to addresses outside the cluster. A policy's podSelector peer without a
+    namespaceSelector means this namespace's pods only.
+    """
+    options = options or PodOptions()
+    pods = {"matchLabels": {**session_labels(session_id), COMPONENT_LABEL: "worker"}}
+    peers: list[dict[str, Any]] = [{"podSelector": pods}]
+    if notebook_labels:  # never empty: an empty selector admits every pod of the namespace
+        peers.append({"podSelector": {"matchLabels": dict(notebook_labels)}})
+    if notebook_ip:
+        prefix = 128 if ":" in notebook_ip else 32
+        peers.append({"ipBlock": {"cidr": f"{notebook_ip}/{prefix}"}})
+    peers += [dict(peer) for peer in options.allow_from]
+    return {
+        "apiVersion": NETWORK_POLICY_API,
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": secret_name,
+            "namespace": namespace,
+            "labels": {**session_labels(session_id), COMPONENT_LABEL: "network-policy"},
+            "ownerReferences": [owner_reference("v1", "Secret", secret_name, secret_uid, controller=True)],
+        },
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": [{"from": peers}]},
+    }
+
+
 def worker_pod(
     spec: WorkerSpec,
     *,
@@ -235,8 +306,9 @@ def worker_pod(
         "image": image,
         "command": list(spec.argv),
         "env": worker_env(spec, options, secret_name),
-        "resources": worker_resources(spec),
+        "resources": worker_resources(spec, options),
         "volumeMounts": mounts,
+        "securityContext": container_security_context(),
     }
     shared = options.shared_volume
     if shared is not None:
@@ -249,7 +321,7 @@ def worker_pod(
         container["workingDir"] = cwd
     else:
         mounts.append({"name": WORK_VOLUME, "mountPath": WORK_PATH})
-        volumes.append({"name": WORK_VOLUME, "emptyDir": {}})
+        volumes.append({"name": WORK_VOLUME, "emptyDir": {"sizeLimit": options.work_size}})
         container["workingDir"] = WORK_PATH
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # a worker that ends is done: the session reports its exit
@@ -262,6 +334,7 @@ def worker_pod(
         "enableServiceLinks": False,
         # Workers run the user's code and need no API access, unless a service account is chosen for them.
         "automountServiceAccountToken": options.service_account is not None,
+        "securityContext": pod_security_context(options),
     }
     if options.service_account is not None:
         pod_spec["serviceAccountName"] = options.service_account

@@ -26,6 +26,12 @@ RESERVED_ENV_PREFIX = "CMLCLUSTER_"
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 _TOLERATION_KEYS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
 _TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+# A storage quantity as the API writes it: a number and a binary or decimal suffix ("10Gi", "500M", "1e9").
+_STORAGE_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([eE]\d+|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_PEER_KEYS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
+# The pods' fsGroup unless told: a group of its own, not root's. (On OpenShift pass fs_group=None:
+# its restricted SCC picks one in the namespace's range and refuses any other.)
+DEFAULT_FS_GROUP = 1000
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,24 @@ class PodOptions:
     image_pull_secrets: names of docker-registry Secrets in the namespace.
     env: variables for every worker; a launch's own env= wins over them.
     shared_volume: a ReadWriteMany PVC mounted on every worker (SharedVolume).
+
+    Pods pass Pod Security "restricted" (non-root, no privilege escalation, every capability
+    dropped, the RuntimeDefault seccomp profile); these say as whom they run and what they may use:
+    fs_group: the group that owns the pod's volumes (and may read the session's Secret); default
+        1000. None: leave it to the cluster (OpenShift's restricted SCC gives one from the
+        namespace's range, and refuses one outside it).
+    run_as_user: the workers' uid; default None: the image's USER (which must then be a non-root
+        number), or the uid the cluster assigns (OpenShift gives a random one).
+    work_size: the size limit of each worker's own working folder (an emptyDir), a quantity like
+        "10Gi"; a worker that writes more is evicted.
+    ephemeral_storage: the local disk each worker asks the scheduler for (its working folder, logs
+        and writable layer), a quantity; default the same as work_size.
+    network_policy: a NetworkPolicy per session that admits to its pods only the session's own
+        pods and the notebook (default True); False where the cluster has no network plugin that
+        enforces them, or the namespace's own policies already decide.
+    allow_from: who else may connect to the workers, as NetworkPolicyPeer dicts (camelCase, e.g.
+        [{"ipBlock": {"cidr": "192.0.2.0/24"}}] for a laptop reaching them through a VPN); the
+        notebook's own address (the backend's controller_ip) is always admitted.
     """
 
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -86,6 +110,12 @@ class PodOptions:
     image_pull_secrets: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     shared_volume: SharedVolume | None = None
+    fs_group: int | None = DEFAULT_FS_GROUP
+    run_as_user: int | None = None
+    work_size: str = "10Gi"
+    ephemeral_storage: str | None = None
+    network_policy: bool = True
+    allow_from: Sequence[Mapping[str, Any]] = ()
 
     def __post_init__(self) -> None:
         # Stored as read-only copies: the caller's later changes never reach a frozen options object.
@@ -101,6 +131,19 @@ class PodOptions:
                 f"shared_volume={self.shared_volume!r}: give a SharedVolume(claim=..., mount_path=...), "
                 "e.g. SharedVolume('shared-data', '/shared')"
             )
+        for what, value in (("fs_group", self.fs_group), ("run_as_user", self.run_as_user)):
+            # Not 0: root's group or user is what Pod Security "restricted" keeps out.
+            if value is not None and not checks.whole(value, 1, 2**31 - 1):
+                raise ConfigError(
+                    f"{what}={value!r}: give a non-root id (a whole number from 1 to 2147483647), or None to "
+                    "leave it to the cluster"
+                )
+        set_(self, "work_size", _storage("work_size", self.work_size))
+        if self.ephemeral_storage is not None:
+            set_(self, "ephemeral_storage", _storage("ephemeral_storage", self.ephemeral_storage))
+        if not isinstance(self.network_policy, bool):
+            raise ConfigError(f"network_policy={self.network_policy!r}: give True or False")
+        set_(self, "allow_from", tuple(types.MappingProxyType(p) for p in self._allow_from()))
 
     def _node_selector(self) -> dict[str, str]:
         if not isinstance(self.node_selector, Mapping):
@@ -166,6 +209,25 @@ class PodOptions:
             checked.append(dict(toleration))
         return checked
 
+    def _allow_from(self) -> list[dict[str, Any]]:
+        peers = self.allow_from
+        if isinstance(peers, (str, Mapping)) or not isinstance(peers, Sequence):
+            raise ConfigError(
+                f"allow_from={peers!r}: give a list of NetworkPolicy peers, e.g. "
+                "[{'ipBlock': {'cidr': '192.0.2.0/24'}}]"
+            )
+        checked = []
+        for peer in peers:
+            if not isinstance(peer, Mapping) or not peer or set(peer) - _PEER_KEYS:
+                raise ConfigError(
+                    f"allow_from: {peer!r} is not a NetworkPolicy peer: a dict with some of {sorted(_PEER_KEYS)}, "
+                    "e.g. {'namespaceSelector': {'matchLabels': {'kubernetes.io/metadata.name': 'jupyter'}}}"
+                )
+            if "ipBlock" in peer and (len(peer) > 1 or not isinstance(peer["ipBlock"], Mapping)):
+                raise ConfigError(f"allow_from: {peer!r}: an ipBlock stands alone, as {{'ipBlock': {{'cidr': ...}}}}")
+            checked.append(dict(peer))
+        return checked
+
     def _image_pull_secrets(self) -> tuple[str, ...]:
         names = self.image_pull_secrets
         if isinstance(names, str) or not isinstance(names, Sequence):
@@ -188,3 +250,13 @@ class PodOptions:
             if not isinstance(value, str):
                 raise ConfigError(f"env[{name!r}]={value!r}: values must be strings; convert with str()")
         return dict(self.env)
+
+
+def _storage(what: str, value: object) -> str:
+    """A storage quantity ("10Gi") greater than 0, checked; a whole number of bytes is taken too."""
+    if checks.whole(value, 1):
+        return str(value)
+    match = _STORAGE_QUANTITY.fullmatch(value) if isinstance(value, str) else None
+    if match is None or not float(match[1]):
+        raise ConfigError(f"{what}={value!r}: give a storage quantity greater than 0, e.g. {what}='10Gi'")
+    return str(value)

@@ -1,4 +1,5 @@
-"""What `cmlcluster cleanup` deletes on a cluster: the Secrets (and so the pods) of sessions that are gone.
+"""What `cmlcluster cleanup` deletes on a cluster: the Secrets (and so the pods and NetworkPolicies) of
+sessions that are gone.
 
 A session's Secret says which process the session is (names.origin_annotations) and holds its
 controller's connection info. Its Secret is deleted only when origin.state says the session is
@@ -22,10 +23,12 @@ from .manifests import CONNECTION_KEY
 log = logging.getLogger(__name__)
 
 
-def delete_orphans(core: Any, namespace: str, delete_pod: Callable[[str], None], *, dry_run: bool) -> list[str]:
-    """Delete the Secrets of gone sessions in `namespace`, and their pods (the garbage collector would,
-    later; `delete_pod(name)` does it now). Returns what was (or, with dry_run, would be) deleted,
-    as "namespace/name"."""
+def delete_orphans(
+    core: Any, namespace: str, delete_pod: Callable[[str], None], *, dry_run: bool, networking: Any = None
+) -> list[str]:
+    """Delete the Secrets of gone sessions in `namespace`, their pods and, given `networking` (a
+    NetworkingV1Api), their NetworkPolicies (the garbage collector would, later; this does it now).
+    Returns what was (or, with dry_run, would be) deleted, as "namespace/name"."""
     selector = f"{names.MANAGED_BY_LABEL}={names.MANAGER},{names.COMPONENT_LABEL}=session"
     ended = []
     for secret in core.list_namespaced_secret(namespace, label_selector=selector, _request_timeout=30).items:
@@ -45,14 +48,26 @@ def delete_orphans(core: Any, namespace: str, delete_pod: Callable[[str], None],
         pods = core.list_namespaced_pod(
             namespace, label_selector=f"{names.SESSION_LABEL}={session}", _request_timeout=30
         ).items
+        policies = [] if networking is None else _policies_of(networking, namespace, session)
         ended += [f"{namespace}/{pod.metadata.name}" for pod in pods]
+        ended += [f"{namespace}/networkpolicy/{name}" for name in policies]
         ended.append(f"{namespace}/{secret.metadata.name}")
         if not dry_run:
             for pod in pods:
                 delete_pod(pod.metadata.name)
+            for name in policies:
+                with contextlib.suppress(Exception):  # gone meanwhile: the garbage collector's, or the session's
+                    networking.delete_namespaced_network_policy(name, namespace)
             with contextlib.suppress(Exception):
                 core.delete_namespaced_secret(secret.metadata.name, namespace)
     return ended
+
+
+def _policies_of(networking: Any, namespace: str, session: str) -> list[str]:
+    """The names of a session's NetworkPolicies (one, unless it ran with network_policy=False)."""
+    selector = f"{names.SESSION_LABEL}={session},{names.MANAGED_BY_LABEL}={names.MANAGER}"
+    found = networking.list_namespaced_network_policy(namespace, label_selector=selector, _request_timeout=30)
+    return [policy.metadata.name for policy in found.items]
 
 
 def controller_of(data: dict[str, str]) -> str:

@@ -26,6 +26,9 @@ NEEDED_ACCESS = (
     ("create", "secrets", ""),
     ("delete", "secrets", ""),
 )
+# The session's NetworkPolicy (unless network_policy=False), in its API group.
+NETWORK_POLICY_GROUP = "networking.k8s.io"
+NETWORK_POLICY_ACCESS = (("create", "networkpolicies", ""), ("delete", "networkpolicies", ""))
 
 
 def load_configuration(configuration: Any) -> tuple[Any, bool]:
@@ -76,9 +79,17 @@ def check_image(image: str) -> None:
         )
 
 
-def check_access(api: Any, namespace: str, *, notebook_pod: str | None, image_pull_secrets: Sequence[str]) -> None:
+def check_access(
+    api: Any,
+    namespace: str,
+    *,
+    notebook_pod: str | None,
+    image_pull_secrets: Sequence[str],
+    network_policy: bool = True,
+) -> None:
     """That the API at `api` (an ApiClient) answers, `namespace` exists, this user may do what the
-    backend does there (NEEDED_ACCESS), and the named notebook pod and pull Secrets exist."""
+    backend does there (NEEDED_ACCESS, and NETWORK_POLICY_ACCESS with network_policy), and the
+    named notebook pod and pull Secrets exist."""
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
@@ -100,11 +111,14 @@ def check_access(api: Any, namespace: str, *, notebook_pod: str | None, image_pu
             "context (kubectl cluster-info)"
         ) from None
     review = client.AuthorizationV1Api(api)
-    for verb, resource, subresource in NEEDED_ACCESS:
+    needed = [(access, "") for access in NEEDED_ACCESS]
+    if network_policy:
+        needed += [(access, NETWORK_POLICY_GROUP) for access in NETWORK_POLICY_ACCESS]
+    for (verb, resource, subresource), group in needed:
         body = client.V1SelfSubjectAccessReview(
             spec=client.V1SelfSubjectAccessReviewSpec(
                 resource_attributes=client.V1ResourceAttributes(
-                    namespace=namespace, verb=verb, resource=resource, subresource=subresource or None
+                    namespace=namespace, verb=verb, resource=resource, subresource=subresource or None, group=group
                 )
             )
         )
@@ -116,9 +130,11 @@ def check_access(api: Any, namespace: str, *, notebook_pod: str | None, image_pu
         if verdict is None or not verdict.allowed:
             what = f"{resource}/{subresource}" if subresource else resource
             why = f": {verdict.reason}" if verdict is not None and verdict.reason else ""
+            hint = "; or pass network_policy=False where the namespace's own policies isolate it" if group else ""
+            what = f"{what}.{group}" if group else what
             raise ConfigError(
                 f"this Kubernetes user may not {verb} {what} in namespace {namespace!r}{why}; ask the "
-                f"cluster's admin for a Role that allows it (kubectl auth can-i {verb} {what} -n {namespace})"
+                f"cluster's admin for a Role that allows it (kubectl auth can-i {verb} {what} -n {namespace}){hint}"
             )
     if notebook_pod:
         try:
