@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from . import wire
 from .backends import Capabilities
-from .workers import PACKAGE_PARENT, Resources, WorkerSpec
+from .workers import PACKAGE_DIR, PACKAGE_PARENT, Resources, WorkerSpec
 
 
 def worker_id(session_id: str, engine_id: int) -> str:
@@ -45,7 +45,7 @@ def build_spec(
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if capabilities.sees(PACKAGE_PARENT):
+    if capabilities.sees(PACKAGE_DIR):
         # Workers that see this checkout import the same cmlcluster as the session, installed or not.
         inherited = env.get("PYTHONPATH", session_environ.get("PYTHONPATH", "") if capabilities.session_host else "")
         worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, inherited) if p)

@@ -21,6 +21,7 @@ from .errors import ConfigError
 # The folder that holds this cmlcluster package: first on the PYTHONPATH of workers that see it,
 # so that they import the session's cmlcluster, installed or not.
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.join(PACKAGE_PARENT, "cmlcluster")  # the package itself
 
 # CML's statuses. "timedout" is never stored: await_workers reports it for
 # workers that were not where the caller wanted them by the deadline.

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from .._aio import settle_on_this_thread
 from ..errors import BackendError
 from ..resources import GpuPool, visible_gpus
-from ..workers import PACKAGE_PARENT, Resources, WorkerSpec
+from ..workers import PACKAGE_DIR, Resources, WorkerSpec
 from . import docker_worker
 from .base import (
     OUTPUT_DRAIN_SECONDS,
@@ -177,7 +177,8 @@ class DockerBackend(Backend[DockerHandle]):
         if self.mount_cwd:
             mounts[cwd] = f"{cwd}:rw"
         if self.host_python:
-            for path in (sys.base_prefix, sys.prefix, PACKAGE_PARENT):
+            # The package, not its parent: a checkout's root may be private (0700) to a worker of another uid.
+            for path in (sys.base_prefix, sys.prefix, PACKAGE_DIR):
                 if not path.startswith("/usr/"):
                     mounts.setdefault(path, f"{path}:ro")
         return mounts

@@ -125,7 +125,10 @@ def test_a_worker_runs_as_the_users_uid_and_its_files_are_the_users(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     out.chmod(0o777)  # the container's uid is not this process's: let it write
-    backend = DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, user="1234:1234", volumes={str(out): "/out"})
+    # mount_cwd=False: the checkout, the tests' working folder, may be private to root (a mktemp -d clone).
+    backend = DockerBackend(
+        image=DOCKER_TEST_IMAGE, host_python=True, user="1234:1234", volumes={str(out): "/out"}, mount_cwd=False
+    )
     with Session(backend, echo=False) as s:
         [w] = s.launch_workers(1, cpu=0.5, memory=0.5)
         s.await_workers([w], wait_for_completion=False, timeout_seconds=60)

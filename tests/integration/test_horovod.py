@@ -53,7 +53,8 @@ def horovod_backend(name, request, tmp_path_factory):
     if name == "docker":
         return docker_backend(tmp_path_factory)
     if name == "docker as a uid the image does not name":  # sshd through libnss_wrapper, no capabilities
-        return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, user="4321:4321")
+        # mount_cwd=False: the checkout, the tests' working folder, may be private to root (a mktemp -d clone).
+        return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, user="4321:4321", mount_cwd=False)
     if name == "ssh":
         return ssh_backend(request.getfixturevalue("ssh_hosts"))
     if name == "kubernetes":

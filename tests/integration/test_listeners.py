@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -124,3 +125,22 @@ def test_a_local_horovod_run_listens_on_loopback_only():
     assert result.ok, result
     # horovodrun's Gloo rendezvous would listen on every interface (cmlcluster.horovod.driver).
     assert listeners.seen == set()
+
+
+def test_a_local_tensorflow_cluster_listens_outside_loopback_only_where_tensorflow_binds_every_interface():
+    from cmlcluster.tensorflow import start_cluster
+
+    def port(address: str) -> int:
+        return int(address.rpartition(":")[2])
+
+    with Session("local", echo=False) as session, ListenersOutsideLoopback() as listeners:
+        with start_cluster(n_workers=1, n_ps=1, cpu=0.5, memory=1, session=session) as cluster:
+            tasks = {port(a) for job in ("worker", "ps") for a in cluster.cluster_spec[job]}
+            every = {port(a) for addresses in cluster.cluster_spec.values() for a in addresses}  # and the chief's
+            deadline = time.monotonic() + 30
+            while not tasks <= {p for _, _, p in listeners.seen} and time.monotonic() < deadline:
+                time.sleep(0.1)  # every task's server listens before start_cluster returns; the sampler lags
+    # TensorFlow's gRPC servers bind "0.0.0.0:<port>" themselves (grpc_server_lib.cc) and have no option
+    # for an address: they are the only listeners outside loopback, each on its task's port.
+    seen = {p for _, _, p in listeners.seen}
+    assert tasks <= seen <= every, listeners.seen

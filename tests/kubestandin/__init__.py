@@ -69,7 +69,7 @@ class StandInCluster:
         if host_python:
             spec = importlib.util.find_spec("cmlcluster")
             assert spec is not None and spec.origin, "host_python: cmlcluster is not importable"
-            mounts.update(host_python_mounts(os.path.dirname(os.path.dirname(spec.origin))))
+            mounts.update(host_python_mounts(os.path.dirname(spec.origin)))
         mounts.update({path: (path, "rw") for path in mount_paths})
         self._capacity, self._mounts = capacity, mounts
         self.pod_security, self.random_uids = pod_security, random_uids

@@ -631,10 +631,11 @@ class Kubelet:
             thread.join(timeout=60)
 
 
-def host_python_mounts(package_parent: str) -> dict[str, tuple[str, str]]:
-    """What docker.py's host_python mounts: /usr, this Python's prefixes and the cmlcluster package."""
+def host_python_mounts(package: str) -> dict[str, tuple[str, str]]:
+    """What docker.py's host_python mounts: /usr, this Python's prefixes and the cmlcluster package
+    (not its checkout's root, which may be private to root: pods run as random uids)."""
     mounts = {"/usr": ("/usr", "ro")}
-    for path in (sys.base_prefix, sys.prefix, package_parent):
+    for path in (sys.base_prefix, sys.prefix, package):
         if not path.startswith("/usr/"):
             mounts.setdefault(path, (path, "ro"))
     return mounts
