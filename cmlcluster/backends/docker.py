@@ -197,7 +197,7 @@ class DockerBackend(Backend[DockerHandle]):
             "name": f"cmlcluster-{spec.worker_id}",
             "hostname": f"worker-{spec.worker_id}",
             "environment": docker_worker.environment(spec, self.uid),
-            "working_dir": spec.cwd,
+            "working_dir": spec.cwd if self.capabilities().sees(spec.cwd) else docker_worker.work_folder(spec),
             "network": self.network or session_network_name(self.context.session_id),
             "labels": {
                 **session_labels(self.context.session_id),

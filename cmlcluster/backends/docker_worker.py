@@ -56,15 +56,23 @@ def environment(spec: WorkerSpec, uid: int) -> dict[str, str]:
     return env
 
 
+def work_folder(spec: WorkerSpec) -> str:
+    """Where a worker works when the session's working folder is not mounted in its container (a path
+    of the notebook's machine means nothing there, and Docker would make it, root's)."""
+    return WORKER_FOLDER.format(worker_id=spec.worker_id) + "/work"
+
+
 def files(spec: WorkerSpec, uid: int, gid: int) -> bytes:
     """A tar archive of the worker's folder, extracted at "/" of its container before it starts:
-    the folder and its home (0700) and the connection info (0600), all the worker user's."""
+    the folder, its home and its work folder (0700) and the connection info (0600), all the worker
+    user's."""
     folder = WORKER_FOLDER.format(worker_id=spec.worker_id).lstrip("/")
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
         for name, data in (
             (folder, None),
             (f"{folder}/home", None),
+            (f"{folder}/work", None),
             (f"{folder}/{CONNECTION_FILE}", spec.env.get(CONNECTION_ENV, "").encode()),
         ):
             entry = tarfile.TarInfo(name)

@@ -26,9 +26,11 @@ import tempfile
 import threading
 import time
 
+import pathspec
 import psutil
 import pytest
 
+import cmlcluster
 from cmlcluster import Session, agent_files
 from cmlcluster.backends.ssh import SSHBackend
 from cmlcluster.horovod import run_horovod
@@ -253,24 +255,22 @@ def test_a_workers_sshd_runs_as_a_uid_that_etc_passwd_does_not_name_and_admits_i
     keys = SessionSSH.create(str(tmp_path))
     own_tmp = tempfile.mkdtemp(prefix="cmlcluster-test-uid-", dir="/tmp")  # the uid's TMPDIR
     os.chown(own_tmp, uid, uid)
+    # The system's Python with copies of what sshd.py imports: the checkout and its .venv may be
+    # private to root (a mktemp -d clone), where another uid cannot reach them.
+    lib = os.path.join(own_tmp, "lib")
+    for package in (cmlcluster, pathspec):
+        source = os.path.dirname(package.__file__)
+        shutil.copytree(source, os.path.join(lib, package.__name__), ignore=shutil.ignore_patterns("__pycache__"))
+    python = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
     [port] = free_ports(1)
+    as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     child = subprocess.Popen(
-        [
-            "setpriv",
-            f"--reuid={uid}",
-            f"--regid={uid}",
-            "--clear-groups",
-            sys.executable,
-            "-c",
-            SSHD_AS_UNNAMED_UID,
-            keys.public_key,
-            str(port),
-        ],
+        [*as_uid, python, "-c", SSHD_AS_UNNAMED_UID, keys.public_key, str(port)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, TMPDIR=own_tmp, HOME=own_tmp),
+        env={"PATH": os.environ["PATH"], "TMPDIR": own_tmp, "HOME": own_tmp, "PYTHONPATH": lib},
     )
     try:
         line = child.stdout.readline()
