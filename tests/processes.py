@@ -36,6 +36,7 @@ CMLCLUSTER_COMMANDS = (
     "cmlcluster.agent",
     "cmlcluster._controller",
     "cmlcluster.backends.ssh_remote",
+    "cmlcluster.backends.docker_reaper",
     "ipyparallel.controller",
     "ipyparallel.engine",
     "cmlcluster.pytorch.launch",  # torchrun

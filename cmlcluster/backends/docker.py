@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -131,6 +132,7 @@ class DockerBackend(Backend[DockerHandle]):
         self._gpus = GpuPool(list(gpu_ids) if gpu_ids is not None else visible_gpus())
         self._client: Any = None
         self._gateway: str | None = None
+        self._reaper: subprocess.Popen[bytes] | None = None  # docker_reaper, for a session network
         # Containers start and stop in parallel; the SDK blocks, so each call gets a thread.
         # Made per session (attach), so that the backend serves the next session after close().
         self._pool: ThreadPoolExecutor | None = None
@@ -153,6 +155,13 @@ class DockerBackend(Backend[DockerHandle]):
         await super().attach(context)
         self._client = self._client or await self._call(connect)
         if self.network is None:
+            # First the reaper, which removes what the session made should its process die unclosed.
+            self._reaper = subprocess.Popen(
+                [sys.executable, "-m", "cmlcluster.backends.docker_reaper", context.session_id],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C to the notebook's process group is not its end
+            )
             self._gateway = await self._call(session_network, self._client, context.session_id)
         else:
             self._gateway = await self._call(ensure_network, self._client, self.network)
@@ -343,6 +352,11 @@ class DockerBackend(Backend[DockerHandle]):
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._client, self._pool = None, None
+            reaper, self._reaper = self._reaper, None
+            if reaper is not None:
+                assert reaper.stdin is not None
+                reaper.stdin.close()  # its cue: it finds nothing left, and exits
+                await self._call(reaper.wait)
 
     @classmethod
     def cleanup(cls, dry_run: bool, options: Mapping[str, Any]) -> list[str]:
