@@ -9,17 +9,17 @@ line ends with CUT_MARK.
 
 from __future__ import annotations
 
-import re
-
 MAX_LINE_CHARS = 16_384
 CUT_MARK = " [cut by cmlcluster: line longer than 16384 characters]"
-_OVERWRITTEN = re.compile(r".*\r(?=[^\n])", re.DOTALL)  # text a later "\r" writes over
 
 
 def visible(text: str) -> str:
     """What a terminal shows of `text` (no newline in it): what follows its last carriage return
     that more text follows, without a trailing "\\r" (a CRLF line's)."""
-    return _OVERWRITTEN.sub("", text).rstrip("\r")
+    if "\r" not in text:
+        return text  # nearly every line: no scan
+    shown = text.rstrip("\r")
+    return shown[shown.rfind("\r") + 1 :]
 
 
 class LineSplitter:
@@ -34,13 +34,14 @@ class LineSplitter:
         """The lines that `text` ends, in order, each as a terminal shows it."""
         *ended, rest = text.split("\n")
         lines = []
-        for piece in ended:
+        if ended:
             if self._cut:
-                self._cut = False  # its cut beginning was already kept
-                self._partial = ""
-                continue
-            lines.append(self._line(self._partial + piece))
+                self._cut = False  # the rest of a line whose cut beginning was already kept
+            else:
+                lines.append(self._line(self._partial + ended[0]))
             self._partial = ""
+            limit = self.limit  # the common case, a short line without "\r", as it is: floods are long
+            lines += [p if len(p) <= limit and "\r" not in p else self._line(p) for p in ended[1:]]
         if not self._cut:
             self._partial = _keep_visible(self._partial + rest)
             if len(self._partial) > self.limit:
