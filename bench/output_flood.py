@@ -3,9 +3,12 @@
 One local worker prints N lines of 97 bytes, then a "\\r" progress bar of N/100 states, each
 flushed. The session's process memory (VmRSS) is read before and after, and a call to a second,
 idle worker (os:getpid) is timed every second while the first prints: its reply shares the
-client's one IO thread with the output. Run in the same process as shipped, and with the client
-keeping each running program's whole output, as ipyparallel does by itself (the baseline: it
-copies that output on every message, so keep its N small).
+client's one IO thread, and the session's event loop, with the output. The worst latency is
+given for the first and the last tenth of the run: flat is the goal.
+
+Baselines, in the same process: the client keeping each running program's whole output, as
+ipyparallel does by itself (it copies that output on every message, so keep its N small); and
+output relayed to the session's loop one callback per message, as before lines.OutputRelay.
 
     python bench/output_flood.py [--lines 1000000] [--baseline-lines 200000]
 """
@@ -18,7 +21,7 @@ import threading
 import time
 from unittest import mock
 
-from cmlcluster import Session, ipyparallel_internals
+from cmlcluster import Session, ipyparallel_internals, lines
 
 PRINTER = """
 import sys
@@ -39,15 +42,16 @@ def rss_mib() -> float:
     raise RuntimeError("no VmRSS")
 
 
-def flood(lines: int) -> tuple[float, float, float]:
-    """(seconds to print it all, MiB the session grew, worst call latency in s while printing)."""
+def flood(lines: int) -> tuple[float, float, float, float]:
+    """(seconds to print it all, MiB the session grew, worst call latency in s in the first and
+    the last tenth of the run)."""
     with Session("local", echo=False) as session:
         [warm] = session.launch_workers(1, cpu=1, memory=1)  # idle: answers calls
         session.await_workers([warm], wait_for_completion=False, timeout_seconds=120)
         before = rss_mib()
         t0 = time.perf_counter()
         [worker] = session.launch_workers(1, cpu=1, memory=1, code=PRINTER.format(lines=lines))
-        latencies: list[float] = []
+        latencies: list[tuple[float, float]] = []  # (when it was asked, seconds to its reply)
         done = threading.Event()
 
         def probe() -> None:
@@ -58,7 +62,7 @@ def flood(lines: int) -> tuple[float, float, float]:
                 except Exception as e:
                     print(f"call failed: {e}")
                     return
-                latencies.append(time.perf_counter() - started)
+                latencies.append((started, time.perf_counter() - started))
 
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
@@ -68,7 +72,10 @@ def flood(lines: int) -> tuple[float, float, float]:
         prober.join()
         assert [w["status"] for w in result["workers"]] == ["succeeded"], result
         grown = rss_mib() - before
-    return elapsed, grown, max(latencies, default=0.0)
+    tenth = elapsed / 10
+    first = max((s for t, s in latencies if t < t0 + tenth), default=0.0)
+    last = max((s for t, s in latencies if t > t0 + elapsed - tenth), default=0.0)
+    return elapsed, grown, first, last
 
 
 def main() -> None:
@@ -76,17 +83,26 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--baseline-lines", type=int, default=200_000)
     args = parser.parse_args()
-    print(f"{'run':<28} {'lines':>9} {'MB printed':>10} {'seconds':>8} {'RSS grew MiB':>12} {'worst call s':>12}")
-    for name, lines, keep_output in (
-        ("shipped", args.baseline_lines, False),
-        ("client keeps output", args.baseline_lines, True),
-        ("shipped", args.lines, False),
+    print(
+        f"{'run':<32} {'lines':>9} {'MB printed':>10} {'seconds':>8} {'RSS grew MiB':>12} "
+        f"{'worst call s: first tenth':>25} {'last tenth':>10}"
+    )
+    keeping = mock.patch.object(ipyparallel_internals, "forget_stream_text", lambda *a: None)
+    per_message = mock.patch.object(lines.OutputRelay, "put", one_callback_per_message)
+    for name, n, baseline in (
+        ("shipped", args.baseline_lines, None),
+        ("client keeps output", args.baseline_lines, keeping),
+        ("one loop callback per message", args.lines, per_message),
+        ("shipped", args.lines, None),
     ):
-        keeping = mock.patch.object(ipyparallel_internals, "forget_stream_text", lambda *a: None)
-        with keeping if keep_output else contextlib.nullcontext():
-            elapsed, grown, worst = flood(lines)
-        printed = lines * 98 / 1e6
-        print(f"{name:<28} {lines:>9} {printed:>10.1f} {elapsed:>8.1f} {grown:>12.1f} {worst:>12.2f}")
+        with baseline or contextlib.nullcontext():
+            elapsed, grown, first, last = flood(n)
+        printed = n * 98 / 1e6
+        print(f"{name:<32} {n:>9} {printed:>10.1f} {elapsed:>8.1f} {grown:>12.1f} {first:>25.2f} {last:>10.2f}")
+
+
+def one_callback_per_message(relay: lines.OutputRelay, stream: str, text: str) -> None:
+    relay._loop.call_soon_threadsafe(relay._on_output, stream, text)
 
 
 if __name__ == "__main__":

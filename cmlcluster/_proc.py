@@ -48,6 +48,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def group_members(pgid: int) -> list[int]:
+    """The processes of a process group that have not exited (Linux /proc; zombies are left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, _ppid, group = f.read().rpartition(")")[2].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if int(group) == pgid and state != "Z":
+                found.append(int(entry))
+    return found
+
+
 def alive(pid: int) -> bool:
     """Whether a process of this id runs on this machine (another user's counts)."""
     if pid <= 0:

@@ -11,7 +11,8 @@ CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_CONNECTION (the
 controller's engine connection info, as JSON: data, never a path on the session's
 disk; removed from the environment before any user code runs), CDSW_MASTER_IP
 (the controller's address), CMLCLUSTER_PRELOAD (modules to import while the engine
-registers, comma-separated; optional).
+registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's silence_timeout:
+seconds without the controller's pings before the worker ends; agent_engine).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 from typing import Any
 
 from . import ipyparallel_internals, wire
-from .agent_engine import AgentEngine, import_kernel_without_debugger
+from .agent_engine import AgentEngine, import_kernel_without_debugger, silence_seconds
 from .agent_files import unpack_files
 from .agent_program import call, run_program
 from .errors import ControllerError
@@ -112,6 +113,7 @@ def main() -> None:
     if preload:
         threading.Thread(target=_preload, args=(preload.split(","),), name="preload", daemon=True).start()
     AgentEngine.controller_connection = session_connection()
+    AgentEngine.silence_seconds = silence_seconds(os.environ.pop(wire.SILENCE_ENV, ""))
     engine_id = os.environ[wire.ENGINE_ID_ENV]
     master = os.environ["CDSW_MASTER_IP"]
     os.environ["CDSW_IP_ADDRESS"] = route_address(master)

@@ -4,8 +4,9 @@ The engine's own heartbeat check runs on its event loop, which user code
 blocks for as long as it runs. A worker whose session is gone must not train
 on for hours, so a watchdog thread listens to the controller's heartbeat pings
 (the same ones the engine answers) and ends the worker's whole process group
-when they stop. A stop signal ends the running program (agent_program) and
-sends what the engine holds before the agent dies of it.
+once they have been silent for the session's silence_timeout. A stop signal
+ends the running program (agent_program) and sends what the engine holds
+before the agent dies of it.
 """
 
 from __future__ import annotations
@@ -21,14 +22,22 @@ from typing import Any
 from ipyparallel.engine.app import IPEngine
 from traitlets import default
 
-from . import agent_program
-
-# The controller pings every wire.HEARTBEAT_MS; silent this long and the session is
-# taken to be gone.
-SESSION_SILENCE_SECONDS = 5.0
+from . import agent_program, wire
+from ._proc import group_members
 
 
-def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes], log_fd: int) -> None:
+def silence_seconds(text: str) -> float:
+    """How long the controller's pings (every wire.HEARTBEAT_MS) may be silent before the session is
+    taken to be gone: wire.SILENCE_ENV's text, the session's silence_timeout. The default when absent
+    or not a positive number: a watchdog that never waits, or never gives up, is no watchdog."""
+    try:
+        value = float(text)
+    except ValueError:
+        return wire.DEFAULT_SILENCE_TIMEOUT
+    return value if 0 < value < float("inf") else wire.DEFAULT_SILENCE_TIMEOUT
+
+
+def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes], log_fd: int, allowed: float) -> None:
     import zmq
 
     context = zmq.Context()
@@ -37,7 +46,6 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes], lo
         pings.setsockopt(option, value)
     pings.setsockopt(zmq.SUBSCRIBE, b"")
     pings.connect(ping_url)
-    allowed = SESSION_SILENCE_SECONDS
     # Silence is counted in empty polls as well as in seconds: a process (or a whole machine)
     # frozen for longer than `allowed` wakes to a clock that jumped, before the pings sent
     # meanwhile have been read; one empty poll then must not end a live session's worker.
@@ -51,14 +59,37 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes], lo
         empty_polls += 1
         if empty_polls >= empty_polls_needed and time.monotonic() - last > allowed:
             break
-    os.write(
-        log_fd,
-        f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s; "
-        "the session is gone, exiting\n".encode(),
-    )
-    if os.getpgrp() == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)  # the user's child processes go too
-    os._exit(70)
+    # Its last words may have no reader left (a pipe to the session that died): they must not keep
+    # the worker from ending.
+    with contextlib.suppress(OSError):
+        os.write(
+            log_fd,
+            f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s (silence_timeout); "
+            "the session is gone, exiting\n".encode(),
+        )
+    try:
+        end_worker_group()
+    finally:  # whatever happens there, the agent goes
+        os._exit(wire.SILENCE_EXIT)
+
+
+def end_worker_group() -> None:
+    """SIGKILL the rest of the agent's process group (the user's child processes), not the agent: it
+    exits with wire.SILENCE_EXIT, which tells the session why, where a signal's -9 would not."""
+    me = os.getpid()
+    if os.getpgrp() != me:
+        return  # not its group's leader (started by hand, say): the group is not the worker's
+    deadline = time.monotonic() + 2.0
+    with contextlib.suppress(OSError):  # no /proc to list the group in: below
+        while time.monotonic() < deadline:  # again until none is left: a process may fork meanwhile
+            others = [pid for pid in group_members(me) if pid != me]
+            if not others:
+                return
+            for pid in others:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+    os.killpg(me, signal.SIGKILL)  # a group that cannot be listed, or kept coming back: the agent goes too
 
 
 class AgentEngine(IPEngine):
@@ -70,6 +101,7 @@ class AgentEngine(IPEngine):
     # The worker's own stderr (its log), kept before the engine points fd 2 at a pipe to the session:
     # the watchdog's last words go there, not into a pipe whose reader dies with the process.
     log_fd = 2
+    silence_seconds = wire.DEFAULT_SILENCE_TIMEOUT  # the session's silence_timeout (wire.SILENCE_ENV)
 
     def _signal_stop(self, sig: int, frame: Any) -> None:
         AgentEngine.stop_signal = sig
@@ -131,7 +163,7 @@ class AgentEngine(IPEngine):
             }
         threading.Thread(
             target=_watch_controller,
-            args=(hb_ping, hb_period, curve, AgentEngine.log_fd),
+            args=(hb_ping, hb_period, curve, AgentEngine.log_fd, AgentEngine.silence_seconds),
             name="controller-watch",
             daemon=True,
         ).start()

@@ -137,17 +137,33 @@ def serve() -> None:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
                 try:
+                    output = _open_output(request["output"])
+                except OSError as e:
+                    _reply({"error": f"cannot open the worker's output pipe: {e}"})
+                    continue
+                try:
                     pid = os.fork()
                 except OSError as e:
+                    os.close(output)
                     _reply({"error": f"fork failed: {e}"})
                     continue
                 if pid == 0:
                     selector.close()
                     for fd in (wakeup_read, wakeup_write):
                         os.close(fd)
-                    _become_worker(request)
+                    _become_worker(request, output)
                     return
+                os.close(output)  # the child holds it: the session sees the pipe's end when the worker's goes
                 _reply({"pid": pid})
+
+
+def _open_output(path: str) -> int:
+    """The writing end of the FIFO the session copies a worker's output from (logfile.WorkerOutput).
+    Opened without waiting (a FIFO that no one reads fails at once, never hangs the template), then
+    made to block: a worker whose reader is slow waits for it and loses nothing."""
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _report_exits() -> None:
@@ -168,17 +184,16 @@ def _reply(message: dict[str, Any]) -> None:
     os.write(_reply_fd, json.dumps(message).encode() + b"\n")
 
 
-def _become_worker(request: dict[str, Any]) -> None:
-    """In the forked child: what start_new_session, cwd, env and the log redirection give an agent
-    started on its own."""
+def _become_worker(request: dict[str, Any], output: int) -> None:
+    """In the forked child: what start_new_session, cwd, env and the output's redirection give an
+    agent started on its own."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
     for fd in os.listdir("/proc/self/fd"):  # the template's pipes to the session among them
         if int(fd) > 2:
             with contextlib.suppress(OSError):
@@ -231,7 +246,8 @@ class Template:
         self._reader: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
 
-    async def fork(self, env: Mapping[str, str], cwd: str, log_path: str) -> ForkedProcess:
+    async def fork(self, env: Mapping[str, str], cwd: str, output: str) -> ForkedProcess:
+        """A worker forked with this environment and folder, its stdout and stderr the FIFO `output`."""
         async with self._starting:
             if self._process is None:
                 await self._start()
@@ -241,7 +257,7 @@ class Template:
         reply: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
         self._replies.append(reply)
         try:
-            self._process.stdin.write(json.dumps({"env": dict(env), "cwd": cwd, "log": log_path}).encode() + b"\n")
+            self._process.stdin.write(json.dumps({"env": dict(env), "cwd": cwd, "output": output}).encode() + b"\n")
             await self._process.stdin.drain()
         except ConnectionError:
             pass  # it has exited: its reader answers the request with why

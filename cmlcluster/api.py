@@ -14,7 +14,7 @@ from typing import Any
 
 from .backends import Backend, resolve_backend
 from .errors import ConfigError
-from .session import Session
+from .session import Session, check_silence_timeout
 
 _default: Session | None = None
 _default_lock = threading.Lock()
@@ -22,13 +22,15 @@ _backend: str | Backend | None = None
 _backend_options: dict[str, Any] = {}
 
 
-def use_backend(backend: str | Backend | None, **options: Any) -> None:
+def use_backend(backend: str | Backend | None, *, silence_timeout: float | None = None, **options: Any) -> None:
     """Choose the default session's backend (and its options); only before it has workers.
 
     ``None`` goes back to the backend CMLCLUSTER_BACKEND names (default "local"). An unknown
     name, or an option the backend does not take, is refused here, before anything starts.
+    silence_timeout is the session's (see Session): how long a silent worker counts as alive.
     """
     global _backend, _backend_options
+    check_silence_timeout(silence_timeout)
     # use_backend(None) alone only forgets a choice; CMLCLUSTER_BACKEND is checked when it is used.
     if backend is not None or options:
         resolve_backend(_named(backend), options)
@@ -39,6 +41,8 @@ def use_backend(backend: str | Backend | None, **options: Any) -> None:
         )
     stop_session()
     _backend, _backend_options = backend, options
+    if silence_timeout is not None:
+        _backend_options["silence_timeout"] = silence_timeout  # the Session's own option, beside the backend's
 
 
 def _named(backend: str | Backend | None) -> str | Backend:

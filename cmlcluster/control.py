@@ -15,6 +15,7 @@ import abc
 import asyncio
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,11 +27,15 @@ from . import ipyparallel_internals
 from ._controller import LISTENING_FILE
 from .connection import CLIENT_CHANNELS, CLIENT_IP, ENGINE_CHANNELS, Keys, connection_files, write_private
 from .errors import ControllerError
+from .lines import OutputRelay
 from .ports import ports_to_listen_on
-from .wire import CONNECTION_ENV, CONTROLLER_START_TIMEOUT, HEARTBEAT_MS
+from .wire import CONNECTION_ENV, CONTROLLER_START_TIMEOUT, DEFAULT_SILENCE_TIMEOUT, HEARTBEAT_MS, SILENCE_ENV
 from .workers import Program
 
-HUB_SILENCE_MS = 10_000  # an engine silent this long is unregistered (ipyparallel's 10 misses of 1 s)
+# The hub unregisters an engine silent for the session's silence_timeout plus this: by then its agent
+# has given up (it ends the worker at silence_timeout) and its backend has seen the worker's exit,
+# which says more. ipyparallel never takes an unregistered engine back.
+HUB_SILENCE_MARGIN = 10.0
 DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
 OUTPUT_DRAIN_TIMEOUT = 5.0
 
@@ -83,6 +88,13 @@ class ControlPlane(abc.ABC):
         return None
 
 
+def heart_monitor_args(silence_timeout: float) -> list[str]:
+    """The controller's heartbeat options: a ping every HEARTBEAT_MS, and an engine unregistered once
+    silent for silence_timeout + HUB_SILENCE_MARGIN seconds."""
+    misses = math.ceil((silence_timeout + HUB_SILENCE_MARGIN) * 1000 / HEARTBEAT_MS)
+    return [f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={misses}"]
+
+
 def _agent_call(name: str, *args: Any) -> Any:
     """Runs on an engine: call a function of the worker's agent module.
 
@@ -95,7 +107,9 @@ def _agent_call(name: str, *args: Any) -> Any:
 
 
 class IPyParallelControl(ControlPlane):
-    def __init__(self) -> None:
+    def __init__(self, silence_timeout: float = DEFAULT_SILENCE_TIMEOUT) -> None:
+        """silence_timeout: the session's (seconds); its agents and its hub allow that much silence."""
+        self.silence_timeout = silence_timeout
         self._process: subprocess.Popen[bytes] | None = None
         self._client: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -141,8 +155,7 @@ class IPyParallelControl(ControlPlane):
             f"--IPController.client_ip={CLIENT_IP}",
             "--IPController.use_threads=True",
             *keys.controller_args(),
-            f"--HeartMonitor.period={HEARTBEAT_MS}",
-            f"--HeartMonitor.max_heartmonitor_misses={HUB_SILENCE_MS // HEARTBEAT_MS}",
+            *heart_monitor_args(self.silence_timeout),
             "--nodb",  # results live in the session, not in the controller's memory
             f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
@@ -216,7 +229,7 @@ class IPyParallelControl(ControlPlane):
             self.on_engine(kind, engine_id)
 
     def agent_env(self) -> dict[str, str]:
-        return {CONNECTION_ENV: self._connection}
+        return {CONNECTION_ENV: self._connection, SILENCE_ENV: str(float(self.silence_timeout))}
 
     def _apply(
         self, engine_id: int, args: tuple[Any, ...], on_iopub: Callable[[dict[str, Any]], None] | None = None
@@ -280,10 +293,12 @@ class IPyParallelControl(ControlPlane):
         loop = asyncio.get_running_loop()
         client = self._client
 
+        relay = OutputRelay(loop, on_output)
+
         def on_iopub(msg: dict[str, Any]) -> None:
             if msg["header"]["msg_type"] == "stream":
                 content = msg["content"]
-                loop.call_soon_threadsafe(on_output, content["name"], content["text"])
+                relay.put(content["name"], content["text"])
                 ipyparallel_internals.forget_stream_text(client, msg)
 
         future, result = self._apply(engine_id, args, on_iopub)

@@ -56,13 +56,26 @@ class LaunchFailed(Event):
 
 @dataclass(frozen=True)
 class JobChanged(Event):
-    """A job (a TensorFlow cluster, a Horovod run) started, finished or failed."""
+    """A job (a TensorFlow cluster, a Horovod run) started, lost a member, replaced it, finished or failed."""
 
     kind: ClassVar[str] = "job"
     job: str  # its name: "TensorFlow cluster", "Horovod run"
-    state: str  # "started" | "finished" | "failed"
-    members: tuple[Any, ...] = ()  # jobs.Member, one per worker (role and index)
-    failures: tuple[Any, ...] = ()  # jobs.JobFailure, when it failed
+    state: str  # "started" | "member_lost" | "member_replaced" | "finished" | "failed"
+    # jobs.Member, one per worker (role and index); member_lost: the lost one; member_replaced: (lost, new)
+    members: tuple[Any, ...] = ()
+    failures: tuple[Any, ...] = ()  # jobs.JobFailure, when it failed or lost a member
+    restarts: int = 0  # members replaced so far (jobs.Restarts)
+
+    def notes(self) -> list[str]:
+        """What a view says of it, beside its rows: a failure, a lost member and its replacement."""
+        if self.state == "failed":
+            return [f"{self.job} failed: {failure}" for failure in self.failures]
+        if self.state == "member_lost":
+            return [f"{self.job}: lost {failure}; replacing it (restart {self.restarts})" for failure in self.failures]
+        if self.state == "member_replaced":
+            lost, new = self.members
+            return [f"{self.job}: worker {new.worker_id} replaced worker {lost.worker_id} as {lost.role} {lost.index}"]
+        return []
 
 
 @dataclass(frozen=True)

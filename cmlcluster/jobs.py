@@ -9,6 +9,12 @@ stopped at once. A member *stopped* on request does not fail the job: stopping
 a cluster's workers with stop_workers() is how a user ends it. The framework that owns the job raises the failure where
 the user waits.
 
+A job run with Restarts (max_restarts=N, opt-in) replaces a lost member of a role
+marked replaceable instead: a new worker with the role's resources is launched,
+the framework brings it into the run (Restarts.replace), and the job goes on.
+Only when the restarts are used up, or a replacement cannot start, does the job
+fail as above. This is the one place that decides what a lost member means.
+
 launch_job() is the one way frameworks get their workers: launch every role's
 workers, wait until they run, go on with fewer where a role allows it, and
 refuse with every reason at once where it does not.
@@ -97,16 +103,34 @@ class Role:
     resources: Resources
     min_count: int | None = None  # None: all of them
     env: Mapping[str, str] = field(default_factory=dict)
+    replaceable: bool = False  # a lost member can be replaced (TensorFlow's ps cannot: its variables go with it)
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """Replace a lost member of a replaceable role, up to max_restarts times in all (torchrun's name).
+
+    replace(lost, new) brings the new worker into the run (starts its server, its node); it runs on
+    a thread of the job's, and raising refuses the replacement, which fails the job. same_address:
+    the framework takes a member back only at the lost one's address (TensorFlow's tasks).
+    """
+
+    max_restarts: int
+    replace: Callable[[Member, Member], None]
+    same_address: bool = False
+    timeout_seconds: float = 120.0  # for the replacement to run
 
 
 class JobFailed(WorkerError):
     """A member of a job ended while the job ran; every other member was stopped."""
 
-    def __init__(self, job: str, failure: JobFailure):
+    def __init__(self, job: str, failure: JobFailure, restarts: int = 0):
+        after = f" after {restarts} restart{'s' * (restarts != 1)}" if restarts else ""
         super().__init__(
-            f"{job} failed: {failure}\nEvery other worker of the {job} was stopped.", failure.member.worker_id
+            f"{job} failed{after}: {failure}\nEvery other worker of the {job} was stopped.", failure.member.worker_id
         )
         self.failure = failure
+        self.restarts = restarts
 
 
 class Job:
@@ -118,13 +142,22 @@ class Job:
         members: Sequence[Member],
         name: str,
         on_failure: Callable[[JobFailure], None] | None = None,
+        *,
+        roles: Sequence[Role] = (),
+        restarts: Restarts | None = None,
     ):
-        """on_failure(failure) runs once, on an event thread, after the other members were told to stop."""
+        """on_failure(failure) runs once, on an event thread, after the other members were told to stop.
+
+        roles: what each member's role is, for its replacement; restarts: see Restarts."""
         self.session = session
         self._on_failure = on_failure
         self.name = name
         self.members = list(members)
         self._by_id = {m.worker_id: m for m in self.members}
+        self._roles = {role.name: role for role in roles}
+        self._restarts = restarts
+        self.restarts = 0  # replacements begun: what max_restarts counts
+        self._lost: set[str] = set()  # members replaced, or being replaced
         self._lock = threading.Lock()
         self.failure: JobFailure | None = None
         self.failed = threading.Event()
@@ -151,7 +184,83 @@ class Job:
         if record["status"] != FAILED or self.session.closed or self.failed.is_set():
             return  # succeeded or stopped on request: the job's owner decides what that means
         member = self._by_id[record["id"]]
-        self.fail(JobFailure.of(member, record, _tail(self.session, member.worker_id)))
+        failure = JobFailure.of(member, record, _tail(self.session, member.worker_id))
+        with self._lock:
+            if member.worker_id in self._lost:
+                return  # being replaced already: this is the same end, seen again
+            replace = self._can_replace(member)
+            if replace:
+                self._lost.add(member.worker_id)
+                self.members.remove(member)
+                self.restarts += 1
+                restart = self.restarts
+        if not replace:
+            self.fail(failure)
+            return
+        assert self._restarts is not None
+        log.warning(
+            "cmlcluster: %s of the %s was lost (%s); replacing it (restart %d of %d)",
+            member,
+            self.name,
+            failure.reason,
+            restart,
+            self._restarts.max_restarts,
+        )
+        self.session.publish(JobChanged(self.name, "member_lost", (member,), (failure,), restarts=restart))
+        threading.Thread(
+            target=self._replace, args=(member, failure, restart), name=f"cmlcluster-replace-{member.worker_id}"
+        ).start()
+
+    def _can_replace(self, member: Member) -> bool:
+        role = self._roles.get(member.role)
+        return (
+            self._restarts is not None
+            and role is not None
+            and role.replaceable
+            and self.restarts < self._restarts.max_restarts
+            and not self._finished
+        )
+
+    def _replace(self, lost: Member, failure: JobFailure, restart: int) -> None:
+        """Launch a worker like `lost`, let the framework take it in, and make it the job's member."""
+        assert self._restarts is not None
+        role = self._roles[lost.role]
+        new_id = ""
+        joined = False
+        try:
+            r = role.resources
+            [record] = self.session.launch_workers(1, r.cpu, r.memory, r.nvidia_gpu, env=role.env)
+            new_id = record.get("id", "")
+            if not new_id:
+                raise CmlClusterError(record.get("message") or "it could not be launched")
+            ready = self.session.await_workers(
+                [new_id], wait_for_completion=False, timeout_seconds=self._restarts.timeout_seconds
+            )
+            if not ready["workers"]:
+                [late] = ready["failures"]
+                raise CmlClusterError(f"worker {new_id} did not start: {late.get('message') or late.get('status')}")
+            up = ready["workers"][0]
+            new = Member(new_id, lost.role, lost.index, up["ip_address"], up.get("hostname") or "")
+            if self._restarts.same_address and new.address != lost.address:
+                raise CmlClusterError(f"worker {new_id} runs at {new.address}, not at the lost one's {lost.address}")
+            with self._lock:
+                if self._finished or self.failure is not None:
+                    raise CmlClusterError("the job ended meanwhile")
+                self.members.append(new)  # from now on a failure of the job stops it too
+                self._by_id[new_id] = new
+                joined = True
+            self._restarts.replace(lost, new)
+        except Exception as e:
+            if new_id and not joined and not self.session.closed:
+                self.session.stop_workers_soon(new_id)
+            why = f"{failure.reason}; its replacement failed: {e}"
+            self.fail(JobFailure(lost, failure.status, failure.exit_code, why, failure.host, failure.output_tail))
+            return
+        with self._lock:  # published under it: never after the job's "finished"
+            if self._finished:
+                return  # ended while the framework took it in: it is stopped with the others, unannounced
+            self.session.publish(JobChanged(self.name, "member_replaced", (lost, new), restarts=restart))
+        log.warning("cmlcluster: %s replaced %s in the %s", new, lost, self.name)
 
     def fail(self, failure: JobFailure) -> None:
         """Fail the job (once) and stop every other member at once.
@@ -167,7 +276,7 @@ class Job:
         others = [m.worker_id for m in self.members if m != failure.member]
         log.warning("cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, failure, len(others))
         self.session.stop_workers_soon(*others, grace=FAILED_JOB_STOP_GRACE)
-        self.session.publish(JobChanged(self.name, "failed", tuple(self.members), (failure,)))
+        self.session.publish(JobChanged(self.name, "failed", tuple(self.members), (failure,), restarts=self.restarts))
         self.failed.set()
         if callback is not None:
             callback(failure)
@@ -187,9 +296,14 @@ class Job:
         if self.worker_ids and not self.session.closed:  # none named would stop every worker of the session
             self.session.stop_workers(*self.worker_ids)
 
+    def error(self) -> JobFailed:
+        """What raises where the user waits, once the job failed."""
+        assert self.failure is not None
+        return JobFailed(self.name, self.failure, self.restarts)
+
     def raise_if_failed(self) -> None:
         if self.failure is not None:
-            raise JobFailed(self.name, self.failure)
+            raise self.error()
 
     def finish(self) -> None:
         """The job is over (done, or being stopped on purpose): members ending now do not fail it."""
@@ -200,7 +314,7 @@ class Job:
             failed = self.failure is not None
         self._unsubscribe()
         if not failed:
-            self.session.publish(JobChanged(self.name, "finished", tuple(self.members)))
+            self.session.publish(JobChanged(self.name, "finished", tuple(self.members), restarts=self.restarts))
 
 
 def _tail(session: Session, worker_id: str) -> str:
@@ -217,6 +331,7 @@ def launch_job(
     *,
     timeout_seconds: float = 60,
     on_failure: Callable[[JobFailure], None] | None = None,
+    restarts: Restarts | None = None,
 ) -> Job:
     """Launch every role's workers and wait until they run; return the Job of those that do.
 
@@ -272,7 +387,7 @@ def launch_job(
                 f"and were stopped:\n{reasons}",
                 stacklevel=3,
             )
-        return Job(session, members, name, on_failure)
+        return Job(session, members, name, on_failure, roles=roles, restarts=restarts)
     except BaseException:
         started = [r["id"] for _, r in launched if "id" in r]
         # Only what this launch started: stop_workers() with no ids would stop every worker of the

@@ -5,12 +5,20 @@ and a line may have no end at all. What is kept of a line still being written is
 terminal shows of it (the text after its last carriage return, as ipyparallel's own client
 reduces it), and at most MAX_LINE_CHARS of it: the rest of a longer line is dropped, and the
 line ends with CUT_MARK.
+
+OutputRelay carries a running program's output from the thread it arrives on to the
+session's event loop, in bursts and in bounded memory.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
+
 MAX_LINE_CHARS = 16_384
-CUT_MARK = " [cut by cmlcluster: line longer than 16384 characters]"
+CUT_MARK = f" [cut by cmlcluster: line longer than {MAX_LINE_CHARS} characters]"
+MAX_RELAYED_CHARS = 4 * 1024 * 1024  # output waiting for the session's loop; more is dropped (and said)
 
 
 def visible(text: str) -> str:
@@ -65,3 +73,48 @@ def _keep_visible(partial: str) -> str:
     (the newline that makes it a CRLF line may come in the next chunk)."""
     at = partial.rfind("\r", 0, len(partial) - 1)
     return partial[at + 1 :] if at >= 0 else partial
+
+
+class OutputRelay:
+    """A program's output, from the control plane's IO thread to `on_output(stream, text)` on `loop`.
+
+    One loop callback per burst, not per message: a flood (tens of thousands of messages a
+    second) would otherwise queue unbounded work on the loop, ahead of every call's reply, so
+    that calls took longer the longer workers had printed. At most MAX_RELAYED_CHARS wait; when
+    the loop falls that far behind, what comes meanwhile is dropped and a line says how much.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_output: Callable[[str, str], None]):
+        self._loop = loop
+        self._on_output = on_output
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[str, str]] = []
+        self._chars = 0
+        self._dropped = 0
+        self._scheduled = False
+
+    def put(self, stream: str, text: str) -> None:
+        """Any thread; the order of puts is the order of delivery."""
+        with self._lock:
+            if self._chars + len(text) > MAX_RELAYED_CHARS:
+                self._dropped += len(text)
+                return
+            self._waiting.append((stream, text))
+            self._chars += len(text)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            burst, self._waiting = self._waiting, []
+            dropped, self._dropped = self._dropped, 0
+            self._chars = 0
+            self._scheduled = False
+        for stream, text in burst:
+            self._on_output(stream, text)
+        if dropped:
+            self._on_output(
+                "stderr", f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n"
+            )

@@ -98,6 +98,7 @@ class CgroupLimits:
     def __init__(self, name: str, cpu: float, memory_gb: float):
         self.paths: list[str] = []
         self.applied: dict[str, str] = {}
+        self.problem: str | None = None  # why the limits are not (all) applied, for LimitsNotice
         memory_bytes = str(int(memory_gb * 1024**3))
         quota = str(max(1000, int(cpu * CPU_PERIOD_US)))
         if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
@@ -115,6 +116,8 @@ class CgroupLimits:
                 own = _own_cgroup(controller)
                 if own is not None:
                     self._make(os.path.join(CGROUP_ROOT, controller, own.lstrip("/"), name), settings)
+        if not self.paths and self.problem is None:
+            self.problem = "this process is in no cgroup that it can see (/proc/self/cgroup)"
 
     def _make(self, path: str, settings: dict[str, str]) -> None:
         try:
@@ -125,15 +128,17 @@ class CgroupLimits:
                     f.write(value)
                 self.applied[key] = value
         except OSError as e:
-            log.debug("cannot apply cgroup limits at %s: %s", path, e)
+            self.problem = self.problem or f"cannot write {e.filename or path}: {e.strerror or e}"
 
     def add(self, pid: int) -> None:
         for path in self.paths:
             try:
                 with open(os.path.join(path, "cgroup.procs"), "w") as f:
                     f.write(str(pid))
+            except ProcessLookupError:
+                pass  # it has exited already: nothing to limit
             except OSError as e:
-                log.debug("cannot move %d into %s: %s", pid, path, e)
+                self.problem = self.problem or f"cannot move a worker into {path}: {e.strerror or e}"
 
     def remove(self) -> None:
         for path in reversed(self.paths):
@@ -144,3 +149,23 @@ class CgroupLimits:
                 except OSError:
                     break
         self.paths = []
+
+
+class LimitsNotice:
+    """Says once (a LocalBackend makes one per session), at WARNING, that local workers run without
+    their CPU/memory limits: why, and what to do. Limits are best effort; a silent miss is not."""
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def check(self, limits: CgroupLimits) -> None:
+        if limits.problem is None or self.said:
+            return
+        self.said = True
+        log.warning(
+            "cmlcluster: CPU/memory limits are not applied to local workers here (their cpu= and memory= are "
+            "recorded only): %s. To have them applied, run the notebook where it may create cgroups below its "
+            "own (as root, or under `systemd-run --user --scope -p Delegate=yes`), or use the docker backend; "
+            "use_backend('local', apply_limits=False) asks for none, and silences this",
+            limits.problem,
+        )

@@ -27,9 +27,13 @@ CLOSE_TIMEOUT = 60.0
 
 
 class Runtime:
-    def __init__(self, session_id: str, backend: Backend, on_folder: Callable[[], None]):
-        """on_folder(): called once the session's folder exists (before any worker starts)."""
+    def __init__(
+        self, session_id: str, backend: Backend, on_folder: Callable[[], None], silence_timeout: float | None = None
+    ):
+        """on_folder(): called once the session's folder exists (before any worker starts).
+        silence_timeout: the user's (seconds); None: the backend's (Capabilities.silence_timeout)."""
         self.session_id = session_id
+        self._silence_timeout = silence_timeout
         self._on_folder = on_folder
         self.backend = backend
         self.loop = LoopThread(name=f"cmlcluster-{session_id}")
@@ -37,6 +41,13 @@ class Runtime:
         self.supervisor = Supervisor(session_id, backend, self.events)
         self.dir: str | None = None  # the session's folder (0700: the controller's keys), from the first launch
         self._attached = False  # whether the backend serves this session (from the first launch)
+
+    @property
+    def silence_timeout(self) -> float:
+        """The silence (seconds) the session's agents, controller and backend allow a worker."""
+        if self._silence_timeout is not None:
+            return float(self._silence_timeout)
+        return float(self.backend.capabilities().silence_timeout)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the loop for a sync caller; what it caused is shown before it returns."""
@@ -84,10 +95,15 @@ class Runtime:
             self.dir = tempfile.mkdtemp(prefix=f"cmlcluster-{self.session_id}-")
             os.chmod(self.dir, 0o700)
             self._on_folder()
+        # One silence for all three clocks: the agents' watchdogs, the controller's heartbeat misses
+        # and the backend's own (ssh's keepalives).
+        silence = self.supervisor.silence_timeout = self.silence_timeout
         if not self._attached:
-            await self.backend.attach(SessionContext(session_id=self.session_id, session_dir=self.dir))
+            await self.backend.attach(
+                SessionContext(session_id=self.session_id, session_dir=self.dir, silence_timeout=silence)
+            )
             self._attached = True
-        control = self.backend.control_plane() or IPyParallelControl()
+        control = self.backend.control_plane() or IPyParallelControl(silence_timeout=silence)
         control.on_engine = self.supervisor.on_engine
         await control.start(self.backend.controller_ip(), self.dir)
         self.supervisor.control = control

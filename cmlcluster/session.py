@@ -30,6 +30,9 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+# The controller pings every 250 ms; a silence shorter than a few pings would end workers at random.
+MIN_SILENCE_TIMEOUT = 1.0
+
 
 class Session:
     """A set of workers on one backend, with the ipyparallel controller they connect to.
@@ -40,12 +43,27 @@ class Session:
     controller's heartbeat stops.
     """
 
-    def __init__(self, backend: str | Backend = "local", *, echo: bool = True, **backend_options: Any):
+    def __init__(
+        self,
+        backend: str | Backend = "local",
+        *,
+        echo: bool = True,
+        silence_timeout: float | None = None,
+        **backend_options: Any,
+    ):
         """echo: show the session (its workers, their output, training progress): widgets in a
-        notebook, progress bars or text in a terminal (cmlcluster.ui)."""
+        notebook, progress bars or text in a terminal (cmlcluster.ui).
+
+        silence_timeout: seconds a worker may go without hearing from the session (a network blip)
+        before it counts as lost: its agent ends it, and the session reports it failed. A worker whose
+        process dies is reported at once all the same. Default: the backend's (60 s for workers on
+        other machines or in containers, 10 s for local ones). The price of a long one: workers of a
+        session that died unclosed run on for that long.
+        """
+        check_silence_timeout(silence_timeout)
         self.id = secrets.token_hex(8)  # 64 bits: it names containers, pods and labels shared by everyone
         self.backend = make_backend(backend, **backend_options)
-        self._rt = Runtime(self.id, self.backend, on_folder=self._start_record)
+        self._rt = Runtime(self.id, self.backend, on_folder=self._start_record, silence_timeout=silence_timeout)
         self._events = self._rt.events
         self._supervisor = self._rt.supervisor
         self._on_show: list[Callable[[], None]] = []
@@ -209,6 +227,11 @@ class Session:
         return self._rt.dir
 
     @property
+    def silence_timeout(self) -> float:
+        """Seconds of silence after which a worker counts as lost: the one given, else the backend's."""
+        return self._rt.silence_timeout
+
+    @property
     def controller_ip(self) -> str:
         """This host's address as the session's workers reach it."""
         return self.backend.controller_ip()
@@ -305,3 +328,13 @@ class Session:
 
     def _start_record(self) -> None:
         self._record = records.Recorder(self)
+
+
+def check_silence_timeout(value: object) -> None:
+    """Refuse a silence_timeout that is not None or a number of seconds >= 1, before anything starts."""
+    if value is not None and not checks.number(value, low=MIN_SILENCE_TIMEOUT):
+        raise ConfigError(
+            f"silence_timeout={value!r}: give the seconds a worker may go without hearing from the session "
+            f"before it counts as lost, a number >= {MIN_SILENCE_TIMEOUT:g} (e.g. silence_timeout=60), or None "
+            "for the backend's default"
+        )

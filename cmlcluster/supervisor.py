@@ -18,12 +18,13 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from .backends import Backend
-from .control import ControlPlane
+from .control import HUB_SILENCE_MARGIN, ControlPlane
 from .errors import BackendError, ConfigError, WorkerError
 from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
 from .lines import LineSplitter
 from .progress import output_event
 from .waiting import Changes
+from .wire import DEFAULT_SILENCE_TIMEOUT, SILENCE_EXIT
 from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class Supervisor:
         self.session_id = session_id
         self.backend = backend
         self.control: ControlPlane | None = None  # set by the session once its control plane started
+        self.silence_timeout = DEFAULT_SILENCE_TIMEOUT  # the session's, set with its control plane
         self.workers: dict[str, Worker] = {}
         self.changes = Changes()
         self._events = events
@@ -278,7 +280,7 @@ class Supervisor:
         elif worker.stop_requested:
             changed = worker.finish(STOPPED, exit_code=code)
         else:
-            reason = self.backend.exit_reason(worker.handle)
+            reason = self.backend.exit_reason(worker.handle) or self._agent_exit_reason(code)
             changed = worker.finish(
                 FAILED,
                 exit_code=code,
@@ -288,9 +290,22 @@ class Supervisor:
         if changed:
             self._changed(worker)
 
+    def _agent_exit_reason(self, code: int) -> str | None:
+        if code != SILENCE_EXIT:
+            return None
+        return (
+            f"its agent heard nothing from the session for {self.silence_timeout:g} s (silence_timeout) and "
+            "ended it: the network between them, or the session, stopped answering"
+        )
+
     async def _on_lost_contact(self, worker: Worker) -> None:
+        # The hub heard nothing for silence_timeout + HUB_SILENCE_MARGIN: the agent should have ended
+        # the worker by now, and the backend reported it. Neither did: the worker is cut off.
         await asyncio.wait([self._exit_watchers[worker.id]], timeout=LOST_CONTACT_GRACE)
-        message = f"worker {worker.id} lost contact with the controller (no heartbeat)"
+        message = (
+            f"worker {worker.id} lost contact with the controller: no heartbeat for "
+            f"{self.silence_timeout + HUB_SILENCE_MARGIN:g} s (silence_timeout={self.silence_timeout:g} s)"
+        )
         await self._end(worker, Ending(FAILED, message=message))
 
     async def _end(self, worker: Worker, ending: Ending) -> bool:

@@ -13,6 +13,14 @@ PRELOAD_ENV = "CMLCLUSTER_PRELOAD"  # modules the agent imports while its engine
 # Names a 0600 JSON file of a Horovod run's env= that each rank reads (cmlcluster.horovod.rank): its
 # values never travel on horovodrun's or ssh's command line.
 RANK_ENV_FILE_ENV = "CMLCLUSTER_RANK_ENV"
+# The session's silence_timeout, in seconds: how long an agent goes without the controller's pings
+# before it takes the session to be gone and ends its worker (agent_engine's watchdog).
+SILENCE_ENV = "CMLCLUSTER_SILENCE_TIMEOUT"
+# Sized for real networks (a switch's failover, a Wi-Fi roam, a VPN's reconnect take seconds to tens
+# of seconds); a backend declares its own (Capabilities.silence_timeout), local workers a short one.
+DEFAULT_SILENCE_TIMEOUT = 60.0
+# What an agent exits with when its watchdog ended the worker: the session names the silence.
+SILENCE_EXIT = 70
 
 # The controller's ping period. The hub announces a new engine at the beat after the first ping
 # it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start.

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "shipping",
             "progress",
             "lines",
+            "logfile",
             "_controller",
             "ssh",
             "ssh.config",
@@ -46,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ssh.preflight",
             "horovod.commands",
             "pytorch.commands",
+            "pytorch.store",  # torch's TCPStore on one address: in workers, and as the session's process
             "tensorflow.layout",
             "tensorflow.versions",
             "tensorflow.coordinator",

@@ -41,6 +41,7 @@ CMLCLUSTER_COMMANDS = (
     "ipyparallel.engine",
     "cmlcluster.pytorch.launch",  # torchrun
     "cmlcluster/pytorch/rank.py",  # the processes it starts
+    "cmlcluster.pytorch.store",  # an elastic run's rendezvous store, the session's
     "horovodrun",
     "cmlcluster.horovod.driver",  # horovodrun, as cmlcluster runs it
     "tensorboard",
@@ -185,18 +186,31 @@ def agent_pid(worker_id: str) -> int | None:
     """The pid (as this host sees it, containers included) of a worker's agent.
 
     Found by the environment it started with, or, for a local worker forked from a template (whose
-    start environment it shows), by its log: the agent keeps a descriptor on workers/<id>.log.
+    start environment it shows), by its output: its stdout is the FIFO workers/<id>.output, removed once
+    opened (or, without a FIFO, its log file workers/<id>.log).
     """
-    log_name = f"{os.sep}workers{os.sep}{worker_id}.log"
+    names = tuple(f"{os.sep}workers{os.sep}{worker_id}{suffix}" for suffix in (".output", ".log"))
     for proc in running("cmlcluster.agent"):
         try:
             if proc.environ().get("CDSW_ENGINE_ID") == worker_id:
                 return proc.pid
-            if "--template" in proc.cmdline() and any(f.path.endswith(log_name) for f in proc.open_files()):
+            if "--template" in proc.cmdline() and any(
+                path.removesuffix(" (deleted)").endswith(names) for path in descriptors(proc.pid)
+            ):
                 return proc.pid
         except psutil.Error:
             continue
     return None
+
+
+def descriptors(pid: int) -> list[str]:
+    """What a process's file descriptors point at (psutil's open_files leaves FIFOs out)."""
+    paths = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return paths
 
 
 def processes_running(script: Path) -> list[psutil.Process]:

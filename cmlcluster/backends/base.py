@@ -21,10 +21,10 @@ the loop that carries every worker's events never waits on one backend:
 - ``wait(handle)`` returns the exit code once the process has ended *and* its
   output has been read to its end: what it wrote last (a stopped program's
   cleanup, say) is in ``output(handle)`` before the session hears of its end.
-  A backend whose output arrives through a stream of its own (a container's or
-  a pod's log) waits for that stream's end, at most OUTPUT_DRAIN_SECONDS after
-  the exit; one whose process writes straight into the session's log file has
-  nothing to wait for.
+  A backend waits for the end of the stream its output arrives through (a
+  container's or a pod's log, the pipe of a process: logfile.WorkerOutput), at
+  most OUTPUT_DRAIN_SECONDS after the exit. The log it copies the stream into is
+  a logfile.CappedLog: its first part and a rolling tail, never more.
 - ``stop(handle, grace)`` ends the process: TERM, then KILL after ``grace``
   seconds, and returns once it has ended, its output read as for ``wait``.
   Idempotent: stopping a stopped worker is a no-op, never an error.
@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from ..errors import ConfigError
+from ..logfile import read_tail
+from ..wire import DEFAULT_SILENCE_TIMEOUT
 from ..workers import Resources, WorkerSpec
 
 if TYPE_CHECKING:
@@ -85,14 +87,8 @@ def signal_exit_code(code: int) -> int:
 
 
 def log_tail(path: str, limit: int = OUTPUT_TAIL_BYTES) -> str:
-    """The last `limit` bytes of a worker's log file, as text ("" when there is none yet)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+    """The last `limit` bytes of a worker's log file (a CappedLog), as text ("" when there is none yet)."""
+    return read_tail(path, limit)
 
 
 @dataclass(frozen=True)
@@ -109,6 +105,12 @@ class Capabilities:
         all); anything else a program needs is shipped to them.
     interfaces: the network interfaces workers talk to each other on, for horovodrun and mpirun;
         () lets the frameworks find out.
+    stable_addresses: a worker launched to replace a lost one has the lost one's address, as
+        TensorFlow needs to take a lost task back (local: every worker is this host's).
+    silence_timeout: the session's silence_timeout when the user gives none: seconds of silence on
+        the control plane before a worker is taken as lost (its agent ends it; a session that died
+        leaves workers running that long). Sized for a real network; short where nothing but this
+        host lies between the session and its workers.
     """
 
     own_address: bool
@@ -116,6 +118,8 @@ class Capabilities:
     python: str
     shared_paths: tuple[str, ...]
     interfaces: tuple[str, ...] = ()
+    stable_addresses: bool = False
+    silence_timeout: float = DEFAULT_SILENCE_TIMEOUT
 
     def sees(self, path: str) -> bool:
         """Whether workers read `path` (absolute, on the session's machine) at the same path."""
@@ -129,6 +133,7 @@ class SessionContext:
 
     session_id: str
     session_dir: str
+    silence_timeout: float = DEFAULT_SILENCE_TIMEOUT  # the session's (see Capabilities.silence_timeout)
 
 
 HandleT = TypeVar("HandleT")

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from .._aio import settle_on_this_thread
 from ..errors import BackendError
+from ..logfile import CappedLog
 from ..resources import GpuPool, visible_gpus
 from ..workers import PACKAGE_DIR, Resources, WorkerSpec
 from . import docker_worker
@@ -288,10 +289,9 @@ class DockerBackend(Backend[DockerHandle]):
         # its output has been sent, which can be after the container is gone (seen: 6,000 lines
         # behind when the exit watcher's "removed" came); so an exit is reported after this ends.
         try:
-            with contextlib.suppress(Exception), open(handle.log_path, "ab") as log:
+            with contextlib.suppress(Exception), CappedLog(handle.log_path) as log:
                 for chunk in handle.container.logs(stream=True, follow=True, stdout=True, stderr=True):
                     log.write(chunk)
-                    log.flush()
         finally:
 
             def report() -> None:

@@ -5,10 +5,10 @@ closing it (a kernel killed, kill -9):
 
 The session starts it in a process group of its own with a pipe on its stdin whose only write end
 the session holds, and never writes to it: the pipe reaches EOF when the session's process ends,
-however it ends. This then removes the session's containers (their agents would end within seconds
-on their own, when the controller's heartbeat stops) and its network, which nothing else would
-remove before the next session on the engine or `cmlcluster cleanup`. After a session that closed,
-it finds nothing to remove.
+however it ends. This then removes the session's containers (their agents would end on their own
+once the controller's heartbeat has been silent for the session's silence_timeout) and its network,
+which nothing else would remove before the next session on the engine or `cmlcluster cleanup`. After
+a session that closed, it finds nothing to remove.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Workers as local processes: the default, no Docker needed.
 
 Each worker is a process in its own session (so the notebook's Ctrl-C does
-not reach it and stopping it takes its whole process tree), with output in a
-log file, its own GPUs in CUDA_VISIBLE_DEVICES, and CPU/memory limits through
-cgroups where the OS allows.
+not reach it and stopping it takes its whole process tree), with its output
+copied into a capped log file (logfile.py), its own GPUs in CUDA_VISIBLE_DEVICES,
+and CPU/memory limits through cgroups where the OS allows (said once where not).
 """
 
 from __future__ import annotations
@@ -19,16 +19,20 @@ from dataclasses import dataclass, field
 from .._proc import end_group_async, signal_group
 from ..agent_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 from ..errors import BackendError
-from ..resources import CgroupLimits, GpuPool, visible_gpus
+from ..logfile import WorkerOutput, start_process
+from ..resources import CgroupLimits, GpuPool, LimitsNotice, visible_gpus
 from ..workers import Resources, WorkerSpec
-from .base import Backend, Capabilities, log_tail
+from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail
 
 log = logging.getLogger(__name__)
+
+LOCAL_SILENCE_TIMEOUT = 10.0  # seconds: the default silence_timeout of workers on the session's host
 
 
 @dataclass(eq=False)
 class LocalHandle:
     process: asyncio.subprocess.Process | ForkedProcess
+    output: WorkerOutput
     log_path: str
     gpus: list[str]
     limits: CgroupLimits | None
@@ -49,14 +53,27 @@ class LocalBackend(Backend[LocalHandle]):
         self._apply_limits = apply_limits
         self._fork = fork
         self._templates: dict[frozenset[tuple[str, str]], Template] = {}
+        self._limits_notice = LimitsNotice()
 
     @property
     def gpus(self) -> GpuPool:
         return self._gpus
 
     def capabilities(self) -> Capabilities:
-        # This machine, this user, this environment: workers inherit the session's variables.
-        return Capabilities(own_address=False, session_host=True, python=sys.executable, shared_paths=("/",))
+        # This machine, this user, this environment: workers inherit the session's variables. No
+        # network lies between them and the session: a silence is a frozen or dead session, not a blip.
+        return Capabilities(
+            own_address=False,
+            session_host=True,
+            python=sys.executable,
+            shared_paths=("/",),
+            stable_addresses=True,
+            silence_timeout=LOCAL_SILENCE_TIMEOUT,
+        )
+
+    async def attach(self, context: SessionContext) -> None:
+        await super().attach(context)
+        self._limits_notice = LimitsNotice()  # said once per session
 
     async def check(self, n: int, resources: Resources) -> None:
         self._gpus.check(n, resources)
@@ -80,26 +97,17 @@ class LocalBackend(Backend[LocalHandle]):
             if self._apply_limits
             else None
         )
-        process: asyncio.subprocess.Process | ForkedProcess | None = None
         template = self._template(spec, env)
-        if template is not None:
-            try:
-                process = await template.fork(env, spec.cwd, log_path)
-            except BackendError as e:
-                log.warning("cmlcluster: %s; local workers start on their own from now on", e)
-                self._fork = False
+        forked = await self._fork_from(template, env, spec.cwd, log_path) if template is not None else None
         try:
-            if process is None:
-                with open(log_path, "wb") as output:
-                    process = await asyncio.create_subprocess_exec(
-                        *spec.argv,
-                        env=env,
-                        cwd=spec.cwd,
-                        stdin=asyncio.subprocess.DEVNULL,
-                        stdout=output,
-                        stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+            process, output = forked or await start_process(
+                log_path,
+                *spec.argv,
+                env=env,
+                cwd=spec.cwd,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except OSError as e:
             self._gpus.give_back(gpus)
             if limits:
@@ -107,7 +115,33 @@ class LocalBackend(Backend[LocalHandle]):
             raise BackendError(f"could not start worker {spec.worker_id} ({spec.argv[0]}): {e}") from e
         if limits:
             limits.add(process.pid)
-        return LocalHandle(process=process, log_path=log_path, gpus=gpus, limits=limits)
+            self._limits_notice.check(limits)
+        return LocalHandle(process=process, output=output, log_path=log_path, gpus=gpus, limits=limits)
+
+    async def _fork_from(
+        self, template: Template, env: dict[str, str], cwd: str, log_path: str
+    ) -> tuple[ForkedProcess, WorkerOutput] | None:
+        """A worker forked by `template`, writing into a FIFO that the session copies into its log; None
+        when the template cannot fork it (then local workers start on their own from now on)."""
+        fifo = log_path.removesuffix(".log") + ".output"
+        try:
+            output = WorkerOutput(log_path, fifo=fifo)
+        except OSError as e:  # a folder without FIFOs
+            log.warning("cmlcluster: cannot make %s (%s); local workers start on their own from now on", fifo, e)
+            self._fork = False
+            return None
+        try:
+            return await template.fork(env, cwd, fifo), output
+        except BackendError as e:
+            log.warning("cmlcluster: %s; local workers start on their own from now on", e)
+            self._fork = False
+            output.close()
+            return None
+        except BaseException:
+            output.close()
+            raise
+        finally:
+            output.handed_over()  # the worker holds its own end of the FIFO (or there is none)
 
     def _template(self, spec: WorkerSpec, env: dict[str, str]) -> Template | None:
         """The template that forks this worker, started on first use; None: start it on its own."""
@@ -130,9 +164,9 @@ class LocalBackend(Backend[LocalHandle]):
         return handle.process.returncode
 
     async def wait(self, handle: LocalHandle) -> int:
-        # The process writes into its log file itself: once it has exited, output() holds all of it.
         code = await handle.process.wait()
-        self._release(handle)
+        self._release(handle)  # its group is gone: nothing of it holds its output's pipe
+        await handle.output.drain(OUTPUT_DRAIN_SECONDS)  # output() holds all it wrote
         return code
 
     def _release(self, handle: LocalHandle) -> None:
@@ -148,6 +182,7 @@ class LocalBackend(Backend[LocalHandle]):
     async def stop(self, handle: LocalHandle, grace: float = 5.0) -> None:
         await end_group_async(handle.process, grace)
         self._release(handle)
+        await handle.output.drain(OUTPUT_DRAIN_SECONDS)
 
     def output(self, handle: LocalHandle) -> str:
         return log_tail(handle.log_path)

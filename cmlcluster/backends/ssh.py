@@ -12,8 +12,8 @@ back through ssh into the session's folder, like a local worker's.
 
 OpenSSH's client does the connecting, so the user's keys, agent and ssh config work as they do
 in a terminal. Host keys are checked against known_hosts: an unknown or changed key is refused,
-unless trust_on_first_use=True is asked for by name. A host that stops answering is noticed by
-ssh's keepalives within about 3 s; its workers fail with that reason, the others carry on.
+unless trust_on_first_use=True is asked for by name. ssh's keepalives are sized to the session's
+silence_timeout: a shorter network blip ends nothing; a longer one fails that host's workers only.
 
 Workers are placed on the host with the most free slots that has the GPUs they ask for; a
 launch that cannot fit is refused before anything starts. Before the first worker starts, every
@@ -36,16 +36,16 @@ from .. import checks
 from .._proc import signal_group
 from .._version import __version__
 from ..errors import BackendError, ConfigError
+from ..logfile import WorkerOutput, drained, start_process
 from ..ports import route_address
-from ..ssh.config import ssh_path
+from ..ssh.config import keepalive_options, ssh_path
 from ..ssh.keys import tofu_known_hosts
+from ..wire import DEFAULT_SILENCE_TIMEOUT
 from ..workers import Resources, WorkerSpec
-from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
+from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 
 REMOTE = "cmlcluster.backends.ssh_remote"
 LOST_HOST_EXIT = 255  # what ssh exits with when the connection fails or drops
-KEEPALIVE_SECONDS = 1  # ssh asks the host every second when it is quiet...
-KEEPALIVE_MISSES = 3  # ...and gives up after this many unanswered
 CONNECT_TIMEOUT = 10
 PREFLIGHT_TIMEOUT = 30.0
 HOST_LINE = re.compile(r"^(?P<host>[^\s:#]+|\[[^\]]+\])(?::(?P<colon>\d+))?(?:\s+slots\s*=\s*(?P<slots>\d+))?$")
@@ -113,6 +113,7 @@ class SSHHandle:
     host: Host
     gpus: list[str]
     log_path: str
+    output: WorkerOutput | None = None  # ssh's stdout and stderr, copied into log_path (capped)
     released: bool = False
 
 
@@ -175,6 +176,7 @@ class SSHBackend(Backend[SSHHandle]):
         self.ssh_options = list(ssh_options)
         self._controller_ip = controller_ip
         self._checked = False
+        self.silence_timeout = DEFAULT_SILENCE_TIMEOUT  # the session's, from attach(): ssh's keepalives
 
     # ---------------------------------------------------------------- what it is
 
@@ -191,7 +193,7 @@ class SSHBackend(Backend[SSHHandle]):
         """The ssh command line that runs `command` on `host` (options first: ssh keeps the first value)."""
         argv = ["ssh", "-T", "-o", "BatchMode=yes", "-p", str(self.port)]
         argv += ["-o", f"StrictHostKeyChecking={'accept-new' if self.trust_on_first_use else 'yes'}"]
-        argv += ["-o", f"ServerAliveInterval={KEEPALIVE_SECONDS}", "-o", f"ServerAliveCountMax={KEEPALIVE_MISSES}"]
+        argv += keepalive_options(self.silence_timeout)
         argv += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
         if self.known_hosts:
             argv += ["-o", f"UserKnownHostsFile={ssh_path(self.known_hosts)}"]
@@ -232,6 +234,7 @@ class SSHBackend(Backend[SSHHandle]):
 
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
+        self.silence_timeout = context.silence_timeout
         if not self._checked:
             await asyncio.to_thread(self.preflight)
             self._checked = True
@@ -301,9 +304,7 @@ class SSHBackend(Backend[SSHHandle]):
         gpus, host.free_gpus = host.free_gpus[: spec.resources.nvidia_gpu], host.free_gpus[spec.resources.nvidia_gpu :]
         env = dict(spec.env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # zero GPUs means none visible, not all of them
-        log_dir = os.path.join(self.context.session_dir, "workers")
-        os.makedirs(log_dir, exist_ok=True)
-        log_path = os.path.join(log_dir, f"{spec.worker_id}.log")
+        log_path = os.path.join(self.context.session_dir, "workers", f"{spec.worker_id}.log")
         request = {
             "worker_id": spec.worker_id,
             "argv": list(spec.argv),
@@ -312,21 +313,19 @@ class SSHBackend(Backend[SSHHandle]):
             "memory": spec.resources.memory,
         }
         try:
-            with open(log_path, "wb") as log:
-                process = await asyncio.create_subprocess_exec(
-                    *self.ssh_argv(host.address, self.python, "-m", REMOTE),
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=log,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,  # the notebook's Ctrl-C is not the worker's
-                )
+            process, output = await start_process(
+                log_path,
+                *self.ssh_argv(host.address, self.python, "-m", REMOTE),
+                stdin=asyncio.subprocess.PIPE,
+                start_new_session=True,  # the notebook's Ctrl-C is not the worker's
+            )
         except OSError as e:
             self._give_back(host, gpus)
             raise BackendError(f"could not start ssh for worker {spec.worker_id} on {host.address}: {e}") from e
         assert process.stdin is not None
         process.stdin.write(json.dumps(request).encode() + b"\n")
         # The pipe stays open: closing it (or this process dying) tells the host to stop the worker.
-        return SSHHandle(process=process, host=host, gpus=gpus, log_path=log_path)
+        return SSHHandle(process=process, host=host, gpus=gpus, log_path=log_path, output=output)
 
     def _give_back(self, host: Host, gpus: list[str]) -> None:
         host.free_slots += 1
@@ -338,6 +337,7 @@ class SSHBackend(Backend[SSHHandle]):
 
     async def wait(self, handle: SSHHandle) -> int:
         code = await handle.process.wait()
+        await drained(handle.output, OUTPUT_DRAIN_SECONDS)  # ssh's last words (why it ended) in the log
         self._release(handle)
         return int(_exit_code(code) or 0)
 
@@ -360,6 +360,7 @@ class SSHBackend(Backend[SSHHandle]):
             except asyncio.TimeoutError:
                 signal_group(process.pid, signal.SIGKILL)
         await process.wait()
+        await drained(handle.output, OUTPUT_DRAIN_SECONDS)
         self._release(handle)
 
     def output(self, handle: SSHHandle) -> str:
@@ -372,6 +373,8 @@ class SSHBackend(Backend[SSHHandle]):
         ssh_says = next(
             (line for line in reversed(lines) if re.search(r"Timeout|Connection|closed|refused|route", line)), ""
         )
+        if "Timeout" in ssh_says:  # its keepalives went unanswered: a silence, not a refusal
+            ssh_says = ssh_says.strip() + f" (silent for over {self.silence_timeout:g} s: silence_timeout)"
         return f"lost the SSH connection to {handle.host.address}" + (f": {ssh_says.strip()}" if ssh_says else "")
 
 

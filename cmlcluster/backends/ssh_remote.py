@@ -12,8 +12,8 @@ when asked. The SSH backend talks to it through the ssh connection's stdin:
   sshd's logins start sessions of their own), KILL after grace seconds;
 - end of input (the session closed the connection, or died) does the same.
 
-The agent's output goes to this process's stdout and stderr, which ssh carries back. The exit
-code is the agent's (128+N when a signal N killed it).
+The agent's output (its stdout and stderr, as one stream) goes to this process's stdout, which ssh
+carries back. The exit code is the agent's (128+N when a signal N killed it).
 """
 
 from __future__ import annotations
@@ -79,7 +79,11 @@ def main() -> None:
     code = 1
     _become_subreaper()
     try:
-        process = subprocess.Popen(argv, env=env, cwd=work, stdin=subprocess.DEVNULL, start_new_session=True)
+        # Its stderr joins its stdout here: two streams over ssh arrive in either order, and a worker's
+        # last words (a traceback) must come after what it printed before them, as they do locally.
+        process = subprocess.Popen(
+            argv, env=env, cwd=work, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+        )
         limits.add(process.pid)
         # SIGTERM or SIGHUP to this process (sshd going down, say) stops the worker like `stop`.
         for sig in (signal.SIGTERM, signal.SIGHUP):

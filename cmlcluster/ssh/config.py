@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from .. import checks
 from ..errors import ConfigError
 
+KEEPALIVE_SECONDS = 5  # ssh asks a quiet host this often (or every silence_timeout, when shorter)
+
 
 def host_pattern(host: str, port: int) -> str:
     """How known_hosts names a host on a port: "10.0.0.2" on 22, "[10.0.0.2]:2222" elsewhere."""
     return f"[{host}]:{port}" if port != 22 else host
+
+
+def keepalive_options(silence_timeout: float) -> list[str]:
+    """ssh's keepalives for a session's silence_timeout (seconds). ssh asks a quiet host every
+    `interval` s and gives up at the first ask after `misses` went unanswered (OpenSSH), between
+    silence_timeout + 1 and + 2 intervals: after the worker's agent gave up (at silence_timeout),
+    before the controller does (10 s after it: control.HUB_SILENCE_MARGIN). Until then TCP holds
+    the connection through a blip and sends again."""
+    interval = max(1, min(KEEPALIVE_SECONDS, math.floor(silence_timeout)))
+    misses = math.ceil(silence_timeout / interval)
+    return ["-o", f"ServerAliveInterval={interval}", "-o", f"ServerAliveCountMax={misses}"]
 
 
 def ssh_path(path: str) -> str:

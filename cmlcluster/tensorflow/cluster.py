@@ -19,7 +19,7 @@ from typing import Any
 from .. import wire
 from ..api import get_session
 from ..errors import CmlClusterError, ConfigError
-from ..jobs import Job, JobFailed, JobFailure, Member, Role, launch_job
+from ..jobs import Job, JobFailed, JobFailure, Member, Restarts, Role, launch_job
 from ..ports import free_ports
 from ..session import Session
 from ..shipping import Shipment
@@ -160,7 +160,23 @@ class TFCluster:
         return done["workers"]
 
     def _fail_coordinator(self, failure: JobFailure) -> None:
-        coordinator.fail(self.cluster_spec, JobFailed(self.job.name, failure))
+        coordinator.fail(self.cluster_spec, self.job.error())
+
+    def _take_back(self, lost: Member, new: Member) -> None:
+        """Make `new` the lost worker task: its server at the lost one's address, which TensorFlow's
+        coordinator waits for (its preemption handler, see coordinator.py) and then trains on again,
+        rebuilding the task's datasets. The parameter servers kept the variables: nothing is lost."""
+        i, task = next((i, t) for i, t in enumerate(self.tasks) if t.worker_id == lost.worker_id)
+        again = TaskWorker(task.job, task.index, task.address, new.worker_id)
+        call = f"{TASK}:start_server"
+        self.session.call(new.worker_id, call, self.cluster_spec, task.job, task.index, timeout=SERVER_READY_TIMEOUT)
+        _wait_reachable([again], SERVER_READY_TIMEOUT)
+        self.tasks[i] = again
+
+    @property
+    def restarts(self) -> int:
+        """How many lost worker tasks were replaced (start_cluster's max_restarts)."""
+        return self.job.restarts
 
     @property
     def failure(self) -> Any:
@@ -179,7 +195,8 @@ class TFCluster:
             # waiting for the lost worker, holding the lock that stopping its coordinator needs.
             coordinator.detach(self.cluster_spec)
         if not self.stopped and not self.session.closed:
-            self.session.stop_workers(*(t.worker_id for t in self.tasks))
+            # The job's members too: a replacement joins them before its task is taken back.
+            self.session.stop_workers(*dict.fromkeys([*(t.worker_id for t in self.tasks), *self.job.worker_ids]))
         self.stopped = True
 
     def __enter__(self) -> TFCluster:
@@ -193,7 +210,7 @@ class TFCluster:
         self.stop()
         if exc is not None and self.failure is not None and not isinstance(exc, JobFailed):
             # What TensorFlow raised in this process (UnavailableError, say) follows from this.
-            raise JobFailed(self.job.name, self.failure) from exc
+            raise self.job.error() from exc
         unsupported = versions.fit_error(exc) if exc is not None and self.chief is not None else None
         if unsupported is not None:  # Keras 3's own error does not say that fit cannot train here
             raise unsupported from exc
@@ -221,6 +238,7 @@ def start_cluster(
     servers: bool = True,
     coordinator: bool | None = None,
     min_workers: int | None = None,
+    max_restarts: int = 0,
     timeout_seconds: float = 60,
     env: Mapping[str, str] | None = None,
     session: Session | None = None,
@@ -232,7 +250,9 @@ def start_cluster(
     also holds a "chief" task at this process's address, for TF2's
     ParameterServerStrategy with the notebook as coordinator (see TFCluster.resolver).
     With min_workers, the cluster goes on with the workers that started if at
-    least that many did (a warning names the others).
+    least that many did (a warning names the others). With max_restarts=N, a
+    worker task lost while this process coordinates is replaced, N times in all,
+    and training goes on (a lost parameter server still fails the cluster).
     """
     min_workers = layout.check_counts(n_workers, n_ps, min_workers)
     env = check_env(env)
@@ -243,14 +263,30 @@ def start_cluster(
         raise ConfigError("coordinator=True needs servers=True: a coordinator drives running servers")
     if session is None:
         session = get_session()  # the cluster outlives this call: never a session of its own
+    layout.check_restarts(max_restarts, coordinator, session.backend.capabilities().stable_addresses)
     env = {**versions.legacy_keras_env(), **env}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
         env.setdefault(wire.PRELOAD_ENV, "tensorflow")
     roles = [  # launch_workers checks the resources before anything starts
         Role("ps", n_ps, Resources(cpu, memory, 0), env=env),  # never a GPU
-        Role("worker", n_workers, Resources(cpu, memory, nvidia_gpu), min_count=min_workers, env=env),
+        Role(
+            "worker",
+            n_workers,
+            Resources(cpu, memory, nvidia_gpu),
+            min_count=min_workers,
+            env=env,
+            replaceable=max_restarts > 0,
+        ),
     ]
-    job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds)
+    built: list[TFCluster] = []  # the cluster, once it is: its replacements start their servers in it
+
+    def take_back(lost: Member, new: Member) -> None:
+        if not built:
+            raise CmlClusterError("the cluster was still starting")
+        built[0]._take_back(lost, new)
+
+    restarts = Restarts(max_restarts, take_back, same_address=True) if max_restarts else None
+    job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds, restarts=restarts)
     with ExitStack() as undo:
         undo.callback(job.stop)
         # Fixed ports only where no earlier cluster's address can come back to this process (see _assign_tasks).
@@ -266,6 +302,7 @@ def start_cluster(
             )
             _wait_reachable(tasks, SERVER_READY_TIMEOUT)
         cluster = TFCluster(session, tasks, servers, job, chief)
+        built.append(cluster)
         undo.pop_all()
     return cluster
 

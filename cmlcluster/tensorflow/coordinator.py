@@ -142,10 +142,14 @@ def _wait_for_lost_tasks(ctx: Any, server_def: Any) -> None:
         elif time.monotonic() - accepting_since >= RECOVERY_SETTLE_SECONDS:
             return
         time.sleep(RECOVERY_POLL_SECONDS)
-    # Parked for good, as TensorFlow would have been in update_server_def, but without touching
-    # the eager context. (Raising instead hands the error to the closure threads, and TensorFlow's
-    # mark_failed then dies on "There is no inflight closures to mark_failed": a thread traceback
-    # under the cell.) fail() already made the coordinator's waits raise the job's error.
+    _park_for_good()
+
+
+def _park_for_good() -> None:
+    """Wait forever, as TensorFlow would have in update_server_def, but without touching the eager
+    context. (Raising instead hands the error to the closure threads, and TensorFlow's mark_failed
+    then dies on "There is no inflight closures to mark_failed": a thread traceback under the cell.)
+    fail() already made the coordinator's waits raise the job's error; a stopped cluster has none."""
     threading.Event().wait()
 
 
@@ -196,11 +200,11 @@ def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
     local.ClearField("cluster_device_filters")
     with _quiet_tensorflow_logger():  # it narrates each stop at INFO, which a notebook shows
         for cluster in _coordinator_clusters():
-            if not _recovering(cluster):
+            if not _recovering(cluster):  # else its handler holds the lock stop() takes (it parks for good)
                 cluster.stop()
-                # ClusterCoordinator.__del__ stops it again, possibly at interpreter exit, when
-                # a kernel's streams are closed and its INFO lines become "Logging error"s.
-                cluster.stop = lambda: None
+            # ClusterCoordinator.__del__ stops it again, possibly at interpreter exit, when a kernel's
+            # streams are closed and its INFO lines become "Logging error"s, or for ever on that lock.
+            cluster.stop = lambda: None
         internals.eager_context().update_server_def(local)
     return True
 

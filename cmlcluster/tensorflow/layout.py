@@ -46,6 +46,24 @@ def check_counts(n_workers: int, n_ps: int, min_workers: int | None = None) -> i
     return min_workers
 
 
+def check_restarts(max_restarts: int, coordinator: bool, stable_addresses: bool) -> None:
+    if not checks.whole(max_restarts, 0):
+        raise ConfigError(f"max_restarts={max_restarts!r}: give how many lost workers to replace, 0 or more")
+    if not max_restarts:
+        return
+    if not coordinator:
+        raise ConfigError(
+            f"max_restarts={max_restarts}: only a cluster this process coordinates takes a lost worker back "
+            "(start_cluster(..., coordinator=True) with ParameterServerStrategy); TF_CONFIG scripts "
+            "(MultiWorkerMirroredStrategy) and TF1 sessions stop with their first lost task"
+        )
+    if not stable_addresses:
+        raise ConfigError(
+            f"max_restarts={max_restarts}: TensorFlow takes a lost worker back only at its address, which "
+            "this backend cannot yet give a replacement; use the local backend, or max_restarts=0"
+        )
+
+
 def check_port(port: int, what: str = "port") -> int:
     if not checks.port(port):
         raise ConfigError(f"{what}={port!r}: give a TCP port from 1 to 65535 (the default is {DEFAULT_PORT})")

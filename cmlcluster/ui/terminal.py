@@ -145,16 +145,16 @@ class TerminalView:
             del self._task_bars[task]
 
     def _on_job(self, event: JobChanged) -> None:
-        if event.state == "started":
+        if event.state in ("started", "member_replaced"):
             for member in event.members:
                 self._labels[member.worker_id] = f"{member.role} {member.index}"
+        if event.state == "started":
             self._write(f"[cmlcluster] {event.job} started: {len(event.members)} workers")
-        elif event.state == "failed":
-            for failure in event.failures:
-                self._write(f"[cmlcluster] {event.job} failed: {failure}")
-        else:
+        elif event.state == "finished":
             self._close_bars()
             self._write(f"[cmlcluster] {event.job} finished")
+        for note in event.notes():
+            self._write(f"[cmlcluster] {note}")
 
     def _close_bars(self) -> None:
         for bar in [*self._task_bars.values(), *([self._up_bar] if self._up_bar is not None else [])]:

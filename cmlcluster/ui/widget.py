@@ -144,11 +144,10 @@ class WidgetView:
             elif isinstance(event, Progress):
                 self._on_progress(event)
             elif isinstance(event, JobChanged):
-                if event.state == "started":
+                if event.state in ("started", "member_replaced"):
                     for member in event.members:
                         self._labels[member.worker_id] = f"{member.role} {member.index}"
-                elif event.state == "failed":
-                    self._notes += [f"{event.job} failed: {failure}" for failure in event.failures]
+                self._notes += event.notes()
             elif isinstance(event, LaunchFailed):
                 self._notes.append(event.message)
             elif isinstance(event, RunEnded) and not event.ok:

@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 from conftest import DOCKER_TEST_IMAGE
 from processes import agent_pid, kill_later, processes_running, running, wait_until
+from tf_training import stacks_in_update_server_def, threads_in_update_server_def, train_as_coordinator
 
 import cmlcluster
 from cmlcluster import Session, run_cluster
@@ -58,7 +57,13 @@ def shared_docker_backend(tmp_path_factory):
     return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, volumes={shared: shared})
 
 
-@pytest.mark.parametrize("victim_role", ["ps", "worker"])
+# Both roles on local; one each elsewhere: how the job fails does not depend on the backend, and how a
+# backend sees its process die does not depend on the role.
+@pytest.mark.parametrize(
+    "backend, victim_role",
+    [("local", "ps"), ("local", "worker"), ("docker", "worker"), ("ssh", "ps"), ("kubernetes", "worker")],
+    indirect=["backend"],
+)
 def test_kill_9_during_run_cluster_fails_the_job_naming_the_task_and_stops_the_rest(session, tmp_path, victim_role):
     script = tmp_path / "long_task.py"
     script.write_text(LONG_TASK)
@@ -180,52 +185,6 @@ def test_reuse_keeps_the_same_workers_and_sshd_and_leaves_nothing_after_stop_ses
     # (the autouse fixtures fail the test on any container, process or temp folder left)
 
 
-def train_as_coordinator(cluster, epochs, callbacks=()):
-    import numpy as np
-    import tensorflow as tf
-
-    strategy = tf.distribute.ParameterServerStrategy(cluster.resolver)
-    with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(1)])
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
-    x = np.random.default_rng(0).random((256, 4), dtype=np.float32)
-
-    def data(_context):
-        return tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1))).repeat().batch(32)
-
-    history = model.fit(
-        tf.keras.utils.experimental.DatasetCreator(data),
-        epochs=epochs,
-        steps_per_epoch=20,
-        verbose=0,
-        callbacks=list(callbacks),
-    )
-    return history.history["loss"]
-
-
-def threads_in_update_server_def():
-    """The names of this process's threads inside TensorFlow's Context.update_server_def."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    return [
-        names.get(ident)
-        for ident, frame in sys._current_frames().items()
-        if any(
-            f.f_code.co_name == "update_server_def" and f.f_code.co_filename.endswith("eager/context.py")
-            for f, _ in traceback.walk_stack(frame)
-        )
-    ]
-
-
-def stacks_in_update_server_def() -> dict[str, str]:
-    names = {t.ident: t.name for t in threading.enumerate()}
-    frames = sys._current_frames()
-    return {
-        str(names.get(ident)): "".join(traceback.format_stack(frames[ident]))
-        for ident in frames
-        if names.get(ident) in threads_in_update_server_def()
-    }
-
-
 def kill_9_while_this_process_coordinates(session, victim_role):
     import tensorflow as tf
 
@@ -265,6 +224,7 @@ def kill_9_while_this_process_coordinates(session, victim_role):
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.parametrize("backend", ["local", "kubernetes"], indirect=True)  # the slowest to see a death: pods
 def test_kill_9_of_a_worker_while_this_process_coordinates_fails_fit_and_the_next_cluster_trains(session):
     kill_9_while_this_process_coordinates(session, "worker")
 

@@ -228,6 +228,7 @@ def test_a_raising_worker_script_names_the_worker_and_leaves_nothing(session, tm
     # (the autouse fixture fails the test if any worker process is left)
 
 
+@pytest.mark.parametrize("backend", ["local", "kubernetes"], indirect=True)  # the job layer's, on any backend
 def test_min_workers_carries_on_without_a_worker_that_never_starts(session, worker_startup_hook):
     # Engine 1, the second worker, hangs before it can register.
     env = worker_startup_hook(

@@ -378,19 +378,20 @@ def test_interpreter_exit_stops_workers(wait_gone):
     assert wait_gone(pids, within=5) == []
 
 
-def test_a_worker_frozen_longer_than_the_silence_it_allows_lives_on(local_session):
-    # SIGSTOP then SIGCONT: the agent wakes to a clock that jumped 7 s (more than the 5 s of silence
+def test_a_worker_frozen_longer_than_the_silence_it_allows_lives_on():
+    # SIGSTOP then SIGCONT: the agent wakes to a clock that jumped 7 s (more than the 4 s of silence
     # after which it takes its session to be gone) before it has read the pings sent meanwhile.
-    [worker] = local_session.launch_workers(1, cpu=0.5, memory=0.5)
-    assert local_session.await_workers([worker], wait_for_completion=False, timeout_seconds=40)["failures"] == []
-    pid = local_session.worker_pid(worker)
-    os.kill(pid, signal.SIGSTOP)
-    time.sleep(7)
-    os.kill(pid, signal.SIGCONT)
-    time.sleep(2)
-    assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    assert local_session.call(worker, "os:getpid", timeout=20) == pid
-    assert [w["status"] for w in local_session.list_workers()] == ["running"]
+    with Session("local", echo=False, silence_timeout=4) as s:
+        [worker] = s.launch_workers(1, cpu=0.5, memory=0.5)
+        assert s.await_workers([worker], wait_for_completion=False, timeout_seconds=40)["failures"] == []
+        pid = s.worker_pid(worker)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(7)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(2)
+        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert s.call(worker, "os:getpid", timeout=20) == pid
+        assert [w["status"] for w in s.list_workers()] == ["running"]
 
 
 def test_workers_whose_controller_stops_answering_exit_and_say_why(local_session):
@@ -406,5 +407,6 @@ def test_workers_whose_controller_stops_answering_exit_and_say_why(local_session
     assert done["workers"] == [] and len(done["failures"]) == 2, done
     for failure in done["failures"]:
         assert failure["status"] == "failed"
-        # Its last words reach the worker's own output, not a pipe that dies with it.
-        assert "no heartbeat from the controller for 5 s; the session is gone, exiting" in failure["message"]
+        # Its last words reach the worker's own output, not a pipe that dies with it; its exit code says why.
+        assert "no heartbeat from the controller for 10 s (silence_timeout); the session is gone" in failure["message"]
+        assert "heard nothing from the session for 10 s (silence_timeout)" in failure["message"]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from cmlcluster.lines import CUT_MARK, LineSplitter, visible
+import asyncio
+import threading
+
+from cmlcluster._aio import LoopThread
+from cmlcluster.lines import CUT_MARK, MAX_RELAYED_CHARS, LineSplitter, OutputRelay, visible
 
 
 def feed_all(splitter: LineSplitter, chunks: list[str]) -> list[str]:
@@ -36,3 +40,53 @@ def test_a_line_longer_than_the_cap_is_cut_marked_and_the_rest_of_it_dropped():
     lines = feed_all(splitter, ["0123456789abc", "def" * 1000, "ghi\nnext\n"])
     assert lines == ["0123456789abc"[:10] + CUT_MARK, "next"]
     assert feed_all(LineSplitter(limit=10), ["0123456789\n"]) == ["0123456789"]  # at the cap: whole
+
+
+def relay_on_a_loop(received: list[tuple[str, str]]):
+    loop_thread = LoopThread(name="test-relay")
+    loop = loop_thread.loop
+    return loop_thread, loop, OutputRelay(loop, lambda stream, text: received.append((stream, text)))
+
+
+def test_a_flood_reaches_the_loop_in_order_in_few_callbacks():
+    received: list[tuple[str, str]] = []
+    loop_thread, loop, relay = relay_on_a_loop(received)
+    scheduled = []
+    original = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: scheduled.append(1) or original(*a)  # counts the loop's callbacks
+    try:
+        chunks = [(("stdout", "stderr")[i % 7 == 0], f"{i}\n") for i in range(50_000)]
+        pusher = threading.Thread(target=lambda: [relay.put(*c) for c in chunks])
+        pusher.start()
+        pusher.join()
+        loop_thread.run(asyncio.sleep(0.1))  # after every callback scheduled before it
+        assert received == chunks
+        assert len(scheduled) < len(chunks) / 10, len(scheduled)  # one per burst, not one per message
+    finally:
+        loop_thread.stop()
+
+
+def test_output_waiting_for_a_stuck_loop_stays_bounded_and_the_gap_is_said():
+    received: list[tuple[str, str]] = []
+    loop_thread, loop, relay = relay_on_a_loop(received)
+    stuck, release = threading.Event(), threading.Event()
+    loop.call_soon_threadsafe(lambda: (stuck.set(), release.wait()))  # the loop, busy elsewhere
+    try:
+        assert stuck.wait(5)
+        line = "x" * 99 + "\n"
+        for _ in range(3 * MAX_RELAYED_CHARS // len(line)):
+            relay.put("stdout", line)
+        assert relay._chars <= MAX_RELAYED_CHARS
+        release.set()
+        loop_thread.run(asyncio.sleep(0.1))
+        kept = sum(len(text) for stream, text in received if stream == "stdout")
+        assert MAX_RELAYED_CHARS - len(line) < kept <= MAX_RELAYED_CHARS
+        [note] = [text for stream, text in received if stream == "stderr"]
+        dropped = 3 * MAX_RELAYED_CHARS // len(line) * len(line) - kept
+        assert note == f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n"
+        relay.put("stdout", "after\n")  # caught up: nothing is dropped any more
+        loop_thread.run(asyncio.sleep(0.1))
+        assert received[-1] == ("stdout", "after\n")
+    finally:
+        release.set()
+        loop_thread.stop()

@@ -5,7 +5,7 @@ last resourceVersion it delivered, and one whose history has been compacted away
 starts again from a fresh list. PodTracker takes each event on the session's loop and ends the
 pod's handle with Kubernetes' own words when it cannot be scheduled, its image cannot be pulled
 or its container cannot be created, when it is evicted, OOM-killed, or deleted by someone else;
-it copies each pod's log to the worker's log file on a thread of its own.
+it copies each pod's log to the worker's (capped) log file on a thread of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...logfile import CappedLog
 from ..base import OUTPUT_DRAIN_SECONDS
 from .names import CONTAINER_NAME
 from .pods import (
@@ -280,7 +281,7 @@ class PodTracker:
 
     def _copy_log(self, handle: PodHandle) -> None:
         """The container's output into the worker's log file, from its start to its end (own thread)."""
-        with contextlib.suppress(Exception), open(handle.log_path, "ab") as out:
+        with contextlib.suppress(Exception), CappedLog(handle.log_path) as out:
             response = self._core.read_namespaced_pod_log(
                 handle.name,
                 self._namespace,
@@ -291,6 +292,5 @@ class PodTracker:
             try:
                 for chunk in response.stream(4096):
                     out.write(chunk)
-                    out.flush()
             finally:
                 response.release_conn()

@@ -1,0 +1,137 @@
+"""A network blip is not a failure. A worker whose network is cut (every packet but loopback dropped in
+its own network namespace, as a switch's failover or a Wi-Fi roam would) for less than the session's
+silence_timeout carries on once it is back and its program finishes; one cut for longer fails with the
+structured failure naming the silence, in bounded time, with nothing of it left running. On Docker
+containers and on SSH hosts (containers standing in for machines: tests/sshhosts.py).
+
+The cut is made with iptables in the worker's namespace (nsenter), never by `docker network
+disconnect`: a container reconnected to its network may get another address, which is another test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+
+import pytest
+from conftest import DOCKER_TEST_IMAGE, leftovers_on
+from processes import wait_until
+
+from cmlcluster import Session
+from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.ssh import SSHBackend
+
+pytestmark = pytest.mark.integration
+
+BLIP = 15.0  # seconds without a packet: longer than any clock of the control plane allowed before
+SHORT = 8.0  # a silence_timeout the long cut outlasts
+STEPS = 80  # half a second each: the program runs through the blip and past TCP's next resend
+PROGRAM = f"import time\nfor i in range({STEPS}):\n    print('step', i, flush=True)\n    time.sleep(0.5)\n"
+
+
+@contextlib.contextmanager
+def network_cut(pid: int):
+    """Drop every packet in and out of pid's network namespace but loopback's, until the block ends."""
+    rules = [["INPUT", "!", "-i", "lo", "-j", "DROP"], ["OUTPUT", "!", "-o", "lo", "-j", "DROP"]]
+    added = []
+    try:
+        for rule in rules:
+            subprocess.run(["nsenter", "-t", str(pid), "-n", "iptables", "-I", *rule], check=True)
+            added.append(rule)
+        yield
+    finally:
+        for rule in added:  # only the rules this added, in a namespace of this test's own worker or host
+            if os.path.exists(f"/proc/{pid}"):  # else the namespace went with its container
+                subprocess.run(["nsenter", "-t", str(pid), "-n", "iptables", "-D", *rule], check=True)
+
+
+def docker_session(silence_timeout=None):
+    backend = DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True)
+    return Session(backend, echo=False, silence_timeout=silence_timeout)
+
+
+def ssh_session(hosts, silence_timeout=None):
+    # One host: the worker's, whose network the test cuts.
+    login = {"user": hosts.user, "identity": hosts.identity_file, "known_hosts": hosts.known_hosts}
+    backend = SSHBackend([hosts.hosts[0].ip], python=hosts.python, **login)
+    return Session(backend, echo=False, silence_timeout=silence_timeout)
+
+
+def session_for(kind, request, silence_timeout=None):
+    if kind == "docker":
+        return docker_session(silence_timeout)
+    return ssh_session(request.getfixturevalue("ssh_hosts"), silence_timeout)
+
+
+def namespace_pid(kind, request, session, worker) -> int:
+    """A process in the worker's network namespace, as this machine sees it: its container's init."""
+    if kind == "docker":
+        container = session._supervisor.resolve(worker).handle.container
+    else:
+        container = request.getfixturevalue("ssh_hosts").hosts[0]._container
+    container.reload()
+    return int(container.attrs["State"]["Pid"])
+
+
+def training(session):
+    [worker] = session.launch_workers(1, cpu=0.5, memory=1, code=PROGRAM)
+    wait_until(lambda: "step 2" in session.output(worker), 90, "the program training")
+    return worker
+
+
+def worker_processes_on(host) -> list[str]:
+    return [line for line in host.processes() if "cmlcluster" in line]
+
+
+@pytest.mark.parametrize("kind", ["docker", "ssh"])
+def test_a_worker_cut_off_for_15_s_carries_on_and_its_program_succeeds(kind, request):
+    with session_for(kind, request) as s:
+        assert s.silence_timeout > BLIP  # the default for workers across a network
+        worker = training(s)
+        with network_cut(namespace_pid(kind, request, s, worker)):
+            time.sleep(BLIP)
+            assert s.list_workers()[0]["status"] == "running"
+        done = s.await_workers([worker], timeout_seconds=120)
+        assert done["failures"] == [], done["failures"]
+        assert [w["status"] for w in done["workers"]] == ["succeeded"]
+        # What it printed while cut off arrived once it was back, in order and whole.
+        assert s.output(worker).splitlines() == [f"step {i}" for i in range(STEPS)]
+
+
+@pytest.mark.parametrize("kind", ["docker", "ssh"])
+def test_a_worker_cut_off_longer_than_silence_timeout_fails_naming_it_and_nothing_is_left(kind, request):
+    with session_for(kind, request, silence_timeout=SHORT) as s:
+        worker = training(s)
+        pid = namespace_pid(kind, request, s, worker)
+        with network_cut(pid):
+            cut = time.monotonic()
+            failed = wait_until(
+                lambda: [w for w in s.list_workers() if w["status"] == "failed"], SHORT + 20, "the worker failed"
+            )
+            reported = time.monotonic() - cut
+            # Ended where it runs, by its own agent, while still cut off from the session.
+            if kind == "docker":
+                container = s._supervisor.resolve(worker).handle.container
+                wait_until(lambda: gone(container), 15, "the worker's container removed")
+            else:
+                host = request.getfixturevalue("ssh_hosts").hosts[0]
+                wait_until(lambda: not worker_processes_on(host), 15, "no worker process on the host")
+        [failure] = failed
+        assert SHORT - 1 <= reported <= SHORT + 20, reported  # not before its silence_timeout: then promptly
+        assert f"{SHORT:g} s" in failure["message"] and "silence_timeout" in failure["message"], failure
+        if kind == "ssh":  # the session's ssh gave up on the host, as the agent did on the session
+            assert f"lost the SSH connection to {host.ip}" in failure["message"]
+            # sshd's side of the dead connection ends once its next resend meets the closed one.
+            wait_until(lambda: not leftovers_on(request.getfixturevalue("ssh_hosts")), 60, "nothing on the host")
+    print(f"{kind}: failed {reported:.1f} s after the cut (silence_timeout={SHORT:g} s): {failure['message']}")
+
+
+def gone(container) -> bool:
+    from docker.errors import NotFound
+
+    try:
+        container.reload()
+    except NotFound:
+        return True
+    return False
