@@ -12,7 +12,7 @@ HorovodResult.
 
 %torchrun's options: --nnodes N (workers), --nproc-per-node K (default: the worker's GPUs, or 1),
 --cpu, --memory (GB), --gpus (per worker), --dist-backend gloo|nccl, --backend NAME,
---start-timeout S, --join-timeout S, --rank0-only. Its value is a TorchResult.
+--start-timeout S, --join-timeout S, --rank0-only, --max-restarts N. Its value is a TorchResult.
 """
 
 from __future__ import annotations

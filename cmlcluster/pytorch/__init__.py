@@ -1,16 +1,34 @@
 """PyTorch distributed training on cmlcluster workers: run_torch, and the %torchrun magic.
 
 torch itself is imported only inside the workers' processes (and by init_process_group,
-which they call); this package loads where PyTorch is not installed.
+which they call); this package loads where PyTorch is not installed. The session's side
+(run_torch and what it returns) is imported when first used: every rank imports this
+package, and needs none of it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .commands import DIST_BACKENDS
-from .run import RankFailure, TorchError, TorchResult, run_torch
+
+if TYPE_CHECKING:
+    from .result import RankFailure, TorchError, TorchResult
+    from .run import run_torch
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run_torch":
+        from .run import run_torch as value
+    elif name in ("RankFailure", "TorchError", "TorchResult"):
+        from . import result
+
+        value = getattr(result, name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # found here from now on
+    return value
 
 
 def init_process_group(**kwargs: Any) -> None:

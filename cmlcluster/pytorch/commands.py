@@ -1,5 +1,6 @@
 """Pure builders for a PyTorch run: how many processes per node, which process-group backend,
-torchrun's argv, and the rank label of a line of torchrun's output. Nothing here runs anything."""
+torchrun's argv (static, or elastic), and the rank label of a line of torchrun's output. Nothing
+here runs anything."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ DEFAULT_JOIN_TIMEOUT = 120  # seconds for every node to reach the rendezvous
 # torchrun --tee prefixes what a local process writes with its role and local rank: "[default1]:".
 TEE_HEADER = re.compile(r"\[default(\d+)\]:")
 RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$", re.DOTALL)  # how a rank's line reaches the session
+# Each process's first line, on stdout and stderr (rank.py): its ranks in this round of the run.
+RANK_MARKER = "@cmlcluster-rank"
+RANK_MARKER_LINE = re.compile(re.escape(RANK_MARKER) + r" (\d+) (\d+) (\d+) (\d+)$")  # rank local group restart
+# An elastic run's nodes tell the rendezvous they live every interval; a node silent for interval x
+# attempts seconds is dropped from it, and only then can its replacement join (torch's default: 5 x 3,
+# 15 s). A node that trains on is not disturbed by being dropped: only the next round would miss it.
+KEEP_ALIVE_INTERVAL = 1
+KEEP_ALIVE_MAX_ATTEMPT = 5
 
 
 def nproc_for(nproc_per_node: int | str, nvidia_gpu: int) -> int:
@@ -77,6 +86,47 @@ def torchrun_args(
     ]  # fmt: skip
 
 
+def elastic_torchrun_args(
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    endpoint: str,
+    run_id: str,
+    local_addr: str,
+    max_restarts: int,
+    join_timeout: float,
+    log_dir: str,
+    entry: Sequence[str],
+) -> list[str]:
+    """torchrun's arguments for one node of an elastic run whose rendezvous store is at `endpoint`.
+
+    Every node is a client of that store (is_host=false): it lives in the session, so losing any
+    node leaves it. Always nnodes nodes (N:N): the run waits for a lost node's replacement rather
+    than going on smaller, so the world size, and the loss, are those of an undisturbed run. Each
+    node restarts its processes up to max_restarts times (once per lost peer). local_addr is the
+    address peers dial (the process group's MASTER_ADDR when this node is rank 0's).
+    """
+    conf = {
+        "is_host": "false",
+        "join_timeout": int(join_timeout),
+        "keep_alive_interval": KEEP_ALIVE_INTERVAL,
+        "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPT,
+    }
+    return [
+        "--nnodes", f"{nnodes}:{nnodes}",
+        "--nproc-per-node", str(nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", endpoint,
+        "--rdzv-id", run_id,
+        "--rdzv-conf", ",".join(f"{key}={value}" for key, value in conf.items()),
+        "--max-restarts", str(max_restarts),
+        "--local-addr", local_addr,
+        "--tee", "3",
+        "--log-dir", log_dir,
+        *entry,
+    ]  # fmt: skip
+
+
 class TeedLines:
     """Whole lines, each with its global rank, from torchrun's teed output, one output line at a time.
 
@@ -85,12 +135,20 @@ class TeedLines:
     unbuffered print writes its text and its newline apart): "[default1]:script finished"
     then "[default1]:\n" arrive as one line, "[default1]:script finished[default1]:". So a
     header may come mid-line, and a process's line ends only at a newline after its own header.
-    A static rendezvous numbers ranks node by node: node_rank x nproc_per_node + local rank.
+    The header names the local rank; its global rank is in the process's first line, its rank
+    marker (swallowed here), since an elastic run gives a process of a new round a new rank. Until
+    a marker comes, a static run's numbering holds: node_rank x nproc_per_node + local rank.
     """
 
-    def __init__(self, node_rank: int, nproc_per_node: int):
-        self.first_rank = node_rank * nproc_per_node
-        self.partial: dict[int, str] = {}  # global rank -> its line so far
+    def __init__(self, node_rank: int | None, nproc_per_node: int):
+        self.first_rank = None if node_rank is None else node_rank * nproc_per_node
+        self.ranks: dict[int, int] = {}  # local rank -> global rank, from its latest marker
+        self.partial: dict[int, str] = {}  # local rank -> its line so far
+
+    def rank_of(self, local_rank: int) -> int | None:
+        if local_rank in self.ranks:
+            return self.ranks[local_rank]
+        return None if self.first_rank is None else self.first_rank + local_rank
 
     def feed(self, line: str) -> list[tuple[int | None, str]]:
         """(global rank, text) of each line that ends here; rank None for torchrun's own lines."""
@@ -101,17 +159,23 @@ class TeedLines:
         if headers[0].start() > 0:  # torchrun's own text before a process's
             lines.append((None, line[: headers[0].start()]))
         for header, after in zip(headers, [*headers[1:], None], strict=True):
-            rank = self.first_rank + int(header.group(1))
-            text = self.partial.pop(rank, "") + line[header.end() : after.start() if after else None]
-            if after is None:
-                lines.append((rank, text))
-            else:
-                self.partial[rank] = text  # the next header came before this line's newline
+            local_rank = int(header.group(1))
+            text = self.partial.pop(local_rank, "") + line[header.end() : after.start() if after else None]
+            if after is not None:
+                self.partial[local_rank] = text  # the next header came before this line's newline
+                continue
+            marker = RANK_MARKER_LINE.search(text)
+            if marker is None:
+                lines.append((self.rank_of(local_rank), text))
+                continue
+            if marker.start() > 0:  # the unfinished line of this local rank's process of the last round
+                lines.append((self.rank_of(local_rank), text[: marker.start()]))
+            self.ranks[local_rank] = int(marker.group(1))
         return lines
 
     def flush(self) -> list[tuple[int | None, str]]:
         """The parts of lines left when the output ends."""
-        lines: list[tuple[int | None, str]] = sorted(self.partial.items())
+        lines = [(self.rank_of(local), text) for local, text in sorted(self.partial.items())]
         self.partial.clear()
         return lines
 

@@ -5,16 +5,17 @@
 The same as ``torchrun [arguments]`` (torch.distributed.run's own parser and run()), except
 that when processes fail, each failed process's global rank, local rank, exit code, message
 and traceback are written to REPORT as JSON ({"failures": [...]}) instead of being printed as a
-Python traceback. Given HOST:PORT (on every node but node 0), it first waits until the
-rendezvous there accepts connections, after importing torch, so that the wait and the import
-overlap; one it cannot reach within TIMEOUT seconds is written to REPORT as {"error": ...}.
+Python traceback. Given HOST:PORT (on every node but node 0 of a static run), it first waits
+until the rendezvous there accepts connections, after importing torch, so that the wait and the
+import overlap; one it cannot reach within TIMEOUT seconds is written to REPORT as {"error": ...}.
+Node 0 of a static run hosts the rendezvous store, on its master address only (store.py); an
+elastic run's is the session's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from typing import Any
 
@@ -50,6 +51,7 @@ def main(argv: list[str]) -> None:
     from torch.distributed.run import parse_args, run
 
     from cmlcluster.ports import wait_until_accepting
+    from cmlcluster.pytorch.store import listening_store
 
     if rendezvous:
         host, _, port = rendezvous[0].rpartition(":")
@@ -60,7 +62,8 @@ def main(argv: list[str]) -> None:
             sys.exit(1)
     os.environ["CMLCLUSTER_TORCHRUN_PID"] = str(os.getpid())  # each process dies with this one (rank.py)
     args = parse_args(arguments)
-    store = _store_on(args.master_addr, args.master_port) if args.node_rank == 0 else None
+    static_host = args.rdzv_backend == "static" and args.node_rank == 0
+    store = listening_store(args.master_addr, args.master_port) if static_host else None
     try:
         run(args)
     except ChildFailedError as e:
@@ -68,34 +71,6 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     finally:
         del store  # open until torchrun is done
-
-
-def _store_on(address: str, port: int) -> Any:
-    """Node 0: the rendezvous store, listening on `address` (the one the other nodes dial) only.
-
-    torchrun's own TCPStore would listen on every interface of the host. A multi-tenant TCPStore is
-    one server per port in a process, so torchrun's agent, creating its store on the same port in
-    this process, uses this one, which listens on a socket bound to `address`.
-    """
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(where)
-    listener.listen(128)
-    store = TCPStore(
-        address,
-        port,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=60),
-        wait_for_workers=False,
-        multi_tenant=True,
-        master_listen_fd=listener.fileno(),
-    )
-    return store, listener
 
 
 def _write(report: str, content: dict[str, Any]) -> None:

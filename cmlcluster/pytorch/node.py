@@ -3,7 +3,8 @@
 run() starts ``python -m cmlcluster.pytorch.launch`` (torchrun, see launch.py) under a
 lifeline, so that it dies with the worker however the worker ends; relays every line of its
 output as it comes, a process's lines as ``[rank r] text``; and returns what happened. The
-processes themselves die with torchrun (see rank.py).
+processes themselves die with torchrun (see rank.py). A static run's node has its node rank; an
+elastic run's node (plan["endpoint"]: the session's rendezvous store) learns its ranks each round.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     """Run this node's torchrun to the end; {"exit_code", "failures" (first first), "error" (the rendezvous
     not reached), "value" (rank 0's, pickled)}.
 
-    plan: node_rank, nnodes, nproc_per_node, master_addr, master_port, join_timeout, threads,
-    dist_backend, rank0_only, and either script and args, or call (a pickled (fn, args, kwargs)).
+    plan: nnodes, nproc_per_node, join_timeout, threads, dist_backend, rank0_only; either node_rank,
+    master_addr and master_port (static), or endpoint, run_id, local_addr and max_restarts (elastic);
+    and either script and args, or call (a pickled (fn, args, kwargs)).
     """
     if importlib.util.find_spec("torch") is None:
         raise RuntimeError(
@@ -48,26 +50,17 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             entry = [RANK, "--function", call_file, result]
         else:
             entry = [RANK, agent_files.script_path(plan["script"]), *plan["args"]]
-        argv = commands.torchrun_args(
-            nnodes=plan["nnodes"],
-            node_rank=plan["node_rank"],
-            nproc_per_node=plan["nproc_per_node"],
-            master_addr=plan["master_addr"],
-            master_port=plan["master_port"],
-            join_timeout=plan["join_timeout"],
-            log_dir=os.path.join(folder, "logs"),
-            entry=entry,
-        )
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(plan["threads"]))  # torchrun would say 1
         env["CMLCLUSTER_DIST_BACKEND"] = plan["dist_backend"]
+        # The node's own folder for snapshots: kept while this node runs, across restarts of its processes.
+        env["CMLCLUSTER_CHECKPOINT_DIR"] = os.path.join(folder, "checkpoints")
         env["PYTHONUNBUFFERED"] = "1"
-        rendezvous = (
-            []
-            if plan["node_rank"] == 0
-            else [f"{plan['master_addr']}:{plan['master_port']}", str(plan["join_timeout"])]
-        )
-        torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *rendezvous, "--", *argv]
+        if plan.get("node_rank") is None:
+            # Each round's process-group store at that round's rank 0, not at the first round's
+            # (a node that may be gone): pytorch/pytorch#135712, #167302.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *_torchrun_args(plan, folder, entry)]
         process = subprocess.Popen(
             [sys.executable, _lifeline.__file__, "--", *torchrun],
             env=env,
@@ -77,7 +70,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             start_new_session=True,
         )
         try:
-            _relay(process, plan["node_rank"], plan["nproc_per_node"], plan["rank0_only"])
+            _relay(process, plan.get("node_rank"), plan["nproc_per_node"], plan["rank0_only"])
             code = process.wait()
         finally:
             assert process.stdin is not None
@@ -100,7 +93,41 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _relay(process: subprocess.Popen[bytes], node_rank: int, nproc: int, rank0_only: bool) -> None:
+def _torchrun_args(plan: dict[str, Any], folder: str, entry: list[str]) -> list[str]:
+    """launch.py's arguments after REPORT: [the rendezvous to wait for] -- torchrun's arguments."""
+    if plan.get("node_rank") is None:  # elastic: the session's store runs already
+        return [
+            "--",
+            *commands.elastic_torchrun_args(
+                nnodes=plan["nnodes"],
+                nproc_per_node=plan["nproc_per_node"],
+                endpoint=plan["endpoint"],
+                run_id=plan["run_id"],
+                local_addr=plan["local_addr"],
+                max_restarts=plan["max_restarts"],
+                join_timeout=plan["join_timeout"],
+                log_dir=os.path.join(folder, "logs"),
+                entry=entry,
+            ),
+        ]
+    master = f"{plan['master_addr']}:{plan['master_port']}"
+    return [
+        *([] if plan["node_rank"] == 0 else [master, str(plan["join_timeout"])]),
+        "--",
+        *commands.torchrun_args(
+            nnodes=plan["nnodes"],
+            node_rank=plan["node_rank"],
+            nproc_per_node=plan["nproc_per_node"],
+            master_addr=plan["master_addr"],
+            master_port=plan["master_port"],
+            join_timeout=plan["join_timeout"],
+            log_dir=os.path.join(folder, "logs"),
+            entry=entry,
+        ),
+    ]
+
+
+def _relay(process: subprocess.Popen[bytes], node_rank: int | None, nproc: int, rank0_only: bool) -> None:
     """Print torchrun's output line by line as it comes (the engine streams it to the session)."""
     assert process.stdout is not None and process.stderr is not None
     targets: dict[IO[bytes], Any] = {process.stdout: sys.stdout, process.stderr: sys.stderr}

@@ -30,6 +30,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--join-timeout", type=float, default=commands.DEFAULT_JOIN_TIMEOUT, help="seconds to reach the rendezvous"
     )
     parser.add_argument("--rank0-only", action="store_true", help="show only rank 0's output")
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="replace a lost worker up to N times and resume (elastic)"
+    )
 
 
 def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) -> Any:
@@ -49,5 +52,6 @@ def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) 
         start_timeout=options.start_timeout,
         join_timeout=options.join_timeout,
         rank0_only=options.rank0_only,
+        max_restarts=options.max_restarts,
         **more,
     )

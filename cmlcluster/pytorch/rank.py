@@ -7,8 +7,9 @@ A failure leaves its traceback in torchrun's error file (as torch's ``record`` w
 that the session can name the failed rank and quote it. Rank 0 pickles the function's return
 value into RESULT. The exit status is what the script decided: the process ends through
 cmlcluster._exit, which does what Python's exit does but leaves without finalizing the
-interpreter, where Gloo's threads can abort a rank that finished. Only the standard library,
-torch and cmlcluster._exit are imported here.
+interpreter, where Gloo's threads can abort a rank that finished. Its first line, on stdout and
+stderr, is its rank marker (see say_ranks). Only the standard library, torch and cmlcluster's
+_exit, pytorch.commands and pytorch.store (none of the session's side) are imported here.
 """
 
 from __future__ import annotations
@@ -41,6 +42,28 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != torchrun:
         os._exit(1)
+
+
+def say_ranks() -> None:
+    """The rank marker: torchrun's header on each line names only the local rank, and in an elastic
+    run a process of a new round may have a new global rank (commands.TeedLines reads this)."""
+    from cmlcluster.pytorch.commands import RANK_MARKER
+
+    names = ("RANK", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")
+    marker = " ".join([RANK_MARKER, *(os.environ.get(name, "0") for name in names)])
+    for stream in (sys.stdout, sys.stderr):
+        print(marker, file=stream, flush=True)
+
+
+def process_group_store() -> Any:
+    """Rank 0 of an elastic run hosts its process group's store (torchrun's agent's store is not shared
+    there: TORCH_DISABLE_SHARE_RDZV_TCP_STORE, node.py): made here first, on MASTER_ADDR only, where
+    torch's own would listen on every interface; torch's init_process_group then uses this one."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False" or os.environ.get("RANK") != "0":
+        return None
+    from cmlcluster.pytorch.store import listening_store
+
+    return listening_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
 
 def run_script(script: str, args: list[str]) -> None:
@@ -86,6 +109,7 @@ def main(argv: list[str]) -> NoReturn:
     die_with_parent()
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # run by path: this package's modules are not the user's top-level ones
+    say_ranks()
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     from cmlcluster._exit import exit_now, status_of
@@ -93,6 +117,7 @@ def main(argv: list[str]) -> NoReturn:
     errors = ErrorHandler()
     errors.initialize()
     try:
+        store = process_group_store()  # noqa: F841  # serves while this process runs
         if argv[:1] == ["--function"] and len(argv) == 3:
             run_function(argv[1], argv[2])
         elif argv and not argv[0].startswith("--"):

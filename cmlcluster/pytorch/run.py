@@ -12,31 +12,41 @@ The first failure ends the run: a process that fails ends its node's torchrun, w
 reports which rank failed, with the traceback from torchrun's error file; a worker that ends
 (killed, crashed) fails the job. Either way every other worker is stopped at once, and with
 it every process it ran. The workers belong to the run and are stopped when it ends.
+
+With max_restarts=N the run is elastic instead: the rendezvous is torchrun's c10d one, its store
+hosted by the session (store.py), so that it outlives any worker. A worker lost mid-run is
+replaced by the job (jobs.Restarts) with a new one of the same resources, whose node joins the
+rendezvous; torchrun restarts the other nodes' processes, and they all resume from the script's
+last snapshot (docs/guide/pytorch.md, "Surviving a lost worker").
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import pickle
 import queue
 import re
+import sys
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import checks
 from ..backends import Backend
-from ..errors import ConfigError
+from ..errors import CmlClusterError, ConfigError
 from ..events import Event, OutputLine
-from ..jobs import Job, JobFailure, Role, launch_job
-from ..runs import RESULT_LINES_KEPT, RunError, RunResult, report_end, send_files, session_for
+from ..jobs import Job, JobFailure, Member, Restarts, Role, launch_job
+from ..runs import RESULT_LINES_KEPT, report_end, send_files, session_for
 from ..session import Session
 from ..workers import FAILED, Resources, check_env
 from . import commands
+from .result import RankFailure, TorchError, TorchResult
+from .store import SessionStore
 
 NODE = "cmlcluster.pytorch.node"
 STOPPED_NODES_WAIT = 10.0  # seconds to wait for the other nodes' calls to end once the run failed
@@ -49,71 +59,6 @@ FAILURE_WINDOW = 2.0
 PEER_LOST = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused|NCCL communicator was aborted")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """The process that failed first: its global and local rank, node, exit code, and why."""
-
-    rank: int
-    local_rank: int
-    node_rank: int
-    host: str
-    exit_code: int
-    message: str
-    traceback: str = ""
-
-    def __str__(self) -> str:
-        where = f"local rank {self.local_rank} on node {self.node_rank}, {self.host}"
-        return f"rank {self.rank} ({where}) exited with code {self.exit_code}: {self.message}"
-
-
-@dataclass
-class TorchResult(RunResult):
-    """What a PyTorch run did: its exit code, every rank's output, which rank failed and why."""
-
-    exit_code: int
-    nnodes: int
-    nproc_per_node: int
-    hosts: list[str]  # each node's address, node 0 first
-    master: str  # the rendezvous endpoint, address:port
-    duration: float  # seconds from the workers running to the end of the run
-    output: dict[int, list[str]] = field(default_factory=dict)  # rank -> its last lines
-    node_exit_codes: dict[int, int] = field(default_factory=dict)  # node rank -> torchrun's exit code
-    failure: RankFailure | None = None
-    worker_failure: JobFailure | None = None  # a worker that ended during the run (killed, crashed)
-    value: Any = None  # rank 0's return value, for a function
-
-    @property
-    def failed_rank(self) -> int | None:
-        return self.failure.rank if self.failure is not None else None
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-    def __repr__(self) -> str:
-        state = "ok" if self.ok else "failed" + (f" (rank {self.failed_rank})" if self.failure else "")
-        return (
-            f"<TorchResult {state} exit_code={self.exit_code} ranks={self.world_size} nodes={self.nnodes} "
-            f"{self.duration:.1f} s master={self.master}>"
-        )
-
-    @property
-    def message(self) -> str:
-        if self.ok:
-            return f"torchrun succeeded: {self.world_size} processes on {self.nnodes} nodes"
-        if self.failure is not None:
-            details = self.failure.traceback.rstrip() or "\n".join(self.output.get(self.failure.rank, [])[-20:])
-            return f"{self.failure}; every other process was stopped.\n{details}".rstrip()
-        if self.worker_failure is not None:
-            return f"the PyTorch job failed: {self.worker_failure}; every other worker was stopped"
-        codes = ", ".join(f"node {n}: {c}" for n, c in sorted(self.node_exit_codes.items()))
-        return f"the PyTorch job failed (torchrun exit codes: {codes or 'none'})"
-
-
-class TorchError(RunError):
-    """run_torch(check=True) failed; `result` is its TorchResult."""
 
 
 def run_torch(
@@ -133,6 +78,7 @@ def run_torch(
     start_timeout: float = 60,
     join_timeout: float = commands.DEFAULT_JOIN_TIMEOUT,
     rank0_only: bool = False,
+    max_restarts: int = 0,
     ship_working_folder: bool = False,
     echo: bool = True,
     check: bool = False,
@@ -144,6 +90,9 @@ def run_torch(
     CMLCLUSTER_DIST_BACKEND). join_timeout: seconds for every node to reach worker 0's
     rendezvous. rank0_only: stream only rank 0's output. A function's return value on rank 0
     comes back as result.value. check: raise TorchError instead of returning a failed result.
+    max_restarts: replace a lost worker up to this many times in all, and restart the ranks
+    (torchrun's elastic mode; the script resumes from its snapshot: docs/guide/pytorch.md); needs
+    torch in this Python too, which hosts the rendezvous. 0: a static run, the first loss fails it.
     Workers get env= and cmlcluster's own variables (docs/guide/workers.md, "What workers see").
     """
     # Everything is checked before anything starts.
@@ -156,6 +105,13 @@ def run_torch(
     for name, seconds in (("join_timeout", join_timeout), ("start_timeout", start_timeout)):
         if not checks.number(seconds, above=0):
             raise ConfigError(f"{name}={seconds!r}: give a number of seconds above 0")
+    if not checks.whole(max_restarts, 0):
+        raise ConfigError(f"max_restarts={max_restarts!r}: give a whole number of workers to replace, 0 or more")
+    if max_restarts and importlib.util.find_spec("torch") is None:
+        raise ConfigError(
+            f"max_restarts={max_restarts} needs PyTorch here too ({sys.executable}): the session hosts the "
+            "rendezvous that outlives any worker; pip install torch, or pass max_restarts=0"
+        )
     env = check_env(env)
     if callable(script):
         call = _pickled_call(script, tuple(args), dict(kwargs or {}))
@@ -184,6 +140,7 @@ def run_torch(
                 "threads": commands.threads_per_process(cpu, nproc),
                 "dist_backend": process_group,
                 "rank0_only": rank0_only,
+                "max_restarts": max_restarts,
             },
             path=path,
             ship_working_folder=ship_working_folder,
@@ -205,17 +162,22 @@ def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
 
 
 class _Nodes:
-    """One run while it goes: the nodes' replies, the ranks' output, and the job that fails as a whole."""
+    """One run while it goes: the nodes' replies, the ranks' output, and the job that fails as a whole.
 
-    def __init__(self, session: Session, job: Job, result: TorchResult):
+    Keyed by worker: an elastic run's lost node is replaced by a new worker, with the same index in
+    the job, whose node is started here too (take_in). `job` is set once the job is launched.
+    """
+
+    def __init__(self, session: Session, result: TorchResult):
         self.session = session
-        self.job = job
+        self.job: Job
         self.result = result
-        self.replies: queue.Queue[tuple[int, dict[str, Any] | BaseException]] = queue.Queue()
-        self.running: set[int] = set()  # nodes whose reply has not come
-        self.failed_ranks: list[tuple[int, dict[str, Any]]] = []  # (node, its first failure), not yet named
+        self.replies: queue.Queue[tuple[str, dict[str, Any] | BaseException]] = queue.Queue()
+        self.started: set[str] = set()  # workers whose node was started
+        self.running: set[str] = set()  # those whose reply has not come
+        self.failed_ranks: list[tuple[str, dict[str, Any]]] = []  # (worker, its node's first failure), not yet named
         self.first_failed_at: float | None = None
-        self.nodes = {m.worker_id: i for i, m in enumerate(job.members)}
+        self.lock = threading.Lock()
         self.output: dict[int, deque[str]] = {}
         self.unsubscribe = session.subscribe(self._on_event)
 
@@ -223,34 +185,46 @@ class _Nodes:
     def failed(self) -> bool:
         return self.job.failed.is_set()
 
+    @property
+    def done(self) -> bool:
+        """Every member's node answered, a lost one's replacement's too (started once the job has it)."""
+        members = list(self.job.members)
+        with self.lock:
+            answered = self.started - self.running
+        return len(members) == self.result.nnodes and all(m.worker_id in answered for m in members)
+
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, OutputLine) and event.source in self.nodes:
+        if isinstance(event, OutputLine) and event.source in self.started:
             parsed = commands.parse_rank_line(event.text)
             if parsed is not None:
                 self.output.setdefault(parsed[0], deque(maxlen=RESULT_LINES_KEPT)).append(parsed[1])
 
-    def start(self, node_rank: int, plan: dict[str, Any]) -> None:
-        worker_id = self.job.members[node_rank].worker_id
-        self.running.add(node_rank)
+    def start(self, member: Member, plan: dict[str, Any]) -> None:
+        worker_id = member.worker_id
+        with self.lock:  # a replacement may come (take_in) while the first nodes start
+            if worker_id in self.started:
+                return
+            self.started.add(worker_id)
+            self.running.add(worker_id)
 
         def node() -> None:
             try:
-                self.replies.put((node_rank, self.session.call(worker_id, f"{NODE}:run", plan)))
+                self.replies.put((worker_id, self.session.call(worker_id, f"{NODE}:run", plan)))
             except BaseException as e:  # its worker was stopped, or ended, or torch is missing there
-                self.replies.put((node_rank, e))
+                self.replies.put((worker_id, e))
 
-        threading.Thread(target=node, name=f"cmlcluster-torch-node-{node_rank}", daemon=True).start()
+        threading.Thread(target=node, name=f"cmlcluster-torch-node-{worker_id}", daemon=True).start()
 
     def wait(self, until: Callable[[], bool], deadline: float | None = None) -> None:
         """Take the nodes' replies until `until()` holds, or the deadline; short waits, so Ctrl-C gets through."""
         while not until() and (deadline is None or time.monotonic() < deadline):
             try:
-                node_rank, reply = self.replies.get(timeout=0.1)
+                worker_id, reply = self.replies.get(timeout=0.1)
             except queue.Empty:
                 self._name_failure_when_due()
                 continue
-            self.running.discard(node_rank)
-            self._on_reply(node_rank, reply)
+            self.running.discard(worker_id)
+            self._on_reply(worker_id, reply)
             self._name_failure_when_due()
 
     def _name_failure_when_due(self) -> None:
@@ -260,14 +234,14 @@ class _Nodes:
             return
         if self.running and time.monotonic() - self.first_failed_at < FAILURE_WINDOW:
             return
-        node_rank, first = min(
-            self.failed_ranks, key=lambda nf: (bool(PEER_LOST.search(nf[1]["message"])), nf[1]["timestamp"])
+        worker_id, first = min(
+            self.failed_ranks, key=lambda wf: (bool(PEER_LOST.search(wf[1]["message"])), wf[1]["timestamp"])
         )
-        member = self.job.members[node_rank]
+        member = self.job.member(worker_id)
         self.result.failure = RankFailure(
             rank=first["rank"],
             local_rank=first["local_rank"],
-            node_rank=node_rank,
+            node_rank=first["rank"] // self.result.nproc_per_node,  # torch's, in the round it failed
             host=member.address,
             exit_code=first["exit_code"],
             message=first["message"],
@@ -277,18 +251,18 @@ class _Nodes:
             JobFailure(member, FAILED, first["exit_code"], str(self.result.failure), member.address, first["traceback"])
         )
 
-    def _on_reply(self, node_rank: int, reply: dict[str, Any] | BaseException) -> None:
-        member = self.job.members[node_rank]
+    def _on_reply(self, worker_id: str, reply: dict[str, Any] | BaseException) -> None:
+        member = self.job.member(worker_id)
         if isinstance(reply, BaseException):
-            # Its worker failed: the job says how, once the worker's status arrives. Else the call
-            # itself failed (no torch there, say): its last line says why.
-            if not self.job.failed.wait(LOST_WORKER_WAIT):
+            # Its worker failed: the job replaces it, or says how it failed, once the worker's status
+            # arrives. Else the call itself failed (no torch there, say): its last line says why.
+            if not self._lost(worker_id):
                 reason = str(reply).strip().splitlines()[-1]
                 self.job.fail(JobFailure(member, FAILED, None, reason, member.address))
             return
-        self.result.node_exit_codes[node_rank] = reply["exit_code"]
+        self.result.node_exit_codes[member.index] = reply["exit_code"]
         if reply["exit_code"] == 0:
-            if node_rank == 0 and reply["value"]:
+            if reply["value"]:  # only rank 0's node has one
                 self.result.value = pickle.loads(reply["value"])  # noqa: S301  # this run's own rank 0 made it
             return
         if self.failed:
@@ -296,12 +270,20 @@ class _Nodes:
         first = reply["failures"][0] if reply["failures"] else None
         if first is None:
             if self.first_failed_at is None:  # else a failed rank named soon says more
-                reason = reply["error"] or f"torchrun on node {node_rank} exited with code {reply['exit_code']}"
+                reason = reply["error"] or f"torchrun on node {member.index} exited with code {reply['exit_code']}"
                 self.job.fail(JobFailure(member, FAILED, reply["exit_code"], reason, member.address))
             return
-        self.failed_ranks.append((node_rank, first))
+        self.failed_ranks.append((worker_id, first))
         if self.first_failed_at is None:
             self.first_failed_at = time.monotonic()
+
+    def _lost(self, worker_id: str) -> bool:
+        """Whether the job failed, or lost this worker (and replaces it), within LOST_WORKER_WAIT."""
+        deadline = time.monotonic() + LOST_WORKER_WAIT
+        while worker_id in self.job.worker_ids and time.monotonic() < deadline:
+            if self.job.failed.wait(0.05):
+                return True
+        return self.failed or worker_id not in self.job.worker_ids
 
 
 def _run_job(
@@ -319,22 +301,44 @@ def _run_job(
     check: bool,
 ) -> TorchResult:
     shipment = session.ship([path] if path else [], working_folder=ship_working_folder)
-    job = launch_job(session, [Role("node", nnodes, resources, env=env)], "PyTorch job", timeout_seconds=start_timeout)
-    result = TorchResult(
-        exit_code=-1, nnodes=nnodes, nproc_per_node=nproc, hosts=[m.address for m in job.members], master="", duration=0
-    )
+    plan = {**plan, "script": shipment.names.get(path, "")}
+    result = TorchResult(exit_code=-1, nnodes=nnodes, nproc_per_node=nproc, hosts=[], master="", duration=0)
+    run = _Nodes(session, result)
+
+    def take_in(lost: Member, new: Member) -> None:  # on the job's thread: a lost node's replacement
+        elastic = plan  # once the session's store runs, the plan names it
+        if "endpoint" not in elastic:
+            raise CmlClusterError("the run was still starting")
+        send_files(session, [new.worker_id], shipment)
+        run.start(new, {**elastic, "local_addr": new.address})
+
+    restarts = Restarts(plan["max_restarts"], take_in, timeout_seconds=start_timeout) if plan["max_restarts"] else None
+    role = Role("node", nnodes, resources, env=env, replaceable=restarts is not None)
+    try:
+        job = run.job = launch_job(session, [role], "PyTorch job", timeout_seconds=start_timeout, restarts=restarts)
+    except BaseException:
+        run.unsubscribe()
+        raise
+    result.hosts = [m.address for m in job.members]
     started_at = time.monotonic()
-    run: _Nodes | None = None
+    store: SessionStore | None = None
     try:
         send_files(session, job.worker_ids, shipment)
-        master = job.members[0]
-        port = session.call(master.worker_id, "cmlcluster.ports:free_ports", 1)[0]
-        result.master = f"{master.address}:{port}"
-        plan = {**plan, "script": shipment.names.get(path, ""), "master_addr": master.address, "master_port": port}
-        run = _Nodes(session, job, result)
-        for node_rank in range(nnodes):  # nodes but 0 wait for its rendezvous before joining (launch.py)
-            run.start(node_rank, {**plan, "node_rank": node_rank})
-        run.wait(until=lambda: not run.running or run.failed)
+        if restarts is not None:
+            # Where workers reach the session (known once its first workers run): no worker's loss ends it.
+            store = SessionStore(session.controller_ip)
+            result.master = store.endpoint
+            plan = {**plan, "endpoint": store.endpoint, "run_id": f"cmlcluster-{uuid.uuid4().hex[:12]}"}
+            for member in list(job.members):  # a replacement that came meanwhile is started once
+                run.start(member, {**plan, "local_addr": member.address})
+        else:
+            master = job.members[0]
+            port = session.call(master.worker_id, "cmlcluster.ports:free_ports", 1)[0]
+            result.master = f"{master.address}:{port}"
+            plan = {**plan, "master_addr": master.address, "master_port": port}
+            for member in job.members:  # nodes but 0 wait for its rendezvous before joining (launch.py)
+                run.start(member, {**plan, "node_rank": member.index})
+        run.wait(until=lambda: run.done or run.failed)
         if run.failed:
             # The job stopped the other workers; their replies (errors, mostly) say nothing more.
             run.wait(until=lambda: not run.running, deadline=time.monotonic() + STOPPED_NODES_WAIT)
@@ -345,10 +349,13 @@ def _run_job(
         raise
     finally:
         job.stop()
-        if run is not None:
-            session.drain()  # the ranks' last lines are shown before what follows
-            run.unsubscribe()
-            result.output = {rank: list(lines) for rank, lines in sorted(run.output.items())}
+        result.restarts = job.restarts
+        result.hosts = [m.address for m in sorted(job.members, key=lambda m: m.index)]
+        if store is not None:
+            store.close()
+        session.drain()  # the ranks' last lines are shown before what follows
+        run.unsubscribe()
+        result.output = {rank: list(lines) for rank, lines in sorted(run.output.items())}
     result.duration = time.monotonic() - started_at
     if echo:
         report_end(session, "torchrun", result)

@@ -102,7 +102,8 @@ class ListenersOutsideLoopback:
         return found
 
 
-def test_a_local_torch_run_listens_on_loopback_only(tmp_path):
+@pytest.mark.parametrize("max_restarts", [0, 1], ids=["static", "elastic"])
+def test_a_local_torch_run_listens_on_loopback_only(tmp_path, max_restarts):
     with Session("local", echo=False) as session, ListenersOutsideLoopback() as listeners:
         result = run_torch(
             str(TORCH_EXAMPLE),
@@ -111,11 +112,13 @@ def test_a_local_torch_run_listens_on_loopback_only(tmp_path):
             nproc_per_node=1,
             cpu=0.5,
             memory=1,
+            max_restarts=max_restarts,
             session=session,
             echo=False,
         )
     assert result.ok, result
-    # torchrun's rendezvous store would listen on every interface of worker 0 (cmlcluster.pytorch.launch).
+    # torchrun's rendezvous store would listen on every interface of worker 0 (cmlcluster.pytorch.launch);
+    # an elastic run's process-group store, on every interface of rank 0's worker (pytorch/rank.py).
     assert listeners.seen == set()
 
 

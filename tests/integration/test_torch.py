@@ -4,6 +4,7 @@ in a real IPython shell; a failing rank; a worker killed mid-run; Ctrl-C; ports 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -12,8 +13,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 from processes import agent_pid, kill_later, processes_running, time_all_gone, wait_until
 
 import cmlcluster
@@ -61,7 +64,8 @@ def test_ddp_on_two_workers_of_two_processes(session, tmp_path):
     check_ddp(result, world=4, n_hosts=1 if one_host else 2, epochs=4)
     assert result.master.startswith(result.hosts[0] + ":")
     if session.backend.name != "ssh":  # SSH hosts do not see this folder; containers mount it
-        assert sorted(p.name for p in checkpoints.iterdir()) == [f"epoch{e}.pt" for e in range(1, 5)]
+        assert [p.name for p in checkpoints.iterdir()] == ["snapshot.pt"]  # each node's, here one folder
+        assert torch.load(checkpoints / "snapshot.pt")["EPOCHS_RUN"] == 4
     # Rank 0's reports reached the session as progress, not as output.
     session.drain()
     assert [(p.task, p.step, p.total) for p in progress] == [("rank 0", e, 4) for e in range(1, 5)]
@@ -273,6 +277,7 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         (dict(join_timeout=0), "join_timeout=0"),
         (dict(env={"A": 1}), "must be strings"),
         (dict(kwargs={"a": 1}), "kwargs= is for a function"),
+        (dict(max_restarts=-1), "max_restarts=-1"),
     ]
     with Session("local", echo=False) as session:
         for options, message in cases:
@@ -282,6 +287,14 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
             run_torch(str(tmp_path / "missing.py"), session=session, echo=False)
         with pytest.raises(ConfigError, match="list of strings"):
             run_torch(str(script), "--epochs 3", session=session, echo=False)
+        # An elastic run's rendezvous is hosted here: without torch here, it is refused before anything starts.
+        find_spec = importlib.util.find_spec
+
+        def no_torch(name, *args):
+            return None if name == "torch" else find_spec(name, *args)
+
+        with mock.patch("importlib.util.find_spec", no_torch), pytest.raises(ConfigError, match="needs PyTorch here"):
+            run_torch(str(script), max_restarts=1, session=session, echo=False)
         assert session.list_workers() == []
 
 

@@ -1,5 +1,6 @@
-"""The pure parts of a PyTorch run: processes per node, the process-group backend, torchrun's argv,
-rank labels, and torchrun's failures as the session gets them (from torch's own ChildFailedError)."""
+"""The pure parts of a PyTorch run: processes per node, the process-group backend, torchrun's argv
+(static and elastic), rank labels (across an elastic run's rounds too), and torchrun's failures as
+the session gets them (from torch's own ChildFailedError)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,31 @@ def test_torchrun_argv_is_a_static_rendezvous_at_worker_0():
     assert parsed.training_script_args == ["train.py", "--lr", "0.1"]
 
 
+def test_elastic_torchrun_argv_joins_the_sessions_store_as_a_client_and_waits_for_every_node(monkeypatch):
+    argv = commands.elastic_torchrun_args(
+        nnodes=3,
+        nproc_per_node=2,
+        endpoint="10.0.0.1:41234",
+        run_id="cmlcluster-0a1b",
+        local_addr="10.0.0.7",
+        max_restarts=2,
+        join_timeout=90,
+        log_dir="/tmp/x/logs",
+        entry=["/opt/cmlcluster/pytorch/rank.py", "train.py", "--lr", "0.1"],
+    )
+    # torchrun's own parser and its config, as torchrun builds them (it sets OMP_NUM_THREADS when unset).
+    from torch.distributed.run import config_from_args, parse_args
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config, _, args = config_from_args(parse_args(argv))
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (3, 3, 2, 2)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", "10.0.0.1:41234", "cmlcluster-0a1b")
+    assert config.local_addr == "10.0.0.7"  # MASTER_ADDR when this node is rank 0's, not its hostname
+    assert config.rdzv_configs["is_host"] == "false"  # nodes come and go; the store stays in the session
+    assert (config.rdzv_configs["join_timeout"], config.rdzv_configs["keep_alive_interval"]) == ("90", "1")
+    assert args == ["-u", "/opt/cmlcluster/pytorch/rank.py", "train.py", "--lr", "0.1"]
+
+
 def test_teed_lines_get_their_global_rank():
     teed = commands.TeedLines(node_rank=2, nproc_per_node=4)
     assert teed.feed("[default1]:loss 0.5") == [(9, "loss 0.5")]
@@ -96,6 +122,25 @@ def test_a_line_torchrun_read_in_parts_is_put_back_together():
     assert teed.feed("[default1]:ch 3") == [(1, "epoch 3")]
     assert teed.feed("[default0]:no newline yet[default1]:done") == [(1, "done")]
     assert teed.flush() == [(0, "no newline yet")]
+
+
+def test_teed_lines_follow_each_process_s_rank_marker_across_an_elastic_run_s_rounds():
+    teed = commands.TeedLines(node_rank=None, nproc_per_node=2)  # an elastic node: no rank of its own
+    assert teed.feed("[default1]:@cmlcluster-rank 3 1 1 0") == []  # the marker is not output
+    assert teed.feed("[default0]:@cmlcluster-rank 2 0 1 0") == []
+    # Local rank 1's line is cut off by the restart (torchrun's tail thread read half of it).
+    assert teed.feed("[default1]:epoch 1 lo[default0]:epoch 1 loss 0.5") == [(2, "epoch 1 loss 0.5")]
+    assert teed.feed("W1122 torchrun restarts the workers") == [(None, "W1122 torchrun restarts the workers")]
+    # Round 2: node 0 was lost and this node's processes come back as ranks 0 and 1. The cut line keeps
+    # its old rank, and the marker is still found behind it.
+    assert teed.feed("[default1]:@cmlcluster-rank 1 1 0 1") == [(3, "epoch 1 lo")]
+    assert teed.feed("[default0]:@cmlcluster-rank 0 0 0 1") == []
+    assert teed.feed("[default0]:resumed after epoch 1") == [(0, "resumed after epoch 1")]
+    assert teed.feed("[default0]:epo[default1]:epoch 2") == [(1, "epoch 2")]
+    assert teed.flush() == [(0, "epo")]
+    # A static node's markers say what its numbering says already.
+    static = commands.TeedLines(node_rank=1, nproc_per_node=2)
+    assert static.feed("[default1]:@cmlcluster-rank 3 1 1 0") == [] and static.feed("[default1]:x") == [(3, "x")]
 
 
 def test_script_arguments_are_strings():
