@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -147,3 +148,27 @@ def test_a_job_that_finishes_while_a_replacement_starts_stops_it_and_does_not_fa
         assert not job.failed.is_set() and hook.calls == []
         assert {w["status"] for w in s.list_workers()} <= {STOPPED, "failed"}
         assert len(s.list_workers()) == 4 and s.list_workers()[3]["status"] == STOPPED
+
+
+def test_the_views_say_what_was_lost_and_name_the_replacement_as_its_task(capsys):
+    from cmlcluster.ui.terminal import TerminalView
+    from cmlcluster.ui.widget import WidgetView
+
+    with session_of({2: FakeWorker(dies_after=0.3)}) as s:
+        widget = WidgetView(s)
+        TerminalView(s)
+        hook = Replacements()
+        job = launch_job(s, roles(), "test job", restarts=Restarts(max_restarts=1, replace=hook))
+        assert hook.done.wait(10)
+        [(lost, new)] = hook.calls
+        s.drain()
+        wait_for(lambda: f'data-worker="{new.worker_id}"' in widget.table.value and "replaced" in widget.table.value)
+        row = re.search(rf'<tr data-worker="{new.worker_id}".*?</tr>', widget.table.value).group(0)
+        assert "<td>worker 1</td>" in row  # the replacement's row is the task it replaced
+        assert f"test job: lost worker task 1 (worker {lost.worker_id}) failed with exit code -9" in widget.table.value
+        assert "(restart 1)" in widget.table.value
+        replaced = f"test job: worker {new.worker_id} replaced worker {lost.worker_id} as worker 1"
+        assert replaced in widget.table.value
+        job.stop()
+    printed = capsys.readouterr().err  # cmlcluster's own lines
+    assert f"[cmlcluster] {replaced}" in printed and "replacing it (restart 1)" in printed
