@@ -1,9 +1,9 @@
 """A program that prints for a long time: the notebook process's memory and a call's latency.
 
-One local worker prints N lines of 97 bytes, then a "\\r" progress bar of N/100 states, each
-flushed. The session's process memory (VmRSS) is read before and after, and a call to a second,
-idle worker (os:getpid) is timed every second while the first prints: its reply shares the
-client's one IO thread, and the session's event loop, with the output. The worst latency is
+One local worker prints N lines of 97 bytes, then (but in the last run) a "\\r" progress bar
+of N/100 states, each flushed. The session's process memory (VmRSS) is read before and after,
+and a call to a second, idle worker (os:getpid) is timed every second while the first prints: its
+reply shares the client's one IO thread, and the session's event loop, with the output. The worst latency is
 given for the first and the last tenth of the run: flat is the goal.
 
 Baselines, in the same process: the client keeping each running program's whole output, as
@@ -27,7 +27,7 @@ PRINTER = """
 import sys
 for i in range({lines}):
     print(f"{{i:>12}} " + "x" * 84)
-for i in range({lines} // 100):
+for i in range({bar_states}):
     sys.stdout.write(f"\\rstep {{i}}")
     sys.stdout.flush()  # as a progress bar does on each update
 print()
@@ -42,7 +42,7 @@ def rss_mib() -> float:
     raise RuntimeError("no VmRSS")
 
 
-def flood(lines: int) -> tuple[float, float, float, float]:
+def flood(lines: int, bar: bool = True) -> tuple[float, float, float, float]:
     """(seconds to print it all, MiB the session grew, worst call latency in s in the first and
     the last tenth of the run)."""
     with Session("local", echo=False) as session:
@@ -50,7 +50,8 @@ def flood(lines: int) -> tuple[float, float, float, float]:
         session.await_workers([warm], wait_for_completion=False, timeout_seconds=120)
         before = rss_mib()
         t0 = time.perf_counter()
-        [worker] = session.launch_workers(1, cpu=1, memory=1, code=PRINTER.format(lines=lines))
+        printer = PRINTER.format(lines=lines, bar_states=lines // 100 if bar else 0)
+        [worker] = session.launch_workers(1, cpu=1, memory=1, code=printer)
         latencies: list[tuple[float, float]] = []  # (when it was asked, seconds to its reply)
         done = threading.Event()
 
@@ -89,14 +90,15 @@ def main() -> None:
     )
     keeping = mock.patch.object(ipyparallel_internals, "forget_stream_text", lambda *a: None)
     per_message = mock.patch.object(lines.OutputRelay, "put", one_callback_per_message)
-    for name, n, baseline in (
-        ("shipped", args.baseline_lines, None),
-        ("client keeps output", args.baseline_lines, keeping),
-        ("one loop callback per message", args.lines, per_message),
-        ("shipped", args.lines, None),
+    for name, n, baseline, bar in (
+        ("shipped", args.baseline_lines, None, True),
+        ("client keeps output", args.baseline_lines, keeping, True),
+        ("one loop callback per message", args.lines, per_message, True),
+        ("shipped", args.lines, None, True),
+        ("shipped, no progress bar", args.lines, None, False),
     ):
         with baseline or contextlib.nullcontext():
-            elapsed, grown, first, last = flood(n)
+            elapsed, grown, first, last = flood(n, bar)
         printed = n * 98 / 1e6
         print(f"{name:<32} {n:>9} {printed:>10.1f} {elapsed:>8.1f} {grown:>12.1f} {first:>25.2f} {last:>10.2f}")
 
