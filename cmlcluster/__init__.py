@@ -27,6 +27,7 @@ _EXPORTS = {
         "tensorboard",
         "use_backend",
     ),
+    "blocking": ("StoppedFromWidget",),
     "errors": ("BackendError", "CmlClusterError", "ConfigError", "ControllerError", "WorkerError"),
     "events": ("Event",),
     "horovod": ("HorovodError", "HorovodResult", "run_horovod"),
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
         tensorboard,
         use_backend,
     )
+    from .blocking import StoppedFromWidget
     from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
     from .events import Event
     from .horovod import HorovodError, HorovodResult, run_horovod
@@ -90,6 +92,7 @@ __all__ = [
     "HorovodResult",
     "Program",
     "Session",
+    "StoppedFromWidget",
     "TFCluster",
     "TorchError",
     "TorchResult",

@@ -5,6 +5,7 @@ cmlcluster run-cluster   a TensorFlow cluster whose worker tasks run a script
 cmlcluster horovod       a script under horovodrun on fresh workers
 cmlcluster torchrun      a script under torchrun (PyTorch distributed) on fresh workers
 cmlcluster list          the sessions running on this machine, and their workers
+cmlcluster logs          the workers' logs, kept after their session (which sessions, without one)
 cmlcluster backends      where workers can run, and each backend's options
 cmlcluster cleanup       end what sessions that no longer run left behind
 """
@@ -65,6 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     torchrun.add_argument("args", nargs=argparse.REMAINDER)
 
     commands.add_parser("list", help="the sessions running on this machine (any backend) and their workers")
+    logs = commands.add_parser(
+        "logs",
+        help="a session's worker logs, kept after it ended (without SESSION: the sessions kept)",
+        description="Print the workers' logs of SESSION (an id, or the start of one), or of one of its "
+        "workers (its id, or its number). Kept: the last 50 sessions, 14 days, 2 GiB in all.",
+    )
+    logs.add_argument("session", nargs="?")
+    logs.add_argument("worker", nargs="?")
+    logs.add_argument("--tail", type=int, metavar="N", help="only the last N lines of each log")
     commands.add_parser("backends", help="where workers can run, and each backend's options (--backend-option)")
 
     cleanup = commands.add_parser(
@@ -90,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return torch_options.run(args, args.script, args.args).exit_code
         if args.command == "list":
             return list_sessions()
+        if args.command == "logs":
+            from . import worker_logs
+
+            return worker_logs.show(args.session, args.worker, args.tail)
         if args.command == "backends":
             print(backends_help())
             return 0

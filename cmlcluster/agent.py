@@ -3,8 +3,8 @@
 It prepares the worker's environment, connects an ipyparallel engine (agent_engine) to the
 session's controller, and then serves: the session runs the worker's program (agent_program)
 and everything else (%px, TF servers, sshd) through that engine, calling this module's
-functions by name: `describe`, `run_program`, `call` (control._agent_call) and `unpack_files`
-("cmlcluster.agent:unpack_files"; agent_files).
+functions by name: `describe`, `run_program`, `call` (control._agent_call), `unpack_files` and
+`leftovers` ("cmlcluster.agent:unpack_files"; agent_files).
 
 Configured by environment:
 CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_CONNECTION (the
@@ -12,7 +12,8 @@ controller's engine connection info, as JSON: data, never a path on the session'
 disk; removed from the environment before any user code runs), CDSW_MASTER_IP
 (the controller's address), CMLCLUSTER_PRELOAD (modules to import while the engine
 registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's silence_timeout:
-seconds without the controller's pings before the worker ends; agent_engine).
+seconds without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_OWN_FOLDER
+("1": the working folder is the worker's own, removed with it; agent_files.leftovers).
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ import sys
 import threading
 from typing import Any
 
-from . import ipyparallel_internals, wire
+from . import agent_files, ipyparallel_internals, wire
 from .agent_engine import AgentEngine, import_kernel_without_debugger, silence_seconds
-from .agent_files import unpack_files
+from .agent_files import leftovers, unpack_files
 from .agent_program import call, run_program
 from .errors import ControllerError
 from .ports import route_address
 
 # What the session calls in a worker by name, with describe (defined here).
-__all__ = ["call", "describe", "run_program", "unpack_files"]
+__all__ = ["call", "describe", "leftovers", "run_program", "unpack_files"]
 
 REGISTRATION_TIMEOUT_SECONDS = wire.CONTROLLER_START_TIMEOUT
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "no_proxy", "all_proxy", "grpc_proxy")
@@ -109,6 +110,7 @@ def main() -> None:
         print(f"cmlcluster agent: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     import_kernel_without_debugger()
+    agent_files.own_folder = os.getcwd() if os.environ.pop(wire.OWN_FOLDER_ENV, "") == "1" else ""
     preload = os.environ.pop(wire.PRELOAD_ENV, "")
     if preload:
         threading.Thread(target=_preload, args=(preload.split(","),), name="preload", daemon=True).start()

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from ipykernel.iostream import OutStream
 from ipyparallel.engine.app import IPEngine
 from traitlets import default
 
@@ -92,6 +93,20 @@ def end_worker_group() -> None:
     os.killpg(me, signal.SIGKILL)  # a group that cannot be listed, or kept coming back: the agent goes too
 
 
+class LoggedOutStream(OutStream):
+    """The engine's sys.stdout or sys.stderr: sent to the session as ipyparallel's, and also written to the
+    worker's own descriptor, its log (which outlives the session: worker_logs.py). Without it the log held
+    only what child processes wrote to the descriptors, never what the program printed."""
+
+    def __init__(self, session: Any, pub_thread: Any, name: str, **options: Any) -> None:
+        # A copy of the descriptor taken before the stream points it at its own pipe; text it cannot
+        # encode is escaped, never raised into the program's print().
+        if "echo" not in options:
+            fd = os.dup(1 if name == "stdout" else 2)
+            options["echo"] = open(fd, "w", encoding="utf-8", errors="backslashreplace")
+        super().__init__(session, pub_thread, name, **options)
+
+
 class AgentEngine(IPEngine):
     """An ipyparallel engine whose controller watch does not depend on its event loop."""
 
@@ -145,6 +160,10 @@ class AgentEngine(IPEngine):
         if isinstance(kernel.iopub_socket, IOPubThread):
             with contextlib.suppress(Exception):
                 kernel.iopub_socket.stop()  # sends what it holds, then ends
+
+    @default("out_stream_factory")
+    def _logged_streams(self) -> type:
+        return LoggedOutStream
 
     @default("connection_info_env")
     def _connection_from_session(self) -> str:

@@ -1,4 +1,5 @@
-"""Where a worker's shipped files are: unpacked there by the session's call, and found by relative name.
+"""Where a worker's shipped files are: unpacked there by the session's call, and found by relative name;
+and what else its working folder holds when that folder is its own, removed with the worker.
 
 The session ships scripts and folders as an archive (shipping.py) and has the agent unpack it
 (``cmlcluster.agent:unpack_files``); what runs in the worker later (the program, a TensorFlow task, a
@@ -7,12 +8,25 @@ PyTorch node, sshd's sessions) finds them through `script_path` and `files_folde
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import posixpath
+import sys
+import tarfile
 import tempfile
+from typing import Any
 
 from . import shipping
 
 _files_folder: str | None = None  # where shipped files were unpacked; relative scripts are found there
+# The working folder the worker started in when it is its own, removed when it ends (wire.OWN_FOLDER_ENV; set
+# by the agent at its start: a program may chdir elsewhere since); "" when it is shared.
+own_folder = ""
+# Files shipped into the working folder, by name there: (size, mtime) as unpacked. Not the program's.
+_shipped: dict[str, tuple[int, int]] = {}
+SCAN_LIMIT = 10_000  # files counted at most: a folder of a dataset's million files is not walked to its end
+NAMED = 5  # entries a notice names
 
 
 def unpack_files(archive: bytes, in_cwd: bool = False) -> str:
@@ -24,7 +38,15 @@ def unpack_files(archive: bytes, in_cwd: bool = False) -> str:
     global _files_folder
     if in_cwd:
         _files_folder = os.getcwd()
-    return shipping.unpack(archive, files_folder())
+    folder = shipping.unpack(archive, files_folder())
+    if in_cwd:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+            for member in tar.getmembers():
+                name = posixpath.normpath(member.name)
+                with contextlib.suppress(OSError):  # a program already at work there may have moved it
+                    info = os.lstat(os.path.join(folder, name))
+                    _shipped[name] = (info.st_size, info.st_mtime_ns)
+    return folder
 
 
 def files_folder() -> str:
@@ -40,3 +62,64 @@ def script_path(script: str) -> str:
     if os.path.isabs(script):
         return script
     return os.path.join(_files_folder or os.getcwd(), script)
+
+
+def leftovers(folder: str = "") -> dict[str, Any] | None:
+    """What the worker's own working folder (or `folder`) holds besides the files shipped into it,
+    unchanged: its entries with files in them, biggest first ("checkpoints/" for a folder), the number of
+    files and their bytes ("more": counting stopped at SCAN_LIMIT). None when nothing, or when the
+    working folder is not the worker's own. Python's __pycache__ is not the program's work."""
+    folder = folder or own_folder
+    if not folder:
+        return None
+    sizes: dict[str, int] = {}
+    files = 0
+    for parent, folders, names in os.walk(folder):
+        folders[:] = sorted(f for f in folders if f != "__pycache__")
+        for name in names:
+            path = os.path.join(parent, name)
+            relative = os.path.relpath(path, folder).replace(os.sep, "/")
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if _shipped.get(relative) == (info.st_size, info.st_mtime_ns):
+                continue
+            top, below, _ = relative.partition("/")
+            entry = f"{top}/" if below else top
+            sizes[entry] = sizes.get(entry, 0) + info.st_size
+            files += 1
+            if files >= SCAN_LIMIT:
+                return _found(folder, sizes, files, more=True)
+    return _found(folder, sizes, files, more=False) if files else None
+
+
+def _found(folder: str, sizes: dict[str, int], files: int, more: bool) -> dict[str, Any]:
+    names = sorted(sizes, key=lambda n: (-sizes[n], n))
+    return {"folder": folder, "names": names, "files": files, "bytes": sum(sizes.values()), "more": more}
+
+
+def notice(worker: str, found: dict[str, Any]) -> str:
+    """What is said of `found` (leftovers()) before it goes with the worker."""
+    names = ", ".join(found["names"][:NAMED]) + (", ..." if len(found["names"]) > NAMED else "")
+    count = f"{'at least ' if found['more'] else ''}{found['files']} file{'s' if found['files'] != 1 else ''}"
+    return (
+        f"worker {worker}'s working folder {found['folder']} holds {names} ({count}, {_size(found['bytes'])}), "
+        "which its program wrote there; the folder is the worker's own and is removed with it, so these files "
+        "are gone once it ends. Save results where the session's machine sees them (a shared folder, or a "
+        "path the backend mounts) or copy them out before the program ends"
+    )
+
+
+def say_leftovers() -> None:
+    """In a program the session stopped (it cannot ask a busy worker): say what goes with the worker."""
+    found = leftovers()
+    if found is not None:
+        print(f"cmlcluster: {notice(os.environ.get('CDSW_ENGINE_ID', 'this worker'), found)}", file=sys.stderr)
+
+
+def _size(n: int) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"

@@ -22,7 +22,7 @@ from typing import Any
 from IPython import get_ipython
 
 from . import ipyparallel_internals
-from .agent_files import script_path, unpack_files
+from .agent_files import say_leftovers, script_path, unpack_files
 
 _program_running = False  # whether run_program runs the worker's program now (until a stop interrupts it)
 _in_program = False  # whether run_program has yet to return: the program, or its cleanup after a stop
@@ -75,6 +75,7 @@ def run_program(
         print(e.code, file=sys.stderr)
         return 1
     except ProgramStopped as e:
+        say_leftovers()  # the session cannot ask a busy worker what its folder holds: it is said here
         return -e.signal
     except BaseException:
         traceback.print_exc()

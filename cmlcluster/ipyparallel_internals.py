@@ -6,6 +6,7 @@ stops, restores its output and starts its heartbeat (agent_engine.py says why). 
 and probe_engine() check each of these names on the ipyparallel installed, once per process,
 before it is used: an ipyparallel that renamed one is an error naming its version and the
 name, not a worker that silently never registers or a stop that loses its last lines.
+(The widget's hook on ipykernel's comm routing is ui/kernel_internals.py: only the UI uses it.)
 """
 
 from __future__ import annotations

@@ -229,7 +229,9 @@ class Job:
         joined = False
         try:
             r = role.resources
-            [record] = self.session.launch_workers(1, r.cpu, r.memory, r.nvidia_gpu, env=role.env)
+            [record] = self.session.launch_workers(
+                1, r.cpu, r.memory, r.nvidia_gpu, env=role.env, replaces=lost.worker_id
+            )
             new_id = record.get("id", "")
             if not new_id:
                 raise CmlClusterError(record.get("message") or "it could not be launched")

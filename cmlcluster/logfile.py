@@ -1,11 +1,11 @@
 """A worker's log file in bounded space: its first part, then a rolling tail.
 
-A worker may print for weeks, and its log (``<session dir>/workers/<worker id>.log``) often lies on
-a tmpfs, in memory. So a log keeps the first HEAD_BYTES its process wrote (how it started: its
-imports, its first errors), then the last TAIL_BYTES / 2 to TAIL_BYTES: when the tail would pass
-TAIL_BYTES, its older half goes, and a marker line between the head and the tail says how many bytes
-were dropped. Rolling writes a new file and renames it over the old one, so a reader by path (such as
-read_tail) sees the one file or the other, never one half-written.
+A worker may print for weeks, and its log (``<worker id>.log`` in the session's log folder, kept after
+the session: worker_logs.py) must not fill a disk. So a log keeps the first HEAD_BYTES its process
+wrote (how it started: its imports, its first errors), then the last TAIL_BYTES / 2 to TAIL_BYTES:
+when the tail would pass TAIL_BYTES, its older half goes, and a marker line between the head and the
+tail says how many bytes were dropped. Rolling writes a new file and renames it over the old one, so a
+reader by path (such as read_tail) sees the one file or the other, never one half-written.
 
 Every backend copies its workers' output into their CappedLog on a thread of the session: Docker's
 and Kubernetes' from their log streams, and the local and SSH backends from a pipe (WorkerOutput)

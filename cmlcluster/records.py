@@ -48,7 +48,7 @@ def folder() -> str:
     return path
 
 
-def check_private(path: str) -> None:
+def check_private(path: str, what: str = "session records") -> None:
     """Refuse (ConfigError, naming the fix) a folder that is not the user's own or that others may write."""
     if not hasattr(os, "geteuid"):
         return  # Windows: no owner and mode bits of this kind
@@ -57,13 +57,13 @@ def check_private(path: str) -> None:
     if info.st_uid != uid:
         raise ConfigError(
             f"the state folder {path} belongs to uid {info.st_uid}, not to you (uid {uid}): cmlcluster will "
-            f"not read or write session records there. Make it yours (`chown {uid} {shlex.quote(path)}`) "
+            f"not read or write {what} there. Make it yours (`chown {uid} {shlex.quote(path)}`) "
             "or set CMLCLUSTER_STATE_DIR to a folder of your own"
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ConfigError(
             f"the state folder {path} is writable by others (mode {stat.S_IMODE(info.st_mode):#o}): cmlcluster "
-            f"will not read or write session records there. Fix: `chmod 700 {shlex.quote(path)}`"
+            f"will not read or write {what} there. Fix: `chmod 700 {shlex.quote(path)}`"
         )
 
 

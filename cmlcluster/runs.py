@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from . import api
+from . import api, blocking
 from .errors import CmlClusterError
 from .events import RunEnded
 from .session import Session
@@ -59,14 +59,16 @@ class RunError(CmlClusterError):
 @contextlib.contextmanager
 def session_for(session: Session | None, backend: str | Backend | None, echo: bool) -> Iterator[Session]:
     """The session a run uses: the one given; else, for backend=, one of its own, closed when the run
-    ends; else the default session (cmlcluster.get_session()). With echo, its view shows here."""
+    ends; else the default session (cmlcluster.get_session()). With echo, its view shows here.
+    While the run holds the cell, the widget's Stop ends it (cmlcluster.blocking)."""
     owned = session is None and backend is not None
     if session is None:
         session = Session(backend, echo=echo) if backend is not None else api.get_session()
     if echo:
         session.show()
     try:
-        yield session
+        with blocking.blocking(session):
+            yield session
     finally:
         if owned:
             session.close()

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from . import waiting
+from . import waiting, worker_logs
 from ._aio import LoopThread
 from .backends import Backend, SessionContext
 from .control import ControlPlane, IPyParallelControl
@@ -40,6 +40,7 @@ class Runtime:
         self.events = EventBus(f"cmlcluster-{session_id}")
         self.supervisor = Supervisor(session_id, backend, self.events)
         self.dir: str | None = None  # the session's folder (0700: the controller's keys), from the first launch
+        self.logs = ""  # the folder of its workers' logs, kept after it (worker_logs.py), from the first launch
         self._attached = False  # whether the backend serves this session (from the first launch)
 
     @property
@@ -67,7 +68,14 @@ class Runtime:
         return self.loop.run(snapshot())
 
     async def launch(
-        self, n: int, resources: Resources, kernel: str, program: Program, env: dict[str, str], cwd: str
+        self,
+        n: int,
+        resources: Resources,
+        kernel: str,
+        program: Program,
+        env: dict[str, str],
+        cwd: str,
+        replaces: str = "",
     ) -> list[dict[str, Any]]:
         await self.backend.check(n, resources)
         control = await self._started()
@@ -82,6 +90,7 @@ class Runtime:
                 agent_env=control.agent_env(),
                 controller_ip=self.backend.controller_ip(),
                 capabilities=capabilities,
+                replaces=replaces,
             )
             for _ in range(n)
         ]
@@ -94,13 +103,16 @@ class Runtime:
         if self.dir is None:
             self.dir = tempfile.mkdtemp(prefix=f"cmlcluster-{self.session_id}-")
             os.chmod(self.dir, 0o700)
+            # Else in the session's folder, gone with it (said by session_folder).
+            self.logs = worker_logs.session_folder(self.session_id) or os.path.join(self.dir, "workers")
+            os.makedirs(self.logs, exist_ok=True)
             self._on_folder()
         # One silence for all three clocks: the agents' watchdogs, the controller's heartbeat misses
         # and the backend's own (ssh's keepalives).
         silence = self.supervisor.silence_timeout = self.silence_timeout
         if not self._attached:
             await self.backend.attach(
-                SessionContext(session_id=self.session_id, session_dir=self.dir, silence_timeout=silence)
+                SessionContext(self.session_id, self.dir, silence_timeout=silence, logs=self.logs)
             )
             self._attached = True
         control = self.backend.control_plane() or IPyParallelControl(silence_timeout=silence)

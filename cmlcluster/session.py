@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from . import checks, live, origin, records, shipping, ui
+from . import blocking, checks, live, origin, records, shipping, ui
 from .backends import Backend, make_backend
 from .errors import CmlClusterError, ConfigError
 from .events import Event, Subscriber
@@ -89,12 +89,15 @@ class Session:
         env: Mapping[str, str] | None = None,
         *,
         ship_working_folder: bool = False,
+        replaces: str = "",
     ) -> list[dict[str, Any]]:
         """Start n workers; one dict per worker, a dict without "id" for one that could not start.
 
         A script the workers cannot read where it is (on SSH hosts, say) is shipped to them.
         ship_working_folder: ship the whole working folder too, to workers that do not see it
         (capped in size: see shipping.py); they start in their copy of it.
+        replaces: a lost worker's id (a job's replacement, jobs.Restarts): where the backend can,
+        they start where it ran (Capabilities.stable_addresses).
         """
         self._check_open()
         cwd = os.getcwd()
@@ -109,7 +112,7 @@ class Session:
             )
         resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
         self.show()
-        return self._run(self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd))
+        return self._run(self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces))
 
     def ship(self, scripts: Iterable[str] = (), *, working_folder: bool = False) -> Shipment:
         """What must travel so that workers can run these scripts (and, if asked, see the working folder).
@@ -134,7 +137,8 @@ class Session:
         """
         if not checks.number(timeout_seconds, low=0):
             raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give seconds >= 0 (0 waits without a limit)")
-        return self._run(self._rt.wait(list(ids), wait_for_completion, float(timeout_seconds), fail_fast))
+        with blocking.blocking(self):  # the widget's Stop can end the wait (cmlcluster.blocking)
+            return self._run(self._rt.wait(list(ids), wait_for_completion, float(timeout_seconds), fail_fast))
 
     def list_workers(self) -> list[dict[str, Any]]:
         return self._read(lambda: [w.to_dict() for w in self._supervisor.workers.values()])
@@ -225,6 +229,12 @@ class Session:
     def session_dir(self) -> str | None:
         """The session's private folder (0700), removed at close; None before the first launch."""
         return self._rt.dir
+
+    @property
+    def log_folder(self) -> str | None:
+        """The folder of the workers' logs, `<worker id>.log` each, kept after the session (`cmlcluster logs`);
+        None before the first launch."""
+        return self._rt.logs or None
 
     @property
     def silence_timeout(self) -> float:

@@ -21,6 +21,7 @@ from .backends import Backend
 from .control import HUB_SILENCE_MARGIN, ControlPlane
 from .errors import BackendError, ConfigError, WorkerError
 from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
+from .leftovers import Leftovers
 from .lines import LineSplitter
 from .progress import output_event
 from .waiting import Changes
@@ -53,6 +54,7 @@ class Supervisor:
         self._exit_watchers: dict[str, asyncio.Task[None]] = {}
         self._programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, run to its ending
         self._lines: dict[tuple[str, str], LineSplitter] = {}  # per worker and stream, its line being written
+        self.leftovers = Leftovers(self)  # what a worker's own folder holds, said before it goes
 
     def new_engine_id(self) -> int:
         engine_id = self._next_engine_id
@@ -199,6 +201,7 @@ class Supervisor:
         call = asyncio.ensure_future(
             control.call(worker.engine_id, target, args, lambda s, t: self._on_output(worker, s, t))
         )
+        self.leftovers.busy[worker.id] += 1
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         try:
@@ -222,6 +225,7 @@ class Supervisor:
             detail = getattr(e, "traceback", None) or f"{type(e).__name__}: {e}"
             raise WorkerError(f"{target} failed on worker {worker.id}:\n{detail}", worker.id) from None
         finally:
+            self.leftovers.busy[worker.id] -= 1
             self._flush_partial(worker)
 
     async def _run_program(self, worker: Worker) -> None:
@@ -237,6 +241,7 @@ class Supervisor:
             await self._end(worker, Ending(FAILED, message=f"worker {worker.id} failed: {e}"))
             return
         # Like a CML worker, it ends when its program does.
+        await self.leftovers.before_stop([worker])
         await self._end(worker, ending)
 
     async def _program_ending(self, worker: Worker) -> Ending:
@@ -330,6 +335,7 @@ class Supervisor:
     async def stop(self, workers: list[Worker], grace: float = STOP_GRACE) -> list[dict[str, Any]]:
         """Stop these workers in parallel (TERM, KILL after `grace` s); their dicts once they are stopped."""
         live = [w for w in workers if not w.finished and w.handle is not None]
+        await self.leftovers.before_stop(live)
         for w in live:
             w.stop_requested = True
         await asyncio.gather(*(self.backend.stop(w.handle, grace) for w in live))

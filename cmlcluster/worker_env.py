@@ -30,6 +30,7 @@ def build_spec(
     controller_ip: str,
     capabilities: Capabilities,
     session_environ: Mapping[str, str] = os.environ,
+    replaces: str = "",
 ) -> WorkerSpec:
     """The spec a backend starts one worker from. Pure: everything it reads is an argument."""
     wid = worker_id(session_id, engine_id)
@@ -45,6 +46,8 @@ def build_spec(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if not capabilities.sees(cwd):
+        worker_env[wire.OWN_FOLDER_ENV] = "1"  # it starts in a folder of its own (see agent_files.leftovers)
     if capabilities.sees(PACKAGE_DIR):
         # Workers that see this checkout import the same cmlcluster as the session, installed or not.
         inherited = env.get("PYTHONPATH", session_environ.get("PYTHONPATH", "") if capabilities.session_host else "")
@@ -56,4 +59,5 @@ def build_spec(
         env=worker_env,
         resources=resources,
         cwd=cwd,
+        replaces=replaces,
     )

@@ -62,6 +62,7 @@ class WorkerSpec:
     env: Mapping[str, str]
     resources: Resources
     cwd: str
+    replaces: str = ""  # a lost worker's id: where the backend can, this one starts where that one ran
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_version",
             "wire",
             "_aio",
+            "blocking",  # a call that holds the notebook's cell, and ending it from another thread
             "_exit",
             "_lifeline",
             "_proc",
@@ -86,6 +87,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "worker_env",
             "runtime",
             "records",
+            "worker_logs",
+            "leftovers",
             "tensorboard_server",
             "tensorboard_process",
             "ui",

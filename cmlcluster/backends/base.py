@@ -24,7 +24,8 @@ the loop that carries every worker's events never waits on one backend:
   A backend waits for the end of the stream its output arrives through (a
   container's or a pod's log, the pipe of a process: logfile.WorkerOutput), at
   most OUTPUT_DRAIN_SECONDS after the exit. The log it copies the stream into is
-  a logfile.CappedLog: its first part and a rolling tail, never more.
+  a logfile.CappedLog at ``context.log_path(worker id)``: its first part and a rolling tail,
+  never more, in a folder kept after the session (``cmlcluster logs``).
 - ``stop(handle, grace)`` ends the process: TERM, then KILL after ``grace``
   seconds, and returns once it has ended, its output read as for ``wait``.
   Idempotent: stopping a stopped worker is a no-op, never an error.
@@ -134,6 +135,12 @@ class SessionContext:
     session_id: str
     session_dir: str
     silence_timeout: float = DEFAULT_SILENCE_TIMEOUT  # the session's (see Capabilities.silence_timeout)
+    # Where the workers' logs go: a folder kept after the session (worker_logs.py); "": the session's own.
+    logs: str = ""
+
+    def log_path(self, worker_id: str) -> str:
+        """Where a backend writes worker `worker_id`'s log (a logfile.CappedLog, which makes the folder)."""
+        return os.path.join(self.logs or os.path.join(self.session_dir, "workers"), f"{worker_id}.log")
 
 
 HandleT = TypeVar("HandleT")

@@ -229,8 +229,6 @@ class DockerBackend(Backend[DockerHandle]):
 
     async def start(self, spec: WorkerSpec) -> DockerHandle:
         gpus = self._gpus.take(spec.resources.nvidia_gpu) if self._gpus.all else []
-        log_dir = os.path.join(self.context.session_dir, "workers")
-        os.makedirs(log_dir, exist_ok=True)
         options = self.container_options(spec, gpus)
         # Create, give it its files, start watching for the exit, then start: a container that dies at
         # once is still seen.
@@ -254,7 +252,7 @@ class DockerBackend(Backend[DockerHandle]):
         handle = DockerHandle(
             container=container,
             worker_id=spec.worker_id,
-            log_path=os.path.join(log_dir, f"{spec.worker_id}.log"),
+            log_path=self.context.log_path(spec.worker_id),
             gpus=gpus,
             exited=loop.create_future(),
             copied=loop.create_future(),

@@ -84,11 +84,11 @@ class LocalBackend(Backend[LocalHandle]):
         env.update(spec.env)
         # Zero GPUs means none visible, not all of them.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        log_dir = os.path.join(self.context.session_dir, "workers")
-        log_path = os.path.join(log_dir, f"{spec.worker_id}.log")
+        log_path = self.context.log_path(spec.worker_id)  # kept after the session
+        own = os.path.join(self.context.session_dir, "workers", spec.worker_id)
         # The worker's temp files live in the session's folder, so none outlives the session
         # even when the worker is killed (a container's /tmp goes with the container the same way).
-        env["TMPDIR"] = os.path.join(log_dir, f"{spec.worker_id}.tmp")
+        env["TMPDIR"] = f"{own}.tmp"
         os.makedirs(env["TMPDIR"], exist_ok=True)
         limits = (
             CgroupLimits(
@@ -98,7 +98,8 @@ class LocalBackend(Backend[LocalHandle]):
             else None
         )
         template = self._template(spec, env)
-        forked = await self._fork_from(template, env, spec.cwd, log_path) if template is not None else None
+        fifo = f"{own}.output"
+        forked = await self._fork_from(template, env, spec.cwd, log_path, fifo) if template is not None else None
         try:
             process, output = forked or await start_process(
                 log_path,
@@ -119,11 +120,11 @@ class LocalBackend(Backend[LocalHandle]):
         return LocalHandle(process=process, output=output, log_path=log_path, gpus=gpus, limits=limits)
 
     async def _fork_from(
-        self, template: Template, env: dict[str, str], cwd: str, log_path: str
+        self, template: Template, env: dict[str, str], cwd: str, log_path: str, fifo: str
     ) -> tuple[ForkedProcess, WorkerOutput] | None:
-        """A worker forked by `template`, writing into a FIFO that the session copies into its log; None
-        when the template cannot fork it (then local workers start on their own from now on)."""
-        fifo = log_path.removesuffix(".log") + ".output"
+        """A worker forked by `template`, writing into a FIFO (at `fifo`, in the session's folder) that the
+        session copies into its log; None when the template cannot fork it (then local workers start on
+        their own from now on)."""
         try:
             output = WorkerOutput(log_path, fifo=fifo)
         except OSError as e:  # a folder without FIFOs

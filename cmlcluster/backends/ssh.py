@@ -176,13 +176,17 @@ class SSHBackend(Backend[SSHHandle]):
         self.ssh_options = list(ssh_options)
         self._controller_ip = controller_ip
         self._checked = False
+        self._ran_on: dict[str, Host] = {}  # worker id -> its host, for its replacement
         self.silence_timeout = DEFAULT_SILENCE_TIMEOUT  # the session's, from attach(): ssh's keepalives
 
     # ---------------------------------------------------------------- what it is
 
     def capabilities(self) -> Capabilities:
-        # Workers on one host share its address; nothing of the session's disk is theirs.
-        return Capabilities(own_address=False, session_host=False, python=self.python, shared_paths=())
+        # Workers on one host share its address; nothing of the session's disk is theirs. A replacement
+        # goes to the host its lost worker ran on, where that has room again (it does: the lost one's slot).
+        return Capabilities(
+            own_address=False, session_host=False, python=self.python, shared_paths=(), stable_addresses=True
+        )
 
     def controller_ip(self) -> str:
         if self._controller_ip is None:
@@ -213,8 +217,9 @@ class SSHBackend(Backend[SSHHandle]):
     async def check(self, n: int, resources: Resources) -> None:
         self._fit(n, resources)  # raises when they do not fit
 
-    def _fit(self, n: int, resources: Resources) -> list[Host]:
-        """Hosts for n workers (most free slots first, with the GPUs asked for), without taking them."""
+    def _fit(self, n: int, resources: Resources, prefer: Host | None = None) -> list[Host]:
+        """Hosts for n workers (`prefer` if it fits, then most free slots first, with the GPUs asked
+        for), without taking them."""
         free = {id(h): (h.free_slots, len(h.free_gpus)) for h in self.hosts}
         chosen: list[Host] = []
         for _ in range(n):
@@ -226,7 +231,7 @@ class SSHBackend(Backend[SSHHandle]):
                     f"n={n} workers{gpus} do not fit on the hosts (free now: {listing}); "
                     "ask for fewer workers or GPUs, stop workers that hold slots, or add hosts"
                 )
-            host = max(fitting, key=lambda h: free[id(h)][0])
+            host = prefer if prefer in fitting else max(fitting, key=lambda h: free[id(h)][0])
             slots, gpus_free = free[id(host)]
             free[id(host)] = (slots - 1, gpus_free - resources.nvidia_gpu)
             chosen.append(host)
@@ -299,19 +304,15 @@ class SSHBackend(Backend[SSHHandle]):
     # ---------------------------------------------------------------- workers
 
     async def start(self, spec: WorkerSpec) -> SSHHandle:
-        [host] = self._fit(1, spec.resources)
+        [host] = self._fit(1, spec.resources, self._ran_on.get(spec.replaces))
+        self._ran_on[spec.worker_id] = host
         host.free_slots -= 1
         gpus, host.free_gpus = host.free_gpus[: spec.resources.nvidia_gpu], host.free_gpus[spec.resources.nvidia_gpu :]
         env = dict(spec.env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # zero GPUs means none visible, not all of them
-        log_path = os.path.join(self.context.session_dir, "workers", f"{spec.worker_id}.log")
-        request = {
-            "worker_id": spec.worker_id,
-            "argv": list(spec.argv),
-            "env": env,
-            "cpu": spec.resources.cpu,
-            "memory": spec.resources.memory,
-        }
+        log_path = self.context.log_path(spec.worker_id)
+        request: dict[str, object] = {"worker_id": spec.worker_id, "argv": list(spec.argv), "env": env}
+        request |= {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
         try:
             process, output = await start_process(
                 log_path,

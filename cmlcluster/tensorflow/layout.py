@@ -60,7 +60,7 @@ def check_restarts(max_restarts: int, coordinator: bool, stable_addresses: bool)
     if not stable_addresses:
         raise ConfigError(
             f"max_restarts={max_restarts}: TensorFlow takes a lost worker back only at its address, which "
-            "this backend cannot yet give a replacement; use the local backend, or max_restarts=0"
+            "this backend cannot yet give a replacement; use the local or ssh backend, or max_restarts=0"
         )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
+from .. import blocking
 from ..events import (
     Event,
     JobChanged,
@@ -31,6 +32,7 @@ from ..events import (
 )
 from ..progress import describe
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
+from . import kernel_internals
 from .shell import in_kernel, ipython
 
 if TYPE_CHECKING:
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 RENDER_HZ = 10  # at most this many widget updates a second
 OUTPUT_LINES = 200  # lines kept per source for the output panel
 CURVE_POINTS = 500  # points kept per loss curve (older ones thinned out)
+STOPS_THE_CELL = "Stops these workers, and the cmlcluster call a running cell waits in"
+STOPS_BETWEEN_CELLS = "Stops these workers between cells; a running cell stops with Interrupt (■)"
 COLOURS = {
     "scheduling": "#9e9e9e",
     RUNNING: "#1e88e5",
@@ -71,6 +75,9 @@ class WidgetView:
         self.table = w.HTML()
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger")
         self.stop_button.on_click(self._guarded(self._on_stop))
+        # The click acts on arrival, while a cell may hold the kernel; the on_click above runs later.
+        hooked = kernel_internals.on_arrival(self.stop_button.comm, self._guarded(self._on_stop_arrival))
+        self.stop_button.tooltip = STOPS_THE_CELL if hooked else STOPS_BETWEEN_CELLS
         self.source = w.Dropdown(description="output", options=[])
         self.source.observe(self._guarded(lambda _: self._dirty.set()), names="value")
         self.output = w.HTML()
@@ -95,6 +102,7 @@ class WidgetView:
         )
         self.widget.add_class("cmlcluster-session")
         self._render()
+        blocking.watch(self._dirty.set)  # a call holding the cell makes Stop useful, workers or not
         session.subscribe(self._guarded(self._on_event))
         session.on_show(self.show)
         threading.Thread(target=self._render_loop, name=f"cmlcluster-{session.id}-widget", daemon=True).start()
@@ -156,6 +164,7 @@ class WidgetView:
                 self._notes.append(f"{event.count} output lines not shown (the display fell behind)")
             elif isinstance(event, SessionClosed):
                 self._closed.set()
+                blocking.unwatch(self._dirty.set)
         if not self._dirty.is_set():  # cheap when it is: a flood sets it once per render
             self._dirty.set()
 
@@ -170,11 +179,36 @@ class WidgetView:
         if len(steps) > CURVE_POINTS:  # keep the shape, drop every other old point
             del steps[: CURVE_POINTS // 2 : 2], losses[: CURVE_POINTS // 2 : 2]
 
-    def _on_stop(self, _button: Any) -> None:
+    def _live(self) -> list[str]:
         with self._lock:
-            live = [i for i, r in self._rows.items() if r["status"] not in (SUCCEEDED, FAILED, STOPPED)]
+            return [i for i, r in self._rows.items() if r["status"] not in (SUCCEEDED, FAILED, STOPPED)]
+
+    def _on_stop(self, _button: Any) -> None:
+        live = self._live()
         if live:
             self.session.stop_workers_soon(*live)
+
+    def _on_stop_arrival(self, data: Any) -> None:
+        """A click as it reaches the kernel (ipykernel's shell-channel thread): begin stopping the workers
+        and end the call the cell waits in, if it is this session's. Only schedules; never waits."""
+        content = data.get("content") if isinstance(data, dict) and data.get("method") == "custom" else None
+        if not isinstance(content, dict) or content.get("event") != "click":
+            return
+        live = self._live()
+        if live:
+            self.session.stop_workers_soon(*live)
+        blocking.interrupt(self.session, lambda: self._stopped(live))
+
+    def _stopped(self, live: list[str]) -> str:
+        """On the main thread, once the interrupted call let go: make sure of the stop, then say what stopped."""
+        if not live:
+            return "stopped from the widget: the call was interrupted (no workers were running)"
+        names = f"worker{'s' if len(live) > 1 else ''} {', '.join(live)}"
+        try:
+            self.session.stop_workers(*live)
+        except Exception as e:  # said, not lost: the call is over either way
+            return f"stopped from the widget: stopping {names} failed: {e}"
+        return f"stopped from the widget: {names} stopped"
 
     # ---------------------------------------------------------------- rendering
 
@@ -217,9 +251,9 @@ class WidgetView:
         self.table.value = _table(rows, labels, since, now) + "".join(
             f'<div class="cmlcluster-note" style="color:{COLOURS[FAILED]}">{html.escape(n)}</div>' for n in notes
         )
-        self.stop_button.disabled = session.closed or not any(
-            r["status"] not in (SUCCEEDED, FAILED, STOPPED) for r in rows
-        )
+        live = any(r["status"] not in (SUCCEEDED, FAILED, STOPPED) for r in rows)
+        self.stop_button.disabled = session.closed or not (live or blocking.busy(session))
+        self.stop_button.button_style = "" if self.stop_button.disabled else "danger"  # red only when it can act
         self._render_training(progress, labels)
         if self.plot is not None:
             self._render_curves(curves)

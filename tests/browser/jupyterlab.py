@@ -570,6 +570,11 @@ class NotebookPage:
 
         return self.wait_for(idle, "notebook loaded, kernel idle", timeout)
 
+    def start_all(self, timeout: float = 90.0) -> None:
+        """Clear outputs and start running all cells (Run All Cells) once the kernel is idle; return at once."""
+        self.wait_until_idle(timeout)
+        self.page.evaluate(RUN_ALL_JS, self.notebook)
+
     def run_all(self, timeout: float = 120.0, widget_timeout: float = 15.0) -> dict:
         """Clear outputs, run all cells, and wait until the run is over; then let widgets finish rendering.
 
@@ -578,8 +583,7 @@ class NotebookPage:
         after `widget_timeout` seconds are left for widget_errors() to report. Writes
         test-artifacts/<artifact_name>.png. Returns the final state().
         """
-        self.wait_until_idle(timeout)
-        self.page.evaluate(RUN_ALL_JS, self.notebook)
+        self.start_all(timeout)
 
         def finished(s: dict) -> bool:
             if s.get("stage") != "ready" or s["kernel"] != "idle" or s["running"]:

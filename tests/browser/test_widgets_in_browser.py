@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -99,3 +100,53 @@ def test_stop_button_stops_an_idle_cluster(tmp_path):
         assert not any(alive(p) for p in pids)
         nb.screenshot("stopped")
         assert nb.errors() == []
+
+
+SLEEPING_CLUSTER = """\
+import cmlcluster as cdsw
+workers = cdsw.launch_workers(2, cpu=0.5, memory=0.5, code="import time; time.sleep(600)")
+ready = cdsw.await_workers(workers, wait_for_completion=False, timeout_seconds=120)
+print(*[cdsw.get_session().worker_pid(w) for w in ready["workers"]])
+"""
+
+STOP_BUTTON = ".cmlcluster-session button.jupyter-button"
+
+
+def test_stop_button_ends_a_cell_waiting_in_await_workers(tmp_path):
+    cells = [SLEEPING_CLUSTER, "cdsw.await_workers(workers, wait_for_completion=True)"]
+    write_notebook(tmp_path, "waiting.ipynb", cells)
+    with jupyter_lab(tmp_path) as lab, open_notebook(lab, "waiting.ipynb", artifact_name="stop_running_cell") as nb:
+        nb.start_all()
+        state = nb.wait_for(
+            lambda s: s["cells"][0]["stdout"] and s["cells"][0]["count"] and s["kernel"] == "busy",
+            "the second cell waiting",
+            timeout=180,
+        )
+        pids = [int(p) for p in "".join(state["cells"][0]["stdout"]).split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        time.sleep(1)  # well inside await_workers
+        button = nb.page.locator(STOP_BUTTON, has_text="Stop")
+        assert button.is_enabled() and "mod-danger" in button.get_attribute("class")
+        button.click()
+        clicked = time.monotonic()
+        while any(alive(p) for p in pids) and time.monotonic() < clicked + 15:
+            time.sleep(0.05)
+        stopped_after = time.monotonic() - clicked
+        state = nb.wait_for(lambda s: s["kernel"] == "idle" and not s["running"], "the cell ending", timeout=15)
+        ended_after = time.monotonic() - clicked
+        print(f"click -> workers gone {stopped_after:.2f} s, cell ended and kernel idle {ended_after:.2f} s")
+        assert not any(alive(p) for p in pids)
+        assert stopped_after < 5
+        [error] = state["cells"][1]["errors"]
+        assert re.fullmatch(r"StoppedFromWidget: stopped from the widget: workers \S+, \S+ stopped", error), error
+        nb.page.wait_for_function(  # nothing behind it runs: disabled, and no longer red
+            f"() => {{ const b = document.querySelector({STOP_BUTTON!r});"
+            " return b.disabled && !b.classList.contains('mod-danger'); }",
+            timeout=10_000,
+        )
+        statuses = nb.page.locator("table.cmlcluster-workers tr[data-worker]").evaluate_all(
+            "rows => rows.map(r => r.dataset.status)"
+        )
+        assert statuses == ["stopped", "stopped"]
+        nb.screenshot("stopped")
+        assert [e for e in nb.errors() if "StoppedFromWidget" not in e] == []

@@ -177,3 +177,56 @@ def test_interrupt_during_horovod_stops_horovodrun_ranks_and_workers(kernel, tmp
     assert wait_gone(left, within=15) == []
     content, out = run(kc, "print(sorted(w['status'] for w in cdsw.list_workers()))")
     assert out.strip() == "['stopped', 'stopped']", out
+
+
+SLEEPING_WORKERS = """
+import cmlcluster as cdsw
+ws = cdsw.launch_workers(2, cpu=0.5, memory=0.5, code="import time; time.sleep(600)")
+ready = cdsw.await_workers(ws, wait_for_completion=False, timeout_seconds=60)
+stop = cdsw.get_session().view.stop_button
+print(stop.comm.comm_id, *[w["id"] for w in ws], *[cdsw.get_session().worker_pid(w) for w in ws])
+"""
+
+BUTTON = "print(stop.disabled, repr(stop.button_style), sorted(w['status'] for w in cdsw.list_workers()))"
+
+
+def iopub_until_idle(kc, msg_id: str, timeout: float) -> list[dict]:
+    """The cell's iopub messages up to its "idle" status (the kernel is then free for the next cell)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            msg = kc.get_iopub_msg(timeout=1)
+            if msg["parent_header"].get("msg_id") == msg_id:
+                seen.append(msg)
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    return seen
+    raise AssertionError(f"the cell never ended: {seen}")
+
+
+def test_stop_button_clicked_while_await_workers_holds_the_cell_ends_it(kernel, wait_gone):
+    _, kc = kernel
+    content, out = run(kc, SLEEPING_WORKERS)
+    assert content["status"] == "ok", out
+    comm_id, first, second, *pids = out.split()
+    pids = [int(p) for p in pids]
+    msg_id = kc.execute("cdsw.await_workers(ws, wait_for_completion=True)")
+    time.sleep(2)  # the cell waits; without the hook a click would queue behind it, for as long as it runs
+    # What the browser sends for a click on an ipywidgets Button (the button's comm is its model).
+    click = {"comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
+    clicked = time.monotonic()
+    kc.shell_channel.send(kc.session.msg("comm_msg", click))
+    reply = {"parent_header": {}}
+    with contextlib.suppress(queue.Empty):
+        reply = kc.get_shell_msg(timeout=15)
+    took = time.monotonic() - clicked
+    assert reply["parent_header"].get("msg_id") == msg_id, "the cell did not end within 15 s of the click"
+    shown = [m["content"] for m in iopub_until_idle(kc, msg_id, 10) if m["msg_type"] == "error"]
+    message = f"stopped from the widget: workers {first}, {second} stopped"
+    assert [(e["ename"], e["evalue"]) for e in shown] == [("StoppedFromWidget", message)]
+    assert (reply["content"]["ename"], reply["content"]["evalue"]) == ("StoppedFromWidget", message)
+    assert wait_gone(pids, within=0.1) == []  # stopped before the call raised
+    assert took < 5, f"{took:.1f} s from the click to the cell's end"
+    print(f"click -> workers stopped, cell ended: {took:.2f} s")
+    content, out = run(kc, BUTTON)  # the kernel took the next cell; nothing left to stop: grey and disabled
+    assert out.strip() == "True '' ['stopped', 'stopped']", out

@@ -101,12 +101,17 @@ def test_a_worker_task_killed_mid_training_is_replaced_and_trains_on_and_the_los
         wait_until(lambda: not threads_in_update_server_def(), timeout=60, what="no thread in update_server_def")
 
 
-def test_a_lost_replacement_with_one_restart_fails_fit_with_the_structured_failure():
-    with Session("local", echo=False) as session:
-        events = job_events(session)
-        with pytest.raises(JobFailed, match="after 1 restart: worker task 1") as caught:
-            with cmlcluster.start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, max_restarts=1, session=session) as c:
-                train_as_coordinator(c, epochs=1000, callbacks=[Killer(c, events, order=[1, 1]).callback])
-        assert caught.value.failure.exit_code == -9 and caught.value.restarts == 1
-        statuses = sorted(w["status"] for w in session.list_workers())
-        assert statuses == ["failed", "failed", "stopped", "stopped"], statuses
+@pytest.mark.parametrize("backend", ["ssh"], indirect=True)  # a replacement on its lost worker's host
+def test_a_lost_replacement_with_one_restart_fails_fit_with_the_structured_failure(session):
+    events = job_events(session)
+    with pytest.raises(JobFailed, match="after 1 restart: worker task 1") as caught:
+        with cmlcluster.start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, max_restarts=1, session=session) as c:
+            address = c.workers[1].address
+            killer = Killer(c, events, order=[1, 1])
+            train_as_coordinator(c, epochs=1000, callbacks=[killer.callback])
+    first, second = killer.killed
+    assert first != second and c.workers[1].address == address  # replaced on its host, at its port
+    assert caught.value.failure.exit_code == -9 and caught.value.restarts == 1
+    assert caught.value.failure.member.worker_id == second
+    statuses = sorted(w["status"] for w in session.list_workers())
+    assert statuses == ["failed", "failed", "stopped", "stopped"], statuses

@@ -250,7 +250,8 @@ def test_cli_list_sees_another_process_session_and_cleanup_ends_what_a_killed_on
         cleaned = subprocess.run([CLI, "cleanup"], env=env, capture_output=True, text=True, check=True).stdout
         assert f"session {session_id} (pid {other.pid} is gone): ended worker {session_id}-" in cleaned, cleaned
         eventually(lambda: not any(alive(int(p)) for p in pids), timeout=5)
-        assert not os.listdir(tmp_path / "state")
+        # Its record is gone; its workers' logs are kept (`cmlcluster logs`), under logs/ only.
+        assert os.listdir(tmp_path / "state") == ["logs"] and os.listdir(tmp_path / "state" / "logs") == [session_id]
         listed = subprocess.run([CLI, "list"], env=env, capture_output=True, text=True, check=True).stdout
         assert listed.strip() == "no cmlcluster sessions on this machine"
     finally:

@@ -27,7 +27,7 @@ def small_logs(monkeypatch):
 
 
 def on_disk(session, worker) -> bytes:
-    with open(os.path.join(session.session_dir, "workers", f"{worker['id']}.log"), "rb") as f:
+    with open(os.path.join(session.log_folder, f"{worker['id']}.log"), "rb") as f:
         return f.read()
 
 

@@ -251,12 +251,10 @@ class KubernetesBackend(Backend[PodHandle]):
             options=self.options,
         )
         name = body["metadata"]["name"]
-        log_dir = os.path.join(self.context.session_dir, "workers")
-        os.makedirs(log_dir, exist_ok=True)
         handle = PodHandle(
             worker_id=spec.worker_id,
             name=name,
-            log_path=os.path.join(log_dir, f"{spec.worker_id}.log"),
+            log_path=self.context.log_path(spec.worker_id),
             loop=asyncio.get_running_loop(),
             exited=asyncio.get_running_loop().create_future(),
         )

@@ -1,0 +1,220 @@
+"""Workers' logs, kept after their session: `cmlcluster logs SESSION [WORKER]` reads them once the
+session is closed, crashed, or went with a kernel that died.
+
+Every backend writes a worker's log (a logfile.CappedLog: its first 1 MiB and its last 4 to 8 MiB)
+straight into `<logs>/<session id>/<worker id>.log` rather than into the session's folder: nothing
+has to be copied at close, so a SIGKILLed session leaves its logs as complete as they were. `<logs>`
+is $CMLCLUSTER_STATE_DIR/logs, else $XDG_STATE_HOME/cmlcluster/logs, else ~/.local/state/cmlcluster/logs:
+on a disk, not in the runtime folder (a tmpfs) where session records live, since a log is read after a
+reboot too. Its folders are the user's alone (0700), refused like the records' folder when they are not.
+
+Retention, applied when a session makes its folder (its first launch), oldest first: at most
+KEEP_SESSIONS sessions, none whose newest file is older than KEEP_DAYS, KEEP_BYTES in all. Only
+folders named like a session id go, and never one whose session's record says it still runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from . import origin, records
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+KEEP_SESSIONS = 50
+KEEP_DAYS = 14
+KEEP_BYTES = 2 << 30  # 2 GiB
+_SESSION_ID = re.compile(r"[0-9a-f]{16}")  # session.py's token_hex(8): nothing else in the folder is removed
+
+
+def folder() -> str:
+    """The folder of every session's worker logs (made, and checked private)."""
+    base = os.environ.get("CMLCLUSTER_STATE_DIR")
+    if base:
+        path = os.path.join(base, "logs")
+    else:
+        state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        path = os.path.join(state, "cmlcluster", "logs")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    # Its parent too: whoever may write there could put a folder of theirs in its place.
+    for checked in (os.path.dirname(path), path):
+        records.check_private(checked, "worker logs")
+    return path
+
+
+def session_folder(session_id: str) -> str:
+    """The folder of this session's worker logs, made; older sessions' past the retention rules go first.
+    "" when it cannot be made (a read-only home): the logs then stay in the session's folder, and go with it."""
+    try:
+        root = folder()
+        path = os.path.join(root, session_id)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        log.warning("cmlcluster: worker logs are not kept after this session: %s", e)
+        return ""
+    try:
+        prune(root, keep={session_id})
+    except (OSError, ConfigError) as e:  # the records unreadable: prune nothing rather than a live session's
+        log.warning("cmlcluster: older sessions' worker logs in %s were not pruned: %s", root, e)
+    return path
+
+
+@dataclass
+class Kept:
+    """One session's kept logs."""
+
+    session_id: str
+    path: str
+    newest: float = 0.0  # the newest modification time of the folder and its files
+    size: int = 0
+    workers: list[str] = field(default_factory=list)  # worker ids, in launch order
+
+    def log(self, worker_id: str) -> str:
+        return os.path.join(self.path, f"{worker_id}.log")
+
+
+def kept_sessions(root: str) -> list[Kept]:
+    """The sessions with a folder in `root`, newest first."""
+    found = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if not (_SESSION_ID.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+                continue
+            try:  # another session's pruning, or a log rolling, may remove what was listed
+                kept = Kept(entry.name, entry.path, newest=entry.stat(follow_symlinks=False).st_mtime)
+                with os.scandir(entry.path) as files:
+                    for file in files:
+                        with contextlib.suppress(FileNotFoundError):
+                            info = file.stat(follow_symlinks=False)
+                            kept.newest, kept.size = max(kept.newest, info.st_mtime), kept.size + info.st_size
+                            if file.name.endswith(".log") and file.is_file(follow_symlinks=False):
+                                kept.workers.append(file.name.removesuffix(".log"))
+            except FileNotFoundError:
+                continue
+            kept.workers.sort(key=_launch_order)
+            found.append(kept)
+    return sorted(found, key=lambda k: k.newest, reverse=True)
+
+
+def _launch_order(worker_id: str) -> tuple[int, str]:
+    number = worker_id.rpartition("-")[2]
+    return (int(number) if number.isdigit() else -1, worker_id)
+
+
+def prune(
+    root: str,
+    keep: Iterable[str] = (),
+    *,
+    now: float | None = None,
+    sessions: int = KEEP_SESSIONS,
+    days: float = KEEP_DAYS,
+    max_bytes: int = KEEP_BYTES,
+    running: Callable[[], set[str]] | None = None,
+) -> list[str]:
+    """Remove the sessions' folders past the retention rules, oldest first; the ids removed.
+
+    keep: sessions never removed (the one starting); running(): the ids of sessions that still run
+    (default: those whose record is not gone), asked only when something is to go.
+    """
+    now = time.time() if now is None else now
+    found = kept_sessions(root)  # newest first
+    total = sum(k.size for k in found)
+    old = {k.session_id for k in found if now - k.newest > days * 86400}
+    if len(found) <= sessions and total <= max_bytes and not old:
+        return []
+    spared = set(keep) | (running or _running)()
+    doomed = {k.session_id for i, k in enumerate(found) if i >= sessions or k.session_id in old} - spared
+    total -= sum(k.size for k in found if k.session_id in doomed)
+    for k in reversed(found):  # then the oldest, until the rest fits
+        if total <= max_bytes:
+            break
+        if k.session_id not in doomed | spared:
+            doomed.add(k.session_id)
+            total -= k.size
+    removed = [k for k in reversed(found) if k.session_id in doomed]  # oldest first
+    for k in removed:
+        shutil.rmtree(k.path, ignore_errors=True)
+    return [k.session_id for k in removed]
+
+
+def _running() -> set[str]:
+    """Sessions whose record says they may still run (this machine's, another's, or one that answers)."""
+    return {str(r["id"]) for r in records.records() if r["state"] != origin.GONE}
+
+
+# ---------------------------------------------------------------- `cmlcluster logs`
+
+
+def show(session: str | None, worker: str | None = None, tail: int | None = None) -> int:
+    """`cmlcluster logs`: the kept sessions; or a session's worker logs (one worker's), their last `tail` lines."""
+    root = folder()
+    found = kept_sessions(root)
+    if session is None:
+        return _list(root, found)
+    kept = _find(found, session, root)
+    names = kept.workers
+    if worker is not None:
+        names = [w for w in kept.workers if w in (worker, f"{kept.session_id}-{worker}")]
+        if not names:
+            known = ", ".join(kept.workers) or "none"
+            raise ConfigError(f"session {kept.session_id} kept no log of worker {worker!r}; its workers: {known}")
+    if not names:
+        print(f"session {kept.session_id} kept no worker logs (in {kept.path})")
+    for i, name in enumerate(names):
+        if len(names) > 1:
+            print(f"{'' if i == 0 else chr(10)}==> {name} <==")
+        sys.stdout.write(_read(kept.log(name), tail))
+    sys.stdout.flush()
+    return 0
+
+
+def _find(found: list[Kept], session: str, root: str) -> Kept:
+    """The session of this id or of the one id this begins."""
+    matches = [k for k in found if k.session_id == session] or [k for k in found if k.session_id.startswith(session)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ConfigError(f"{session!r} begins {len(matches)} sessions' ids: give more of it")
+    raise ConfigError(
+        f"no worker logs of session {session!r} in {root}: `cmlcluster logs` lists the sessions kept (the last "
+        f"{KEEP_SESSIONS}, at most {KEEP_DAYS} days old)"
+    )
+
+
+def _read(path: str, tail: int | None) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return f"[cmlcluster: cannot read {path}: {e}]\n"
+    if tail is not None:
+        data = b"".join(data.splitlines(keepends=True)[-tail:] if tail > 0 else [])
+    text = data.decode(errors="replace")
+    return text if not text or text.endswith("\n") else text + "\n"
+
+
+def _list(root: str, found: list[Kept]) -> int:
+    if not found:
+        print(f"no worker logs kept in {root}")
+        return 0
+    print(f"worker logs in {root} (newest first; `cmlcluster logs SESSION [WORKER]` shows them):")
+    for k in found:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.newest))
+        print(f"session {k.session_id}  {when}  {len(k.workers)} workers  {_size(k.size)}")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
