@@ -63,6 +63,14 @@ from sshhosts import CONTAINER_LABEL as TEST_HOST_LABEL  # noqa: E402
 
 DOCKER_TEST_IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 BACKENDS = ("local", "docker", "ssh", "kubernetes")
+
+
+def on(*backends: str) -> list:
+    """BACKENDS as a test's parameters: the named ones in the default run, the others in the matrix tier
+    (pytest -m matrix), for behaviour that does not depend on where workers run."""
+    return [b if b in backends else pytest.param(b, marks=pytest.mark.matrix) for b in BACKENDS]
+
+
 SSH_SLOTS = 4  # per test host
 KUBE_CLAIM = "tests-shared"  # the stand-in cluster's PersistentVolumeClaim: the tests' temp folder
 LEAK_GRACE = 15.0  # seconds for what a test stopped to be gone, before it counts as left behind

@@ -139,8 +139,10 @@ class SessionContext:
     logs: str = ""
 
     def log_path(self, worker_id: str) -> str:
-        """Where a backend writes worker `worker_id`'s log (a logfile.CappedLog, which makes the folder)."""
-        return os.path.join(self.logs or os.path.join(self.session_dir, "workers"), f"{worker_id}.log")
+        """Where a backend writes worker `worker_id`'s log (best a logfile.CappedLog); its folder exists."""
+        folder = self.logs or os.path.join(self.session_dir, "workers")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return os.path.join(folder, f"{worker_id}.log")
 
 
 HandleT = TypeVar("HandleT")

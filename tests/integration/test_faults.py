@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE
+from conftest import DOCKER_TEST_IMAGE, on
 from processes import agent_pid, kill_later, processes_running, running, wait_until
 from tf_training import stacks_in_update_server_def, threads_in_update_server_def, train_as_coordinator
 
@@ -61,7 +61,8 @@ def shared_docker_backend(tmp_path_factory):
 # backend sees its process die does not depend on the role.
 @pytest.mark.parametrize(
     "backend, victim_role",
-    [("local", "ps"), ("local", "worker"), ("docker", "worker"), ("ssh", "ps"), ("kubernetes", "worker")],
+    [("local", "ps"), ("local", "worker"), ("docker", "worker"), ("ssh", "ps"), ("kubernetes", "worker")]
+    + [pytest.param(*p, marks=pytest.mark.matrix) for p in (("docker", "ps"), ("ssh", "worker"), ("kubernetes", "ps"))],
     indirect=["backend"],
 )
 def test_kill_9_during_run_cluster_fails_the_job_naming_the_task_and_stops_the_rest(session, tmp_path, victim_role):
@@ -224,7 +225,7 @@ def kill_9_while_this_process_coordinates(session, victim_role):
     assert losses[-1] < losses[0], losses
 
 
-@pytest.mark.parametrize("backend", ["local", "kubernetes"], indirect=True)  # the slowest to see a death: pods
+@pytest.mark.parametrize("backend", on("local", "kubernetes"), indirect=True)  # the slowest to see a death: pods
 def test_kill_9_of_a_worker_while_this_process_coordinates_fails_fit_and_the_next_cluster_trains(session):
     kill_9_while_this_process_coordinates(session, "worker")
 

@@ -79,7 +79,7 @@ def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_p
     assert not Path(identity).exists() and not Path(identity).parent.exists()
 
 
-@pytest.mark.parametrize("backend_name", ["docker", "ssh", "kubernetes"])
+@pytest.mark.parametrize("backend_name", ["docker", "ssh", pytest.param("kubernetes", marks=pytest.mark.matrix)])
 def test_a_script_outside_the_working_folder_reaches_every_host(backend_name, shell, request, tmp_path_factory):
     # As a new user does: a script in the system's temp folder, which the workers do not see.
     folder = tempfile.mkdtemp(prefix="hvd-script-")

@@ -90,7 +90,7 @@ def test_hyperparameter_search_notebook_spreads_configurations_over_workers():
 
 
 # On local: DDP across containers is test_torch's; this is the notebook, run by a real kernel.
-@pytest.mark.parametrize("backend", ["local"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_pytorch_notebook_trains_ddp_on_four_ranks_and_cleans_up(backend, monkeypatch):
     from conftest import DOCKER_TEST_IMAGE
 

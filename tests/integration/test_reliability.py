@@ -18,6 +18,7 @@ import warnings
 
 import psutil
 import pytest
+from conftest import on
 from processes import agents
 
 from cmlcluster import Session
@@ -55,6 +56,7 @@ def test_launch_stop_cycles_never_stall(session, size):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # calls go through the control plane, not the backend
 def test_thousands_of_calls_are_all_answered(session, size):
     rounds = size["call_rounds"]
     workers = session.launch_workers(n=2, cpu=0.5, memory=0.5)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import on
 
 from cmlcluster import WorkerError, run_cluster, start_cluster
 from cmlcluster.tensorflow import versions
@@ -157,7 +158,7 @@ def test_keras_fit_as_coordinator_trains_or_fails_at_once_saying_how_to_get_kera
     assert run.stderr.rstrip().splitlines()[-1].startswith("  (Custom training loops")  # ours is the last
 
 
-@pytest.mark.parametrize("backend", ["local", "kubernetes"], indirect=True)  # servers at workers' own and shared IPs
+@pytest.mark.parametrize("backend", on("local", "kubernetes"), indirect=True)  # servers at workers' own and shared IPs
 def test_run_cluster_returns_a_spec_and_address_of_real_servers(session):
     spec, address = run_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session)
     assert sorted(spec) == ["ps", "worker"]
@@ -176,7 +177,7 @@ def test_run_cluster_returns_a_spec_and_address_of_real_servers(session):
     session.stop_workers()
 
 
-@pytest.mark.parametrize("backend", ["local", "ssh"], indirect=True)  # the script shipped, or seen in place
+@pytest.mark.parametrize("backend", on("local", "ssh"), indirect=True)  # the script shipped, or seen in place
 def test_worker_script_runs_cloudera_style_and_stops_everything(session, monkeypatch):
     monkeypatch.setenv("TRAIN_STEPS", "200")
     result = run_cluster(
@@ -195,7 +196,7 @@ def test_worker_script_runs_cloudera_style_and_stops_everything(session, monkeyp
     assert len(steps) == 2 and sum(steps) >= 200
 
 
-@pytest.mark.parametrize("backend", ["local", "docker"], indirect=True)  # tasks sharing an IP, or each its own
+@pytest.mark.parametrize("backend", on("local", "docker"), indirect=True)  # tasks sharing an IP, or each its own
 def test_multi_worker_mirrored_strategy_ends_with_identical_weights(session):
     # MultiWorkerMirroredStrategy is the allreduce path where Horovod does not build (TensorFlow >= 2.16).
     with start_cluster(n_workers=2, servers=False, cpu=1, memory=2, session=session) as cluster:
@@ -213,7 +214,7 @@ def test_multi_worker_mirrored_strategy_ends_with_identical_weights(session):
     assert kerases == {"2"}
 
 
-@pytest.mark.parametrize("backend", ["local"], indirect=True)  # the job layer's; a remote task's death: test_faults
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the job layer's; a remote task's death: test_faults
 def test_a_raising_worker_script_names_the_worker_and_leaves_nothing(session, tmp_path):
     script = tmp_path / "broken.py"
     script.write_text(
@@ -232,7 +233,7 @@ def test_a_raising_worker_script_names_the_worker_and_leaves_nothing(session, tm
     # (the autouse fixture fails the test if any worker process is left)
 
 
-@pytest.mark.parametrize("backend", ["local", "kubernetes"], indirect=True)  # the job layer's, on any backend
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the job layer's, on any backend
 def test_min_workers_carries_on_without_a_worker_that_never_starts(session, worker_startup_hook):
     # Engine 1, the second worker, hangs before it can register.
     env = worker_startup_hook(

@@ -160,7 +160,7 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("backend_name", ["local"])  # how a remote rank's failure is named: the kill tests below
+@pytest.mark.parametrize("backend_name", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_a_failing_rank_is_named_and_every_other_process_stopped(backend_name, tmp_path_factory, tmp_path):
     from conftest import backend_for
 

@@ -69,7 +69,7 @@ def final_loss(result) -> float:
 
 @pytest.mark.parametrize(
     ("backend_name", "node"),
-    [("local", 1), ("local", 0), ("docker", 0)],
+    [("local", 1), pytest.param("local", 0, marks=pytest.mark.matrix), ("docker", 0)],
     ids=["local node 1", "local node 0 (the rendezvous is the session's)", "docker node 0 (and its address)"],
 )
 def test_a_worker_killed_mid_training_is_replaced_and_training_resumes_from_its_snapshot(

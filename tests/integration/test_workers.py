@@ -15,6 +15,7 @@ import time
 import ipyparallel as ipp
 import psutil
 import pytest
+from conftest import on
 from processes import command_line, running
 
 from cmlcluster import Session
@@ -104,6 +105,7 @@ def test_program_output_is_streamed_live_and_prefixed(backend, capsys):
     assert f"[{w['id']}] from a child process" in out
 
 
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the agent's or the session's, not the backend's
 def test_shell_command_code(session):
     code = "!echo shell says $CDSW_ENGINE_ID; echo and on stderr >&2; exit 4"
     [w] = session.launch_workers(1, cpu=1, memory=1, code=code)
@@ -166,6 +168,7 @@ def test_a_cell_mixes_python_shell_and_magic_lines(local_session):
     assert local_session.output(shell) == "one command over two lines"
 
 
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the agent's or the session's, not the backend's
 def test_preloaded_modules_are_imported_while_the_worker_registers(session):
     # start_cluster preloads tensorflow this way; a module that is not there costs nothing.
     code = textwrap.dedent(
@@ -195,6 +198,7 @@ def test_script_runs_as_main(session, tmp_path, monkeypatch):
         assert session.output(w).startswith("main of /") and session.output(w).endswith("/work/job.py")
 
 
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the agent's or the session's, not the backend's
 def test_raising_code_fails_with_exit_code_and_traceback_tail(session):
     ok, bad = (
         session.launch_workers(1, cpu=1, memory=1, code="print('fine')")[0],
@@ -255,6 +259,7 @@ def test_a_finished_program_s_last_lines_are_in_before_it_is_reported_succeeded(
     assert told.count("succeeded") == 1 and len([t for t in told if t.startswith("line ")]) == 2000
 
 
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the agent's or the session's, not the backend's
 def test_sys_exit_code_is_the_exit_code(session):
     [w] = session.launch_workers(1, cpu=1, memory=1, code="import sys; sys.exit(7)")
     [failure] = session.await_workers([w], timeout_seconds=60)["failures"]
@@ -268,6 +273,7 @@ def test_crashing_worker_process_fails_with_its_exit_code(session):
     assert "before its program finished" in failure["message"]
 
 
+@pytest.mark.parametrize("backend", on("local", "kubernetes"), indirect=True)  # the session's clock; hooks differ
 def test_never_ready_worker_times_out(session, worker_startup_hook):
     # A real hang before the engine can register: a sitecustomize that never returns.
     env = worker_startup_hook(session.backend, "import time\nprint('hook: hanging', flush=True)\ntime.sleep(3600)\n")
@@ -283,6 +289,7 @@ def test_never_ready_worker_times_out(session, worker_startup_hook):
     assert session.list_workers()[0]["status"] == "scheduling"
 
 
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the agent's or the session's, not the backend's
 def test_px_magic_runs_on_the_workers(session):
     from IPython.core.interactiveshell import InteractiveShell
 

@@ -45,6 +45,15 @@ def nothing_marked():
     assert blocking._call is None  # no call is left marked, whatever a test did
 
 
+@pytest.fixture(autouse=True)
+def pythons_own_sigint_handler():
+    """SIGINT raising KeyboardInterrupt, as in a kernel running a cell: a test that ran before in this
+    process may have left another handler (seen in CI), and then Stop rightly refuses to signal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def on_the_shell_channel_thread(call):
     """Run call() on another thread, as ipykernel's shell-channel thread runs the routing; its result."""
     out = {}
