@@ -39,6 +39,7 @@ def size(request) -> dict:
     return SIZES[request.param]
 
 
+@pytest.mark.parametrize("backend", on("local", "docker", "kubernetes"), indirect=True)
 @pytest.mark.timeout(1800)  # about 1 to 3 s a cycle
 def test_launch_stop_cycles_never_stall(session, size):
     cycles = size["cycles"][session.backend.name]
@@ -72,6 +73,7 @@ def test_thousands_of_calls_are_all_answered(session, size):
     session.stop_workers()
 
 
+@pytest.mark.parametrize("backend", on("local", "docker"), indirect=True)  # docker: a network per session
 def test_sessions_one_after_another_in_one_process(backend, size):
     ids = set()
     for _ in range(size["sessions"]):

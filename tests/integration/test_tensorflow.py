@@ -196,7 +196,7 @@ def test_worker_script_runs_cloudera_style_and_stops_everything(session, monkeyp
     assert len(steps) == 2 and sum(steps) >= 200
 
 
-@pytest.mark.parametrize("backend", on("local", "docker"), indirect=True)  # tasks sharing an IP, or each its own
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the strategy's own servers; coordinator: on all four
 def test_multi_worker_mirrored_strategy_ends_with_identical_weights(session):
     # MultiWorkerMirroredStrategy is the allreduce path where Horovod does not build (TensorFlow >= 2.16).
     with start_cluster(n_workers=2, servers=False, cpu=1, memory=2, session=session) as cluster:

@@ -195,7 +195,7 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("backend_name", ["local", "docker"])
+@pytest.mark.parametrize("backend_name", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_a_worker_killed_mid_run_fails_it_and_stops_the_others(backend_name, tmp_path_factory, tmp_path):
     from conftest import backend_for
 
