@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .. import checks
 from ..errors import ConfigError
@@ -53,6 +54,55 @@ def _check_port(port: int) -> None:
         raise ConfigError(f"ssh_port={port!r}: give the TCP port sshd listens on in the workers (2222)")
 
 
+# horovod blacklists a host with a failed rank, for good unless given a cooldown (elastic/discovery.py):
+# a replacement at the lost one's address, or a pseudo-host on this machine, then comes back in seconds.
+BLACKLIST_COOLDOWN = (1, 10)
+# After a loss the survivors wait this long in Gloo's rendezvous for the new ranks, which start Python and
+# TensorFlow meanwhile (Horovod's 30 s default aborts them on a loaded machine).
+ELASTIC_GLOO_TIMEOUT = 120
+
+
+@dataclass(frozen=True)
+class ElasticArgs:
+    """horovodrun's elastic mode: hosts from a discovery script, np kept between min_np and max_np."""
+
+    discovery_script: str  # run by horovod through a shell: its path is quoted once, here
+    min_np: int
+    max_np: int
+    reset_limit: int | None = None  # how many times horovod may restart the ranks; None: no limit of its own
+    cooldown: tuple[int, int] = BLACKLIST_COOLDOWN
+    gloo_timeout: int = ELASTIC_GLOO_TIMEOUT
+
+    def argv(self) -> list[str]:
+        argv = ["--host-discovery-script", shlex.quote(self.discovery_script)]
+        argv += ["--min-np", str(self.min_np), "--max-np", str(self.max_np)]
+        argv += ["--blacklist-cooldown-range", *map(str, self.cooldown)]
+        argv += ["--gloo-timeout-seconds", str(self.gloo_timeout)]
+        if self.reset_limit is not None:
+            argv += ["--reset-limit", str(self.reset_limit)]
+        return argv
+
+
+def discovery_text(hosts: Hosts) -> str:
+    """What a host-discovery script prints: one "address:slots" line per host."""
+    return "".join(f"{host}:{slots}\n" for host, slots in check_hosts(hosts)) if hosts else ""
+
+
+def local_pseudo_hosts(np: int) -> list[tuple[str, int]]:
+    """np ranks on this machine as two host names: horovod blacklists the whole host of a failed rank
+    and stops when every host is blacklisted, so one "localhost" could never restart a rank (horovod's
+    own elastic tests use these two names the same way)."""
+    if np < 2:
+        raise ConfigError(f"np={np}: an elastic run needs 2 or more processes, one to carry the state over")
+    return [("localhost", (np + 1) // 2), ("127.0.0.1", np // 2)]
+
+
+def elastic_min_np(np: int, hosts: Hosts) -> int:
+    """The fewest processes an elastic run trains on: all but one host's. horovod starts ranks on a host
+    again only once it has left the run's assignments, which it does only when the others go on without it."""
+    return max(1, np - max(slots for _, slots in check_hosts(hosts)))
+
+
 def horovodrun_argv(
     np: int,
     hosts: Hosts,
@@ -64,12 +114,16 @@ def horovodrun_argv(
     network_interfaces: Sequence[str] = (),
     horovodrun: Sequence[str] = ("horovodrun",),
     extra: Sequence[str] = (),
+    elastic: ElasticArgs | None = None,
 ) -> list[str]:
-    """horovodrun -np N -H ip:slots,... [-p 2222] [-i key] [--start-timeout s] [--network-interfaces ...] cmd..."""
+    """horovodrun -np N -H ip:slots,... [-p 2222] [-i key] [--start-timeout s] [--network-interfaces ...] cmd...
+
+    elastic: the hosts come from its discovery script instead of -H (`hosts` are the first ones)."""
     _check_np(np, hosts)
     if not command:
         raise ConfigError("command=[]: give the training command, e.g. [sys.executable, 'train.py']")
-    argv = [*horovodrun, "-np", str(np), "-H", hosts_arg(hosts)]
+    argv = [*horovodrun, "-np", str(np)]
+    argv += elastic.argv() if elastic is not None else ["-H", hosts_arg(hosts)]
     if ssh_port is not None:
         _check_port(ssh_port)
         argv += ["-p", str(ssh_port)]

@@ -5,9 +5,11 @@
 The same as ``horovodrun [arguments]`` (horovod.runner.launch's own run_commandline), except that
 the Gloo rendezvous, an HTTP server without authentication, binds the address horovodrun gives the
 ranks (HOROVOD_GLOO_RENDEZVOUS_ADDR: 127.0.0.1 when every rank runs on this machine) instead of
-every interface. Horovod has no option for it, so this wraps two of its private names, probed
+every interface. Horovod has no option for it, so this wraps some of its private names, probed
 before the run: an upgrade that renamed one fails with their names, not with a rendezvous open to
-the network.
+the network. An elastic run (launch_gloo_elastic) starts its rendezvous before it picks the address:
+that address is worked out first here, the way horovod then does (the first of the interfaces
+horovodrun was given, or found on the hosts discovered at start).
 """
 
 from __future__ import annotations
@@ -19,16 +21,29 @@ from typing import Any
 
 from .. import probes
 
+ELASTIC_ARGUMENTS = ("settings", "get_common_interfaces", "rendezvous")
+
 
 def _checks() -> list[probes.Check]:
     from horovod.runner import gloo_run
+    from horovod.runner.driver import driver_service
     from horovod.runner.http import http_server
+    from horovod.runner.util import network
 
     return [
         ("horovod.runner.http.http_server.find_port", lambda: callable(http_server.find_port)),
         (
             "horovod.runner.gloo_run.launch_gloo(..., server_ip)",
             lambda: "server_ip" in inspect.signature(gloo_run.launch_gloo).parameters,
+        ),
+        (
+            f"horovod.runner.gloo_run.launch_gloo_elastic({', '.join(ELASTIC_ARGUMENTS)})",
+            lambda: set(ELASTIC_ARGUMENTS) <= set(inspect.signature(gloo_run.launch_gloo_elastic).parameters),
+        ),
+        ("horovod.runner.util.network.get_driver_ip", lambda: callable(network.get_driver_ip)),
+        (
+            "horovod.runner.driver.driver_service.get_common_interfaces",
+            lambda: callable(driver_service.get_common_interfaces),
         ),
     ]
 
@@ -65,6 +80,24 @@ def bind_rendezvous_to_server_ip() -> None:
         return launch_gloo(*args, **kwargs)
 
     gloo_run.launch_gloo = launch_gloo_on_server_ip
+    gloo_run.launch_gloo_elastic = _elastic_on_server_ip(gloo_run.launch_gloo_elastic)
+
+
+def _elastic_on_server_ip(launch_gloo_elastic: Callable[..., Any]) -> Callable[..., Any]:
+    from horovod.runner.driver import driver_service
+    from horovod.runner.http import http_server
+    from horovod.runner.util import network
+
+    def launch_gloo_elastic_on_server_ip(*args: Any, **kwargs: Any) -> Any:
+        settings = inspect.signature(launch_gloo_elastic).bind(*args, **kwargs).arguments["settings"]
+        if not settings.nics:
+            # As horovod finds them once hosts are up; given back as if passed (--network-interfaces).
+            hosts = list(settings.discovery.find_available_hosts_and_slots())
+            settings.nics = driver_service.get_common_interfaces(settings, hosts)
+        http_server.find_port = find_port_on(network.get_driver_ip(settings.nics))
+        return launch_gloo_elastic(*args, **kwargs)
+
+    return launch_gloo_elastic_on_server_ip
 
 
 def main() -> None:

@@ -19,6 +19,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     add_backend_arguments(parser)
     parser.add_argument("--start-timeout", type=int, default=60, help="seconds for workers and ranks to start")
     parser.add_argument("--ssh-port", type=int, default=commands.SSH_PORT, help="the workers' sshd port")
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="replace a lost worker up to N times and go on (elastic)"
+    )
 
 
 def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) -> Any:
@@ -37,5 +40,6 @@ def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) 
         backend=backend_from(options),
         start_timeout=options.start_timeout,
         ssh_port=options.ssh_port,
+        max_restarts=options.max_restarts,
         **more,
     )

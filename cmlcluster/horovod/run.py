@@ -8,6 +8,11 @@ do not see it; then `horovodrun -np N -H host:slots,... -p 2222 -i key ...` runs
 here, and every rank's output streams back live, prefixed by its rank. Where
 workers would be processes on this machine (the local backend), horovodrun
 starts the ranks itself on localhost, without workers or SSH.
+
+With max_restarts=N the run is elastic (horovodrun --host-discovery-script): a worker lost mid-run
+is replaced by the job (jobs.Restarts) and made ready like the first ones (ssh_cluster.py), and the
+script's hvd.elastic.run resumes from the state the surviving ranks hold (docs/guide/horovod.md,
+"Surviving a lost worker"). On this machine horovodrun itself starts a killed rank again.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import IO
 
 from .. import _lifeline, checks
@@ -34,21 +38,25 @@ from ..api import get_session, stop_session, use_backend
 from ..backends import Backend
 from ..errors import ConfigError
 from ..events import OutputLine
-from ..jobs import Job, JobFailure
+from ..jobs import Job
 from ..lines import CUT_MARK, MAX_LINE_CHARS
 from ..progress import output_event
-from ..runs import RESULT_LINES_KEPT, RunError, RunResult, report_end, session_for
+from ..runs import RESULT_LINES_KEPT, report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..ssh.sshd import write_env_file
 from ..wire import RANK_ENV_FILE_ENV
 from ..workers import Resources, check_env
 from . import commands
+from .elastic import DiscoveryFile
+from .result import HorovodError, HorovodResult
 from .ssh_cluster import SSHCluster, ssh_cluster
+
+__all__ = ["HorovodError", "HorovodResult", "run_horovod"]
 
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 PROCESS_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.$")
-FIRST_FAILURE = re.compile(r"Process name: (\d+)")  # in horovodrun's final error
+FIRST_FAILURE = re.compile(r"^Process name: (\d+)$", re.M)  # horovodrun's final error; elastic names host[slot]
 RANK = "cmlcluster.horovod.rank"
 DRIVER = "cmlcluster.horovod.driver"  # horovodrun, with its rendezvous off the other interfaces
 WORKER_LOSS_WINDOW = 5.0  # how long a failed horovodrun waits to learn that a worker was lost (see _execute)
@@ -59,51 +67,6 @@ DRIVER_VARIABLES = frozenset(
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class HorovodResult(RunResult):
-    """What a Horovod run did: its exit code, every rank's output, which rank failed and why."""
-
-    exit_code: int
-    hosts: list[tuple[str, int]]
-    argv: list[str]
-    duration: float
-    output: dict[int, list[str]] = field(default_factory=dict)  # rank -> lines
-    driver_output: list[str] = field(default_factory=list)  # horovodrun's own lines
-    rank_exit_codes: dict[int, int] = field(default_factory=dict)  # non-zero ones horovodrun reported
-    failed_rank: int | None = None
-    worker_failure: JobFailure | None = None  # a worker that ended during the run (killed, crashed)
-
-    def __repr__(self) -> str:
-        ranks = len(self.output)
-        state = "ok" if self.ok else f"failed (rank {self.failed_rank})"
-        return (
-            f"<HorovodResult {state} exit_code={self.exit_code} ranks={ranks} {self.duration:.1f} s hosts={self.hosts}>"
-        )
-
-    @property
-    def message(self) -> str:
-        if self.ok:
-            return f"horovodrun succeeded: {sum(s for _, s in self.hosts)} slots on {len(self.hosts)} hosts"
-        if self.worker_failure is not None:
-            return (
-                f"the Horovod job failed: {self.worker_failure}; horovodrun, its ranks and every other worker "
-                "were stopped"
-            )
-        if self.failed_rank is None:
-            tail = "\n".join(self.driver_output[-20:])
-            return f"horovodrun exited with code {self.exit_code}:\n{tail}"
-        code = self.rank_exit_codes.get(self.failed_rank)
-        tail = "\n".join(self.output.get(self.failed_rank, [])[-20:])
-        return (
-            f"rank {self.failed_rank} exited with code {code}; horovodrun stopped the other ranks. "
-            f"Its last output:\n{tail}"
-        )
-
-
-class HorovodError(RunError):
-    """run_horovod(check=True) failed; `result` is its HorovodResult."""
 
 
 def run_horovod(
@@ -123,6 +86,7 @@ def run_horovod(
     ssh_port: int = commands.SSH_PORT,
     reuse: bool = False,
     ship_working_folder: bool = False,
+    max_restarts: int = 0,
     echo: bool = True,
     check: bool = False,
 ) -> HorovodResult:
@@ -134,7 +98,9 @@ def run_horovod(
     never on a command line. reuse: keep the workers (and
     their sshd) for the next run, and use those of the previous reuse=True run.
     ship_working_folder: copy the working folder to workers that do not see it. check: raise
-    HorovodError instead of returning a failed result.
+    HorovodError instead of returning a failed result. max_restarts: replace a lost worker (on this
+    machine: start a killed rank again) up to this many times; horovodrun's elastic mode, for a
+    script that trains under hvd.elastic.run (docs/guide/horovod.md). 0: the first loss fails the run.
     """
     # Everything is checked before anything starts.
     slots = slots if slots is not None else max(nvidia_gpu, 1)
@@ -149,6 +115,10 @@ def run_horovod(
             f"np={np}: {workers} workers with {slots} slots each hold {workers * slots} processes; "
             "ask for more workers or slots, or fewer processes"
         )
+    if not checks.whole(max_restarts, 0):
+        raise ConfigError(f"max_restarts={max_restarts!r}: give a whole number of restarts, 0 or more")
+    if max_restarts and reuse:
+        raise ConfigError("max_restarts with reuse: an elastic run's workers are its own; leave one of them out")
     if not os.path.isfile(script):
         raise ConfigError(f"script={script!r}: no such file; give the path of the training script")
     env = check_env(env)
@@ -163,21 +133,26 @@ def run_horovod(
             capabilities = session.backend.capabilities()
             if capabilities.session_host and not capabilities.own_address:
                 # Workers would be processes on this machine anyway: horovodrun starts the ranks here.
-                hosts = [("localhost", np)]
-                argv = commands.horovodrun_argv(
-                    np,
-                    hosts,
-                    [sys.executable, "-m", RANK, script, *args],
-                    ssh_port=None,
-                    start_timeout=start_timeout,
-                    horovodrun=horovodrun,
-                )
-                with _local_env_file(session, env) as driver_env:
-                    return _execute(argv, hosts, driver_env, view, check)
+                hosts = commands.local_pseudo_hosts(np) if max_restarts else [("localhost", np)]
+                with _local_env_file(session, env) as driver_env, _discovery(session, hosts, max_restarts) as found:
+                    argv = commands.horovodrun_argv(
+                        np,
+                        hosts,
+                        [sys.executable, "-m", RANK, script, *args],
+                        ssh_port=None,
+                        start_timeout=start_timeout,
+                        network_interfaces=_loopback() if max_restarts else (),
+                        horovodrun=horovodrun,
+                        elastic=_elastic(found.script, np, hosts, max_restarts) if found else None,
+                    )
+                    return _execute(argv, hosts, driver_env, view, check, elastic=found is not None)
+            if max_restarts and workers < 2:
+                raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
             shipment = session.ship([script], working_folder=ship_working_folder)
-            cluster = ssh_cluster(
-                session, workers, slots, Resources(cpu, memory, nvidia_gpu), ssh_port, reuse, shipment
-            )
+            resources = Resources(cpu, memory, nvidia_gpu)
+            cluster = ssh_cluster(session, workers, slots, resources, ssh_port, reuse, shipment, max_restarts)
+            if max_restarts and len(cluster.hosts) < 2:
+                raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
             cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
             # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
             command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
@@ -190,6 +165,7 @@ def run_horovod(
                 start_timeout=start_timeout,
                 network_interfaces=capabilities.interfaces,
                 horovodrun=horovodrun,
+                elastic=_elastic(cluster.discovery.script, np, cluster.hosts) if cluster.discovery else None,
             )
             return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh), view, check, cluster.job)
         except KeyboardInterrupt:
@@ -202,6 +178,42 @@ def run_horovod(
                     cluster.end_ranks()  # the workers stay for the next run; what this run started does not
                 else:
                     cluster.close()
+
+
+# Horovod's elastic state lives in the ranks that survive: a run on one host has none left to carry it over.
+_ONE_HOST = "an elastic run needs ranks on 2 or more hosts, so that the survivors carry the training state over"
+
+
+def _elastic(script: str, np: int, hosts: list[tuple[str, int]], max_restarts: int = 0) -> commands.ElasticArgs:
+    """The survivors train on while a host is lost; each loss is two resets for horovod (without the
+    host, then with it again), which it counts on this machine, where no job replaces workers."""
+    reset_limit = 2 * max_restarts if max_restarts else None
+    return commands.ElasticArgs(script, commands.elastic_min_np(np, hosts), np, reset_limit=reset_limit)
+
+
+@contextlib.contextmanager
+def _discovery(session: Session, hosts: list[tuple[str, int]], max_restarts: int) -> Iterator[DiscoveryFile | None]:
+    """An elastic local run's host list (None for a static run); removed when the run ends."""
+    if not max_restarts:
+        yield None
+        return
+    found = DiscoveryFile(parent=session.session_dir)
+    try:
+        found.set(hosts)
+        yield found
+    finally:
+        found.close()
+
+
+def _loopback() -> tuple[str, ...]:
+    """The interface of 127.0.0.1 ("lo" on Linux): an elastic run names its interface, or horovod
+    waits for two hosts to find one."""
+    import psutil
+
+    found = [
+        name for name, addresses in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addresses)
+    ]
+    return tuple(found[:1])
 
 
 def _remote_driver_env(ssh: SessionSSH) -> dict[str, str]:
@@ -275,6 +287,7 @@ def _execute(
     view: Session | None,
     check: bool,
     job: Job | None = None,
+    elastic: bool = False,
 ) -> HorovodResult:
     result = HorovodResult(exit_code=-1, hosts=hosts, argv=argv, duration=0.0)
     started = time.monotonic()
@@ -313,6 +326,11 @@ def _execute(
         job.failed.wait(WORKER_LOSS_WINDOW)
     result.worker_failure = job.failure if job is not None else None
     result.exit_code = process.returncode
+    if job is not None:
+        result.restarts = job.restarts
+    elif elastic:  # horovodrun started each failed rank again, but the last when the run failed
+        failed = [line for line in result.driver_output if (m := PROCESS_EXIT.match(line)) and m.group(2) != "0"]
+        result.restarts = max(len(failed) - (result.exit_code != 0), 0)
     result.duration = time.monotonic() - started
     if result.exit_code != 0:
         first = FIRST_FAILURE.findall("\n".join(result.driver_output))

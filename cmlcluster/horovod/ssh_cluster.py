@@ -4,22 +4,30 @@ One worker's agent per host starts sshd on port 2222 (cmlcluster.ssh.sshd), as t
 user; the hosts' keys come back over the control plane and are pinned; each host is checked
 with paramiko; shipped files are unpacked where sshd starts the ranks. A cluster kept for
 reuse serves the session's next run.
+
+An elastic cluster (max_restarts > 0) lists its hosts in a DiscoveryFile for horovodrun instead:
+a lost worker's host leaves the list at once, and its replacement (launched by the job) is made
+ready as the first hosts were, then listed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ..jobs import Job, Role, launch_job
+from ..errors import CmlClusterError
+from ..events import Event, JobChanged
+from ..jobs import Job, Member, Restarts, Role, launch_job
 from ..runs import send_files
 from ..session import Session
 from ..shipping import Shipment
 from ..ssh.keys import SessionSSH
 from ..ssh.preflight import Login, check_logins
 from ..workers import Resources
+from .elastic import DiscoveryFile
 
 SSHD_MODULE = "cmlcluster.ssh.sshd"
 
@@ -33,6 +41,17 @@ class SSHCluster:
     ssh: SessionSSH
     job: Job
     sshd_workers: list[str] = field(default_factory=list)  # one per host, the one whose sshd serves it
+    port: int = 2222
+    slots: int = 1  # per worker
+    shipment: Shipment | None = None
+    discovery: DiscoveryFile | None = None  # elastic only
+    rank_env: dict[str, str] | None = None  # set_rank_env's, for replacements too (ranks read the file, empty or not)
+    _served: dict[str, str] = field(default_factory=dict)  # address -> the worker whose sshd serves it
+    _pinned: dict[str, tuple[str, str]] = field(default_factory=dict)  # address -> (host key, user)
+    _gone: set[str] = field(default_factory=set)  # lost workers already taken off the list
+    _ids: set[str] = field(default_factory=set)  # every worker this cluster made a host of
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _unsubscribe: Callable[[], None] | None = None
 
     @property
     def worker_ids(self) -> list[str]:
@@ -41,7 +60,67 @@ class SSHCluster:
     def set_rank_env(self, env: Mapping[str, str]) -> None:
         """This run's env= for its ranks, in a 0600 file on each host (cmlcluster.ssh.sshd:set_rank_env):
         horovodrun would put the values on every rank's ssh command line, which `ps` shows every user."""
-        self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (dict(env),)) for w in self.sshd_workers])
+        self.rank_env = dict(env)
+        self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (self.rank_env,)) for w in self.sshd_workers])
+
+    def serve(self, members: list[Member]) -> None:
+        """Start sshd in one worker per new address (files first), pin their keys, check every login."""
+        by_address: dict[str, list[str]] = {}
+        for m in members:
+            by_address.setdefault(m.address, []).append(m.worker_id)
+        new = {a: ids[0] for a, ids in by_address.items() if a not in self._served}
+        self._ids.update(m.worker_id for m in members)
+        workers = list(new.values())
+        if self.shipment is not None:
+            send_files(self.session, workers, self.shipment)  # before sshd starts, the first time
+        # sshd listens only on the address horovodrun and the session reach the worker at.
+        calls = [(w, f"{SSHD_MODULE}:start", (self.ssh.public_key, self.port, a)) for a, w in new.items()]
+        started = self.session.call_each(calls)
+        if self.rank_env is not None:  # a replacement's: the first hosts get it from run_horovod
+            self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (self.rank_env,)) for w in workers])
+        with self._lock:
+            self._pinned.update({a: (s["host_key"], s["user"]) for a, s in zip(new, started, strict=True)})
+            keys, users = {a: k for a, (k, _) in self._pinned.items()}, {a: u for a, (_, u) in self._pinned.items()}
+            self.ssh.pin(keys, self.port, users)
+        logins = [Login(a, self.port, s["user"]) for a, s in zip(new, started, strict=True)]
+        check_logins(logins, self.ssh.identity_file, self.ssh.known_hosts, what="Horovod hosts")
+        with self._lock:
+            self._served.update(new)
+            self.sshd_workers = list(self._served.values())
+            slots = Counter(dict(self.hosts))
+            for address, ids in by_address.items():
+                slots[address] += self.slots * len(ids)
+            self.hosts = list(slots.items())
+            if self.discovery is not None:
+                self.discovery.set(self.hosts)  # pinned and checked: horovodrun may start ranks there
+
+    def _lose(self, member: Member) -> None:
+        """A lost worker's host leaves the discovery list (all of it when its sshd went with it); once."""
+        with self._lock:
+            if member.worker_id in self._gone or member.worker_id not in self._ids:
+                return  # done already, or another job's
+            self._gone.add(member.worker_id)
+            slots = dict(self.hosts)
+            if self._served.get(member.address) == member.worker_id:
+                del self._served[member.address]
+                self._pinned.pop(member.address, None)
+                slots.pop(member.address, None)
+            elif member.address in slots:
+                slots[member.address] -= self.slots
+            self.hosts = [(a, n) for a, n in slots.items() if n > 0]
+            self.sshd_workers = list(self._served.values())
+            if self.discovery is not None:
+                self.discovery.set(self.hosts)
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, JobChanged) and event.state == "member_lost" and event.job == self.job.name:
+            for member in event.members:
+                self._lose(member)
+
+    def replace(self, lost: Member, new: Member) -> None:
+        """The job's Restarts.replace: make the new worker a host like the first ones, then list it."""
+        self._lose(lost)  # in case the job's member_lost has not reached _on_event yet
+        self.serve([new])
 
     def end_ranks(self) -> None:
         """End what runs on the workers through sshd (ranks a failed or interrupted run left); sshd stays."""
@@ -50,10 +129,14 @@ class SSHCluster:
                 self.session.call_each([(w, f"{SSHD_MODULE}:end_sessions", ()) for w in self.sshd_workers], timeout=30)
 
     def close(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         try:
             self.job.stop()
         finally:
             self.ssh.close()
+            if self.discovery is not None:
+                self.discovery.close()
             if _reusable.get(self.session.id) is self:
                 del _reusable[self.session.id]
 
@@ -62,46 +145,50 @@ _reusable: dict[str, SSHCluster] = {}
 
 
 def ssh_cluster(
-    session: Session, n: int, slots: int, resources: Resources, port: int, keep: bool, shipment: Shipment
+    session: Session,
+    n: int,
+    slots: int,
+    resources: Resources,
+    port: int,
+    keep: bool,
+    shipment: Shipment,
+    max_restarts: int = 0,
+    replacement_timeout: float = 120,
 ) -> SSHCluster:
     """n workers with sshd on `port`, `slots` each, the shipment unpacked; the one kept (keep) by the
-    session's previous run when it still fits, else new ones (kept for the next run when keep)."""
+    session's previous run when it still fits, else new ones (kept for the next run when keep).
+    max_restarts: an elastic cluster whose lost workers the job replaces (never kept)."""
     previous = _reusable.get(session.id)
-    if previous is not None and keep:
+    if previous is not None and keep and not max_restarts:
         if len(previous.worker_ids) == n and previous.job.failure is None and previous.hosts:
             send_files(session, previous.sshd_workers, shipment)
             per_host = Counter(m.address for m in previous.job.members)
             previous.hosts = [(host, slots * per_host[host]) for host, _ in previous.hosts]
             return previous
         previous.close()
-    job = launch_job(session, [Role("host", n, resources)], "Horovod job", timeout_seconds=120)
-    cluster = SSHCluster(session, [], SessionSSH.create(parent=session.session_dir), job)
+    ready = threading.Event()
+    holder: dict[str, SSHCluster] = {}
+
+    def replace(lost: Member, new: Member) -> None:  # on the job's thread
+        if not ready.is_set():
+            raise CmlClusterError("the Horovod run was still starting")
+        holder["cluster"].replace(lost, new)
+
+    restarts = Restarts(max_restarts, replace, timeout_seconds=replacement_timeout) if max_restarts else None
+    role = Role("host", n, resources, replaceable=restarts is not None)
+    job = launch_job(session, [role], "Horovod job", timeout_seconds=120, restarts=restarts)
+    cluster = holder["cluster"] = SSHCluster(
+        session, [], SessionSSH.create(parent=session.session_dir), job, port=port, slots=slots, shipment=shipment
+    )
     try:
-        # Workers that share an address (several on one SSH host) share one sshd, started in the first.
-        by_address: dict[str, list[str]] = {}
-        for m in job.members:
-            by_address.setdefault(m.address, []).append(m.worker_id)
-        cluster.sshd_workers = [ids[0] for ids in by_address.values()]
-        send_files(session, cluster.sshd_workers, shipment)  # before sshd starts, the first time
-        addresses = list(by_address)
-        # sshd listens only on the address horovodrun and the session reach the worker at.
-        started = session.call_each(
-            [
-                (w, f"{SSHD_MODULE}:start", (cluster.ssh.public_key, port, address))
-                for w, address in zip(cluster.sshd_workers, addresses, strict=True)
-            ]
-        )
-        cluster.ssh.pin(
-            {a: s["host_key"] for a, s in zip(addresses, started, strict=True)},
-            port,
-            {a: s["user"] for a, s in zip(addresses, started, strict=True)},
-        )
-        logins = [Login(a, port, s["user"]) for a, s in zip(addresses, started, strict=True)]
-        check_logins(logins, cluster.ssh.identity_file, cluster.ssh.known_hosts, what="Horovod hosts")
-        cluster.hosts = [(a, slots * len(ids)) for a, ids in by_address.items()]
+        if restarts is not None:
+            cluster.discovery = DiscoveryFile(parent=cluster.ssh.folder)
+            cluster._unsubscribe = session.subscribe(cluster._on_event)
+        cluster.serve(list(job.members))
+        ready.set()
     except BaseException:
         cluster.close()
         raise
-    if keep:
+    if keep and not max_restarts:
         _reusable[session.id] = cluster
     return cluster
