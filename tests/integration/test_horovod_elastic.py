@@ -63,8 +63,14 @@ class Killer:
         self.killed[i] = pid
 
 
-def final_loss(result, rank=0) -> float:
-    return float(re.findall(r"loss [\d.]+ -> ([\d.]+)", "\n".join(result.output[rank]))[-1])
+def final_loss(result, rank=None) -> float:
+    """The last loss a rank printed: `rank`'s, or any rank's. Ranks are numbered again at each reset, so
+    after a loss the survivor may print as rank 1, and a rank that joined after the last epoch began has
+    no loss to print (seen in CI)."""
+    ranks = [rank] if rank is not None else sorted(result.output)
+    found = [float(x) for r in ranks for x in re.findall(r"loss [\d.]+ -> ([\d.]+)", "\n".join(result.output[r]))]
+    assert found, result.output
+    return max(found)
 
 
 def worker(index):
