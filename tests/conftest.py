@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -403,6 +404,23 @@ def no_leaked_temp_folders(request):
     yield
     leaked = settle(lambda: sorted(cmlcluster_temp_folders() - before))
     assert not leaked, f"temp folders left behind: {leaked}"
+
+
+SIGNALS_A_TEST_MUST_LEAVE = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_as_found(request):
+    """A test leaves this process's signal handlers as it found them: a handler left behind changes what
+    Ctrl-C and the widget's Stop do in every later test of this xdist worker (the Stop tests met one)."""
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS_A_TEST_MUST_LEAVE}
+    yield
+    changed = {sig: signal.getsignal(sig) for sig, h in before.items() if signal.getsignal(sig) is not h}
+    for sig in changed:
+        signal.signal(sig, before[sig])
+    assert not changed, f"{request.node.nodeid} left signal handlers: " + ", ".join(
+        f"{signal.Signals(sig).name} {handler!r} (was {before[sig]!r})" for sig, handler in changed.items()
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -47,7 +47,8 @@ pytestmark = pytest.mark.integration
 SHOW_MARKER = """
 import hashlib, os, sys, time
 {init}
-print("marker digest", hashlib.sha256(os.environ.get("CMLC_MARKER", "").encode()).hexdigest(), flush=True)
+for name in ("CMLC_MARKER", "CMLC_NOTEBOOK_MARKER"):
+    print("marker digest", hashlib.sha256(os.environ.get(name, "").encode()).hexdigest(), flush=True)
 time.sleep(4)
 """
 HOROVOD_INIT = "import horovod.tensorflow as hvd\nhvd.init()\nprint('rank', hvd.rank(), 'of', hvd.size(), flush=True)"
@@ -84,37 +85,38 @@ class ArgvWatch:
             time.sleep(0.05)
 
 
+def secrets_both_ways(monkeypatch) -> tuple[str, dict[str, str]]:
+    """One value passed as env=, another the notebook holds in its environment (a CML API key, say):
+    one marker that each holds half of, so that a command line holding either shows the marker."""
+    marker = f"cmlc-marker-{secrets.token_hex(12)}"
+    monkeypatch.setenv("CMLC_NOTEBOOK_MARKER", marker + "-notebook")
+    return marker, {"CMLC_MARKER": marker + "-env"}
+
+
 def check_no_argv_held(watch: ArgvWatch, result, marker: str, ranks: int) -> None:
     assert result.ok, result.message
-    assert watch.found == [], "the value was on a command line"
+    assert watch.found == [], "a value was on a command line"
     assert watch.scans_with_job >= 5, "the command lines were not read while the job ran"
-    digest = hashlib.sha256(marker.encode()).hexdigest()
+    digests = [hashlib.sha256(f"{marker}-{how}".encode()).hexdigest() for how in ("env", "notebook")]
     seen = [line for lines in result.output.values() for line in lines if line.startswith("marker digest")]
-    assert seen == [f"marker digest {digest}"] * ranks  # every rank saw the value
+    # every rank saw both values
+    assert sorted(seen) == sorted(f"marker digest {d}" for d in digests * ranks)
 
 
-@pytest.mark.parametrize("given", ["env=", "the notebook's environment"])
-def test_horovod_env_values_are_on_no_command_line_and_ranks_see_them(given, tmp_path, monkeypatch):
-    marker = f"cmlc-marker-{secrets.token_hex(12)}"
+def test_horovod_env_values_are_on_no_command_line_and_ranks_see_them(tmp_path, monkeypatch):
+    marker, env = secrets_both_ways(monkeypatch)
     script = tmp_path / f"hvd_marker_{secrets.token_hex(4)}.py"
     script.write_text(SHOW_MARKER.format(init=HOROVOD_INIT))
-    env = {"CMLC_MARKER": marker} if given == "env=" else None
-    if env is None:
-        monkeypatch.setenv("CMLC_MARKER", marker)  # a secret the notebook holds, a CML API key say
     with Session("local", echo=False) as session, ArgvWatch(marker, script.name) as watch:
         result = run_horovod(str(script), np=2, env=env, session=session, echo=False)
         check_no_argv_held(watch, result, marker, ranks=2)
         assert not [p for p in os.listdir(session.session_dir) if p.startswith("rank-env-")]  # the file is gone
 
 
-@pytest.mark.parametrize("given", ["env=", "the notebook's environment"])
-def test_torch_env_values_are_on_no_command_line_and_ranks_see_them(given, tmp_path, monkeypatch):
-    marker = f"cmlc-marker-{secrets.token_hex(12)}"
+def test_torch_env_values_are_on_no_command_line_and_ranks_see_them(tmp_path, monkeypatch):
+    marker, env = secrets_both_ways(monkeypatch)
     script = tmp_path / f"torch_marker_{secrets.token_hex(4)}.py"
     script.write_text(SHOW_MARKER.format(init="import torch"))
-    env = {"CMLC_MARKER": marker} if given == "env=" else None
-    if env is None:
-        monkeypatch.setenv("CMLC_MARKER", marker)
     with Session("local", echo=False) as session, ArgvWatch(marker, script.name) as watch:
         result = run_torch(str(script), nnodes=2, nproc_per_node=1, env=env, session=session, echo=False)
         check_no_argv_held(watch, result, marker, ranks=2)

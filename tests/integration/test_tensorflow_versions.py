@@ -25,14 +25,14 @@ TESTS = [
     "tests/integration/test_tensorflow.py",
     "tests/integration/test_faults.py::test_kill_9_of_a_worker_while_this_process_coordinates_fails_fit_and_the_next_cluster_trains",
     "tests/integration/test_faults.py::test_kill_9_of_a_parameter_server_while_this_process_coordinates",
-    "tests/integration/test_tf_restarts.py",
     "tests/unit/test_tf_versions.py",
     "tests/unit/test_tf_internals.py",
 ]
 # The version is what this run tests: on local workers. The other backends run the same tests with the
 # main TensorFlow; what they change (where a task runs) does not depend on TensorFlow's version. Nor
 # does the job layer's: going on without a worker that never started, and failing a job whose task
-# died under a TF1 script.
+# died under a TF1 script. Nor do restarts: the TensorFlow they rely on (the coordinator taking a worker
+# back) is probed on this version by test_tf_internals.py, and the restarts run on the main TensorFlow.
 BACKENDS = ["-k", "not docker and not ssh and not kubernetes and not min_workers and not during_run_cluster"]
 LONGEST = True  # conftest.py starts this file first
 
