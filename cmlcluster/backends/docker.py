@@ -31,7 +31,7 @@ from .._aio import settle_on_this_thread
 from ..errors import BackendError
 from ..logfile import CappedLog
 from ..resources import GpuPool, visible_gpus
-from ..workers import PACKAGE_DIR, Resources, WorkerSpec
+from ..workers import Resources, WorkerSpec
 from . import docker_worker
 from .base import (
     OUTPUT_DRAIN_SECONDS,
@@ -137,6 +137,7 @@ class DockerBackend(Backend[DockerHandle]):
         # Containers start and stop in parallel; the SDK blocks, so each call gets a thread.
         # Made per session (attach), so that the backend serves the next session after close().
         self._pool: ThreadPoolExecutor | None = None
+        self._addresses: dict[str, str] = {}  # worker id: its IP, for a replacement (stable_addresses)
 
     # ---------------------------------------------------------------- before anything starts
 
@@ -155,6 +156,7 @@ class DockerBackend(Backend[DockerHandle]):
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
         self._client = self._client or await self._call(connect)
+        self._addresses.clear()
         if self.network is None:
             # First the reaper, which removes what the session made should its process die unclosed.
             self._reaper = subprocess.Popen(
@@ -178,22 +180,14 @@ class DockerBackend(Backend[DockerHandle]):
             session_host=False,
             python=sys.executable if self.host_python else self.python,
             shared_paths=tuple(self._same_path_mounts(os.getcwd())),
+            stable_addresses=self.network is None,  # its session network's range is pinned (docker_engine)
             interfaces=("eth0",),  # a container's interface on its network
         )
 
-    def _same_path_mounts(self, cwd: str) -> dict[str, str]:
-        """{host path: "path:mode"} of what containers see at the session's own paths."""
-        mounts = {host: binding for host, binding in self.volumes.items() if binding.rpartition(":")[0] == host}
-        if self.mount_cwd:
-            mounts[cwd] = f"{cwd}:rw"
-        if self.host_python:
-            # The package, not its parent: a checkout's root may be private (0700) to a worker of another uid.
-            for path in (sys.base_prefix, sys.prefix, PACKAGE_DIR):
-                if not path.startswith("/usr/"):
-                    mounts.setdefault(path, f"{path}:ro")
-        return mounts
-
     # ---------------------------------------------------------------- workers
+
+    def _same_path_mounts(self, cwd: str) -> dict[str, str]:
+        return docker_worker.same_path_mounts(self.volumes, cwd, self.mount_cwd, self.host_python)
 
     def container_options(self, spec: WorkerSpec, gpus: Sequence[str]) -> dict[str, Any]:
         """Everything sent to Docker for one worker (tests inspect this), but its files (docker_worker.files)."""
@@ -225,6 +219,9 @@ class DockerBackend(Backend[DockerHandle]):
         }
         if spec.resources.nvidia_gpu:
             options["device_requests"] = [gpu_request(gpus, spec.resources.nvidia_gpu)]
+        if spec.replaces in self._addresses:  # where the lost worker ran: a TensorFlow task is its address
+            address = {"IPAMConfig": {"IPv4Address": self._addresses[spec.replaces]}}
+            options["networking_config"] = {options["network"]: address}
         return options
 
     async def start(self, spec: WorkerSpec) -> DockerHandle:
@@ -265,6 +262,12 @@ class DockerBackend(Backend[DockerHandle]):
             await self.stop(handle, 0)
             raise BackendError(f"could not start container for worker {spec.worker_id}: {_explain(e)}") from e
         _thread(f"logs-{spec.worker_id}", self._copy_output, handle, loop)
+        if self.network is None:  # stable addresses: where a replacement of this worker is to start
+            with contextlib.suppress(Exception):  # gone already: its replacement gets any address
+                await self._call(container.reload)
+                self._addresses[spec.worker_id] = container.attrs["NetworkSettings"]["Networks"][options["network"]][
+                    "IPAddress"
+                ]
         return handle
 
     def _wait_for_exit(self, handle: DockerHandle, loop: asyncio.AbstractEventLoop) -> None:
@@ -385,9 +388,7 @@ class DockerBackend(Backend[DockerHandle]):
 
 
 def _create_options(options: dict[str, Any]) -> dict[str, Any]:
-    created = dict(options)
-    created.pop("detach")
-    return created
+    return {name: value for name, value in options.items() if name != "detach"}
 
 
 def _thread(name: str, target: Callable[..., None], *args: Any) -> None:

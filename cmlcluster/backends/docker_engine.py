@@ -101,7 +101,7 @@ def session_network(client: Any, session_id: str) -> str:
     # one of the engine's few address ranges: those of sessions that are gone go first.
     remove_orphan_networks(client, quiet=True)
     try:
-        network = client.networks.create(name, driver="bridge", labels=labels)
+        network = _pinned(client, client.networks.create(name, driver="bridge", labels=labels))
     except docker.errors.APIError as e:
         explanation = str(e.explanation or e)
         if any(words in explanation for words in POOL_EXHAUSTED):
@@ -116,6 +116,30 @@ def session_network(client: Any, session_id: str) -> str:
         raise ConfigError(f"could not create this session's network {name!r}: {explanation}") from None
     network.reload()
     return _gateway(network)
+
+
+def _pinned(client: Any, network: Any) -> Any:
+    """The network made again with the range the engine gave it, as the user's own: Docker starts a
+    container at an address of one's choosing (a lost TensorFlow task's replacement, at the lost
+    task's) only on a network whose range was given when it was made. The engine's pool picks the
+    range, so sessions never clash with each other's or the host's networks."""
+    import docker.errors
+    from docker.types import IPAMConfig, IPAMPool
+
+    network.reload()
+    attrs = network.attrs
+    configs = [c for c in (attrs.get("IPAM") or {}).get("Config") or [] if ":" not in c.get("Subnet", ":")]
+    if not configs:
+        return network  # no IPv4 range to pin: replacements get any address (none needs one here)
+    pool = IPAMPool(subnet=configs[0]["Subnet"], gateway=configs[0].get("Gateway"))
+    network.remove()
+    try:
+        return client.networks.create(
+            attrs["Name"], driver="bridge", labels=attrs.get("Labels"), ipam=IPAMConfig(pool_configs=[pool])
+        )
+    except docker.errors.APIError:
+        # Another network took the range between the two calls: one of the pool's own again.
+        return client.networks.create(attrs["Name"], driver="bridge", labels=attrs.get("Labels"))
 
 
 def ensure_network(client: Any, name: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import sys
 import tarfile
 import time
 from collections.abc import Iterable, Mapping
@@ -15,7 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..wire import CONNECTION_ENV, CONNECTION_FILE_ENV
-from ..workers import WorkerSpec
+from ..workers import PACKAGE_DIR, WorkerSpec
 
 DEFAULT_PIDS_LIMIT = 4096  # processes and threads per worker: room for TF's and data loaders' threads
 # What sshd (for Horovod, cmlcluster/ssh/sshd.py) needs when the worker runs as root; the rest stay
@@ -84,6 +85,19 @@ def files(spec: WorkerSpec, uid: int, gid: int) -> bytes:
                 entry.mode, entry.size = 0o600, len(data)
                 archive.addfile(entry, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def same_path_mounts(volumes: Mapping[str, str], cwd: str, mount_cwd: bool, host_python: bool) -> dict[str, str]:
+    """{host path: "path:mode"} of what containers see at the session's own paths."""
+    mounts = {host: binding for host, binding in volumes.items() if binding.rpartition(":")[0] == host}
+    if mount_cwd:
+        mounts[cwd] = f"{cwd}:rw"
+    if host_python:
+        # The package, not its parent: a checkout's root may be private (0700) to a worker of another uid.
+        for path in (sys.base_prefix, sys.prefix, PACKAGE_DIR):
+            if not path.startswith("/usr/"):
+                mounts.setdefault(path, f"{path}:ro")
+    return mounts
 
 
 def check_pids_limit(pids_limit: Any) -> int | None:

@@ -60,7 +60,9 @@ def check_restarts(max_restarts: int, coordinator: bool, stable_addresses: bool)
     if not stable_addresses:
         raise ConfigError(
             f"max_restarts={max_restarts}: TensorFlow takes a lost worker back only at its address, which "
-            "this backend cannot yet give a replacement; use the local or ssh backend, or max_restarts=0"
+            "this backend cannot give a replacement (a pod's address is the cluster's to choose; a shared Docker "
+            "network= was not made with its range given); use the local, ssh or docker backend (with its own "
+            "session network), or max_restarts=0"
         )
 
 

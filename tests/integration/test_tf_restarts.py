@@ -101,17 +101,23 @@ def test_a_worker_task_killed_mid_training_is_replaced_and_trains_on_and_the_los
         wait_until(lambda: not threads_in_update_server_def(), timeout=60, what="no thread in update_server_def")
 
 
-@pytest.mark.parametrize("backend", ["ssh"], indirect=True)  # a replacement on its lost worker's host
+# A replacement on its lost worker's host, at its port; on Docker at its IP, in the session's network.
+@pytest.mark.parametrize("backend", ["ssh", "docker"], indirect=True)
 def test_a_lost_replacement_with_one_restart_fails_fit_with_the_structured_failure(session):
     events = job_events(session)
+    # A worker that came before the cluster and is gone by the time a task is lost: Docker would give
+    # its address (the lowest free) to a container that did not ask for one.
+    [before] = session.launch_workers(1, cpu=0.5, memory=0.5, code="import time; time.sleep(600)")
+    session.await_workers([before], wait_for_completion=False, timeout_seconds=60)
     with pytest.raises(JobFailed, match="after 1 restart: worker task 1") as caught:
         with cmlcluster.start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, max_restarts=1, session=session) as c:
+            session.stop_workers(before)
             address = c.workers[1].address
             killer = Killer(c, events, order=[1, 1])
             train_as_coordinator(c, epochs=1000, callbacks=[killer.callback])
     first, second = killer.killed
-    assert first != second and c.workers[1].address == address  # replaced on its host, at its port
+    assert first != second and c.workers[1].address == address  # replaced where it ran
     assert caught.value.failure.exit_code == -9 and caught.value.restarts == 1
     assert caught.value.failure.member.worker_id == second
-    statuses = sorted(w["status"] for w in session.list_workers())
+    statuses = sorted(w["status"] for w in session.list_workers() if w["id"] != before["id"])
     assert statuses == ["failed", "failed", "stopped", "stopped"], statuses
