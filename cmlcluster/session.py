@@ -207,6 +207,10 @@ class Session:
         w = self._supervisor.resolve(worker)
         return self.backend.output(w.handle) if w.handle is not None else ""
 
+    def worker_log_path(self, worker: str | Mapping[str, Any]) -> str:
+        """The file of the worker's whole log (capped), kept after the session: `cmlcluster logs` shows it."""
+        return self.backend.context.log_path(self._supervisor.resolve(worker).spec.worker_id)
+
     def worker_pid(self, worker: str | Mapping[str, Any]) -> int | None:
         """The worker's process id on this machine; None when it runs elsewhere (a container, a host)."""
         w = self._supervisor.resolve(worker)

@@ -66,6 +66,7 @@ class WidgetView:
         self._curves: dict[str, tuple[list[float], list[float]]] = {}  # task -> (steps, losses)
         self._output: dict[str, deque[str]] = {}  # source -> last lines
         self._notes: list[str] = []
+        self._restarts: dict[str, int] = {}  # job -> workers it replaced so far
         self._shown_in: object = None
         self._closed = threading.Event()  # the session closed: one last render, then the thread ends
         self.updates = 0  # renders that changed the widgets (the bench and tests read it)
@@ -81,6 +82,7 @@ class WidgetView:
         self.source = w.Dropdown(description="output", options=[])
         self.source.observe(self._guarded(lambda _: self._dirty.set()), names="value")
         self.output = w.HTML()
+        self.log_hint = w.HTML()  # where the selected worker's whole log is, also after the session
         self.errors = w.Output()  # exceptions in callbacks land here, shown under the widget
         self.training = w.VBox()
         self.task_bars: dict[str, w.FloatProgress] = {}
@@ -96,6 +98,7 @@ class WidgetView:
                 *([self.plot] if self.plot is not None else []),
                 self.source,
                 self.output,
+                self.log_hint,
                 self.errors,
             ],
             layout=w.Layout(width="100%"),
@@ -155,6 +158,8 @@ class WidgetView:
                 if event.state in ("started", "member_replaced"):
                     for member in event.members:
                         self._labels[member.worker_id] = f"{member.role} {member.index}"
+                if event.restarts:
+                    self._restarts[event.job] = max(event.restarts, self._restarts.get(event.job, 0))
                 self._notes += event.notes()
             elif isinstance(event, LaunchFailed):
                 self._notes.append(event.message)
@@ -240,10 +245,13 @@ class WidgetView:
             selected = self.source.value or (sources[0] if sources else None)
             output = list(self._output.get(selected, ())) if selected else []
             notes = list(self._notes)
+            restarts = dict(self._restarts)
+            selected_worker = selected if selected in self._rows else None
         now = time.time()
         up = sum(1 for r in rows if r.get("running_at"))  # came up, whatever happened since
         session = self.session
         state = "closed" if session.closed else f"{up} of {len(rows)} workers up"
+        state += "".join(f" · {html.escape(job)}: {n} restart{'s' * (n != 1)}" for job, n in restarts.items())
         self.title.value = f"<b>cmlcluster session {session.id}</b> on <code>{session.backend.name}</code>: {state}"
         self.up.max = max(len(rows), 1)
         self.up.value = up
@@ -263,6 +271,7 @@ class WidgetView:
             if selected in sources:
                 self.source.value = selected
         self.output.value = f'<pre class="cmlcluster-output">{html.escape(chr(10).join(output))}</pre>'
+        self.log_hint.value = _log_hint(session, selected_worker) if selected_worker else ""
         self.updates += 1
 
     def _render_curves(self, curves: dict[str, tuple[list[float], list[float]]]) -> None:
@@ -296,6 +305,15 @@ class WidgetView:
             bar.value = min(report.step, bar.max)
             bar.bar_style = "success" if report.total and report.step >= report.total else ""
             self.task_metrics[task].value = html.escape(describe(report))
+
+
+def _log_hint(session: Session, worker_id: str) -> str:
+    """The selected worker's whole log: its file, and the command that shows it after the session."""
+    path = html.escape(session.worker_log_path(worker_id))
+    command = html.escape(f"cmlcluster logs {session.id} {worker_id}")
+    return (
+        f'<div class="cmlcluster-log">whole log: <code>{path}</code>, after the session: <code>{command}</code></div>'
+    )
 
 
 def _table(rows: list[dict[str, Any]], labels: dict[str, str], since: dict[str, float], now: float) -> str:

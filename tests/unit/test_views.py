@@ -57,6 +57,22 @@ def test_job_roles_name_the_rows_and_the_output_sources():
         settled(view, lambda: "hello from ps" in view.output.value)
 
 
+def test_the_title_counts_a_jobs_restarts_and_a_selected_worker_says_where_its_whole_log_is():
+    with fake_session(FakeWorker(output=("hello",)), FakeWorker(output=("hello",))) as s:
+        view = WidgetView(s)
+        lost, new = s.launch_workers(2, cpu=1, memory=1, code="pass")
+        s.await_workers([lost, new], timeout_seconds=10)
+        settled(view, lambda: "restart" not in view.title.value and "cmlcluster logs" in view.log_hint.value)
+        assert lost["id"] in view.log_hint.value  # the first source is selected
+        for n in (1, 2):
+            replaced = (Member(lost["id"], "worker", 1), Member(new["id"], "worker", 1))
+            s.publish(JobChanged("TensorFlow cluster", "member_replaced", replaced, restarts=n))
+        settled(view, lambda: "TensorFlow cluster: 2 restarts" in view.title.value)
+        view.source.value = new["id"]
+        settled(view, lambda: f"cmlcluster logs {s.id} {new['id']}" in view.log_hint.value)
+        assert f"<code>{s.worker_log_path(new)}</code>" in view.log_hint.value
+
+
 def test_stop_button_stops_the_workers_behind_the_widget():
     with fake_session() as s:
         view = WidgetView(s)
