@@ -22,6 +22,11 @@ class StoppedFromWidget(KeyboardInterrupt):
     """A blocking call ended by the widget's Stop. A KeyboardInterrupt, so that every path that cleans
     up after Ctrl-C cleans up after it, and `except Exception` in a user's cell does not swallow it."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows under the cell: the sentence, not the frames of the call the user ended
+        (a coordinator's model.fit has a screen of Keras's)."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 @dataclass
 class _Call:
@@ -64,6 +69,12 @@ def busy(owner: object) -> bool:
     """Whether a call of `owner` holds the main thread now."""
     call = _call
     return call is not None and call.owner is owner
+
+
+def stopping(owner: object) -> bool:
+    """Whether the widget's Stop is ending the call of `owner` that holds the main thread now."""
+    call = _call
+    return call is not None and call.owner is owner and call.finish is not None
 
 
 def interrupt(owner: object, finish: Callable[[], str]) -> bool:

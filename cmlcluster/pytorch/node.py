@@ -9,14 +9,18 @@ elastic run's node (plan["endpoint"]: the session's rendezvous store) learns its
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from typing import IO, Any
 
 from .. import _lifeline, agent_files
@@ -24,6 +28,7 @@ from ..lines import MAX_LINE_CHARS
 from . import commands
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # what every process runs
+RANKS_STOP_GRACE = 1.0  # seconds the ranks have after their worker's stop (TERM) before torchrun is KILLed
 
 
 def run(plan: dict[str, Any]) -> dict[str, Any]:
@@ -70,8 +75,9 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             start_new_session=True,
         )
         try:
-            _relay(process, plan.get("node_rank"), plan["nproc_per_node"], plan["rank0_only"])
-            code = process.wait()
+            with _stops_reach(process):
+                _relay(process, plan.get("node_rank"), plan["nproc_per_node"], plan["rank0_only"])
+                code = process.wait()
         finally:
             assert process.stdin is not None
             process.stdin.close()
@@ -125,6 +131,33 @@ def _torchrun_args(plan: dict[str, Any], folder: str, entry: list[str]) -> list[
             entry=entry,
         ),
     ]
+
+
+@contextlib.contextmanager
+def _stops_reach(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """A stop of this worker (SIGTERM to its agent) reaches torchrun at once: the agent ends a running
+    program on it, but this is a call, which it leaves to run (here, until torchrun ends) until the
+    KILL after the backend's grace. The lifeline passes the TERM to torchrun, torchrun to the ranks;
+    torchrun itself then takes seconds to exit (torch's teardown), so its lifeline is cut a moment later."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers are the main thread's
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(sig: int, frame: Any) -> None:
+        process.terminate()
+        assert process.stdin is not None
+        cut = threading.Timer(RANKS_STOP_GRACE, process.stdin.close)  # EOF: the lifeline KILLs torchrun
+        cut.daemon = True
+        cut.start()
+        if callable(previous):
+            previous(sig, frame)  # the agent's own: its engine stops once this call returns
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _relay(process: subprocess.Popen[bytes], node_rank: int | None, nproc: int, rank0_only: bool) -> None:

@@ -162,23 +162,25 @@ def _accepts(address: str) -> bool:
         return False
 
 
-def fail(cluster_spec: Mapping[str, Sequence[str]], error: BaseException) -> bool:
+def fail(cluster_spec: Mapping[str, Sequence[str]], error: BaseException) -> list[Any]:
     """Make the coordinator's waits (model.fit, ClusterCoordinator.join/schedule) raise `error` now.
 
     TensorFlow takes a lost worker for a preempted one and waits for it to come back,
     forever when nothing restarts it; a lost parameter server surfaces only when a step
-    touches it. When the job has failed, the coordinator should fail too.
+    touches it. When the job has failed, the coordinator should fail too. Returns the
+    coordinators' clusters failed (none unless this process coordinates this cluster).
     """
     server_def = _connected_to(cluster_spec)
     if server_def is None:
-        return False
+        return []
     _failed.add(_remote_tasks(server_def))  # a preemption handler waiting in guard_recovery gives up
-    for cluster in _coordinator_clusters():
+    clusters = _coordinator_clusters()
+    for cluster in clusters:
         internals.fail_closure_queue(cluster, error)
         # Its preemption handler may wait for good, holding the lock that stopping the cluster takes:
         # ClusterCoordinator.__del__ (the user's strategy collected) would then block forever.
         cluster.stop = lambda: None
-    return True
+    return clusters
 
 
 def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
@@ -188,7 +190,7 @@ def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
     cluster's remote tasks: stopping an old cluster never detaches a newer one.
     """
     server_def = _connected_to(cluster_spec)
-    if server_def is None:
+    if server_def is None or _remote_tasks(server_def) in _failed:  # failed: its servers are gone already
         return False
     # The coordinators' threads first: a "recovering" preemption handler would call
     # update_server_def with the old cluster again, and closure loops would run closures.

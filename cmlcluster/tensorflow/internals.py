@@ -1,8 +1,9 @@
 """Every private name of TensorFlow (and of CPython's threading) that cmlcluster relies on, in one place.
 
 TensorFlow has no public way to disconnect a coordinator from a cluster, to fail its waits
-when a job failed, or to find the coordinators running in a process (coordinator.py says
-why each is needed). These are the names it takes instead. probe() checks each of them on
+when a job failed, to find the coordinators running in a process (coordinator.py says
+why each is needed), or to tell which cluster a ParameterServerStrategy trains on (its
+public cluster_resolver is None: stopping.py). These are the names it takes instead. probe() checks each of them on
 the TensorFlow this process imported, before this process coordinates anything: on a
 TensorFlow that renamed one, the user gets an error naming the version and the name, not
 a guard that silently does nothing and the hang it prevents.
@@ -39,6 +40,12 @@ def cluster_of(owner: Any) -> Any:
     """The coordinator Cluster a closure loop (Worker) or a preemption handler belongs to, or None."""
     cluster = getattr(owner, "_cluster", None)
     return cluster if cluster is not None and hasattr(cluster, "closure_queue") and hasattr(cluster, "stop") else None
+
+
+def strategy_resolver(strategy: Any) -> Any:
+    """The cluster resolver a ParameterServerStrategy was made with (its public `cluster_resolver`
+    reads the extended strategy's, which this strategy never sets: None), or None."""
+    return getattr(strategy, "_cluster_resolver", None)
 
 
 def update_lock(cluster: Any) -> Any:
@@ -81,6 +88,12 @@ def _assigns(cls: Any, *attributes: str) -> bool:
     return all(f"self.{attribute} =" in source for attribute in attributes)
 
 
+def _tf() -> Any:
+    import tensorflow as tf
+
+    return tf
+
+
 def _checks() -> list[probes.Check]:
     def module() -> Any:
         from tensorflow.python.distribute.coordinator import cluster_coordinator
@@ -102,6 +115,10 @@ def _checks() -> list[probes.Check]:
             lambda: _assigns(module().Cluster, "closure_queue", "failure_handler") and callable(module().Cluster.stop),
         ),
         ("cluster_coordinator.Worker._cluster", lambda: _assigns(module().Worker, "_cluster")),
+        (
+            "ParameterServerStrategy's _cluster_resolver",
+            lambda: _assigns(_tf().distribute.experimental.ParameterServerStrategy, "_cluster_resolver"),
+        ),
         (
             "the preemption handlers' _cluster and _cluster_update_lock",
             lambda: all(_assigns(h, "_cluster", "_cluster_update_lock") for h in handlers()),
