@@ -13,12 +13,14 @@ disk; removed from the environment before any user code runs), CDSW_MASTER_IP
 (the controller's address), CMLCLUSTER_PRELOAD (modules to import while the engine
 registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's silence_timeout:
 seconds without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_OWN_FOLDER
-("1": the working folder is the worker's own, removed with it; agent_files.leftovers).
+("1": the working folder is the worker's own, removed with it; agent_files.leftovers), CMLCLUSTER_COLLECT
+(its collect= paths, as JSON: they come home, so they are not said to be left behind).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import signal
@@ -111,6 +113,7 @@ def main() -> None:
         sys.exit(2)
     import_kernel_without_debugger()
     agent_files.own_folder = os.getcwd() if os.environ.pop(wire.OWN_FOLDER_ENV, "") == "1" else ""
+    agent_files.collected = tuple(json.loads(os.environ.pop(wire.COLLECT_ENV, "[]")))
     preload = os.environ.pop(wire.PRELOAD_ENV, "")
     if preload:
         threading.Thread(target=_preload, args=(preload.split(","),), name="preload", daemon=True).start()

@@ -17,12 +17,14 @@ import tarfile
 import tempfile
 from typing import Any
 
-from . import shipping
+from . import results, shipping
 
 _files_folder: str | None = None  # where shipped files were unpacked; relative scripts are found there
 # The working folder the worker started in when it is its own, removed when it ends (wire.OWN_FOLDER_ENV; set
 # by the agent at its start: a program may chdir elsewhere since); "" when it is shared.
 own_folder = ""
+# Its collect= paths (results.py): they come home when the worker ends, so they are not said to be lost.
+collected: tuple[str, ...] = ()
 # Files shipped into the working folder, by name there: (size, mtime) as unpacked. Not the program's.
 _shipped: dict[str, tuple[int, int]] = {}
 SCAN_LIMIT = 10_000  # files counted at most: a folder of a dataset's million files is not walked to its end
@@ -68,7 +70,8 @@ def leftovers(folder: str = "") -> dict[str, Any] | None:
     """What the worker's own working folder (or `folder`) holds besides the files shipped into it,
     unchanged: its entries with files in them, biggest first ("checkpoints/" for a folder), the number of
     files and their bytes ("more": counting stopped at SCAN_LIMIT). None when nothing, or when the
-    working folder is not the worker's own. Python's __pycache__ is not the program's work."""
+    working folder is not the worker's own. Python's __pycache__ is not the program's work, and what
+    collect= names comes home."""
     folder = folder or own_folder
     if not folder:
         return None
@@ -83,7 +86,7 @@ def leftovers(folder: str = "") -> dict[str, Any] | None:
                 info = os.lstat(path)
             except OSError:
                 continue
-            if _shipped.get(relative) == (info.st_size, info.st_mtime_ns):
+            if _shipped.get(relative) == (info.st_size, info.st_mtime_ns) or results.covers(collected, relative):
                 continue
             top, below, _ = relative.partition("/")
             entry = f"{top}/" if below else top
@@ -102,12 +105,15 @@ def _found(folder: str, sizes: dict[str, int], files: int, more: bool) -> dict[s
 def notice(worker: str, found: dict[str, Any]) -> str:
     """What is said of `found` (leftovers()) before it goes with the worker."""
     names = ", ".join(found["names"][:NAMED]) + (", ..." if len(found["names"]) > NAMED else "")
+    keep = [name.rstrip("/") for name in found["names"][:NAMED]]
     count = f"{'at least ' if found['more'] else ''}{found['files']} file{'s' if found['files'] != 1 else ''}"
+    count += f", {results.size_text(found['bytes'])}"
     return (
-        f"worker {worker}'s working folder {found['folder']} holds {names} ({count}, {_size(found['bytes'])}), "
+        f"worker {worker}'s working folder {found['folder']} holds {names} ({count}), "
         "which its program wrote there; the folder is the worker's own and is removed with it, so these files "
-        "are gone once it ends. Save results where the session's machine sees them (a shared folder, or a "
-        "path the backend mounts) or copy them out before the program ends"
+        "are gone once it ends. To have them in the session's working folder when a worker ends, launch with "
+        f"collect={keep!r} (launch_workers, run_torch, run_horovod, run_cluster), or save them where the "
+        "session's machine sees them (a shared folder, a path the backend mounts)"
     )
 
 
@@ -116,10 +122,3 @@ def say_leftovers() -> None:
     found = leftovers()
     if found is not None:
         print(f"cmlcluster: {notice(os.environ.get('CDSW_ENGINE_ID', 'this worker'), found)}", file=sys.stderr)
-
-
-def _size(n: int) -> str:
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} bytes"

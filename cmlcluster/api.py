@@ -77,13 +77,17 @@ def launch_workers(
     script: str = "",
     code: str = "",
     env: Mapping[str, str] | None = None,
+    *,
+    collect: str | Iterable[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Launch n workers, each with `cpu` cores, `memory` GB and `nvidia_gpu` GPUs.
 
     Each runs `script` (a path) or `code` (an IPython cell: indented source, `!cmd` and
-    `%magic` lines), or with neither serves the control plane until stopped.
+    `%magic` lines), or with neither serves the control plane until stopped. collect (not in
+    CML, where every worker writes to the project's disk): paths under the worker's working folder
+    ("outputs", "model.keras") that come to this working folder when it ends (Session.launch_workers).
     """
-    return get_session().launch_workers(n, cpu, memory, nvidia_gpu, kernel, script, code, env)
+    return get_session().launch_workers(n, cpu, memory, nvidia_gpu, kernel, script, code, env, collect=collect)
 
 
 def await_workers(

@@ -104,6 +104,12 @@ class Role:
     min_count: int | None = None  # None: all of them
     env: Mapping[str, str] = field(default_factory=dict)
     replaceable: bool = False  # a lost member can be replaced (TensorFlow's ps cannot: its variables go with it)
+    collect: tuple[str, ...] = ()  # paths of its workers' folders that come home when each ends (results.py)
+
+    def launch(self, session: Session, n: int, **more: Any) -> list[dict[str, Any]]:
+        """Launch n workers of this role (`more`: launch_workers' other keywords); their dicts."""
+        r = self.resources
+        return session.launch_workers(n, r.cpu, r.memory, r.nvidia_gpu, env=self.env, collect=self.collect, **more)
 
 
 @dataclass(frozen=True)
@@ -228,10 +234,7 @@ class Job:
         new_id = ""
         joined = False
         try:
-            r = role.resources
-            [record] = self.session.launch_workers(
-                1, r.cpu, r.memory, r.nvidia_gpu, env=role.env, replaces=lost.worker_id
-            )
+            [record] = role.launch(self.session, 1, replaces=lost.worker_id)
             new_id = record.get("id", "")
             if not new_id:
                 raise CmlClusterError(record.get("message") or "it could not be launched")
@@ -346,9 +349,7 @@ def launch_job(
     try:
         for role in roles:
             if role.count:
-                records = session.launch_workers(
-                    role.count, role.resources.cpu, role.resources.memory, role.resources.nvidia_gpu, env=role.env
-                )
+                records = role.launch(session, role.count)
                 launched += [(role, r) for r in records]
         ready = session.await_workers(
             [r for _, r in launched], wait_for_completion=False, timeout_seconds=timeout_seconds

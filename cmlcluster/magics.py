@@ -7,12 +7,14 @@
 
 %horovod's options: -np N (processes in all), -n/--workers N, --slots S (processes per worker;
 default its GPUs or 1), --cpu, --memory (GB), --gpus (per worker), --backend NAME,
---start-timeout S, --ssh-port P, --reuse (keep the workers for the next run), --max-restarts N.
-Its value is a HorovodResult.
+--start-timeout S, --ssh-port P, --reuse (keep the workers for the next run), --max-restarts N,
+--collect PATH (repeatable: what comes home from each worker's folder as it ends). Its value is a
+HorovodResult.
 
 %torchrun's options: --nnodes N (workers), --nproc-per-node K (default: the worker's GPUs, or 1),
 --cpu, --memory (GB), --gpus (per worker), --dist-backend gloo|nccl, --backend NAME,
---start-timeout S, --join-timeout S, --rank0-only, --max-restarts N. Its value is a TorchResult.
+--start-timeout S, --join-timeout S, --rank0-only, --max-restarts N, --collect PATH. Its value is a
+TorchResult.
 """
 
 from __future__ import annotations

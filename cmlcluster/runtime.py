@@ -76,6 +76,7 @@ class Runtime:
         env: dict[str, str],
         cwd: str,
         replaces: str = "",
+        collect: tuple[str, ...] = (),
     ) -> list[dict[str, Any]]:
         await self.backend.check(n, resources)
         control = await self._started()
@@ -91,6 +92,7 @@ class Runtime:
                 controller_ip=self.backend.controller_ip(),
                 capabilities=capabilities,
                 replaces=replaces,
+                collect=collect,
             )
             for _ in range(n)
         ]

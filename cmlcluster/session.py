@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from . import blocking, checks, live, origin, records, shipping, ui
+from . import blocking, checks, live, origin, records, results, shipping, ui
 from .backends import Backend, make_backend
 from .errors import CmlClusterError, ConfigError
 from .events import Event, Subscriber
@@ -90,18 +90,24 @@ class Session:
         *,
         ship_working_folder: bool = False,
         replaces: str = "",
+        collect: str | Iterable[str] | None = None,
     ) -> list[dict[str, Any]]:
         """Start n workers; one dict per worker, a dict without "id" for one that could not start.
 
         A script the workers cannot read where it is (on SSH hosts, say) is shipped to them.
         ship_working_folder: ship the whole working folder too, to workers that do not see it
         (capped in size: see shipping.py); they start in their copy of it.
+        collect: paths relative to the worker's working folder ("outputs", "model.keras") whose files
+        come to the same paths in this working folder when the worker ends, as if it wrote to a shared
+        disk (results.py); where workers see this folder, they are there already.
         replaces: a lost worker's id (a job's replacement, jobs.Restarts): where the backend can,
         they start where it ran (Capabilities.stable_addresses).
         """
         self._check_open()
         cwd = os.getcwd()
         program = validate_launch(n, cpu, memory, nvidia_gpu, kernel, script, code, env, cwd)
+        paths = results.check_collect(collect)
+        results.check_backend(paths, self.backend.capabilities(), cwd, self.backend.name)
         shipment = self.ship([program.script] if program.script else [], working_folder=ship_working_folder)
         if shipment.files:
             program = replace(
@@ -112,7 +118,7 @@ class Session:
             )
         resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
         self.show()
-        return self._run(self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces))
+        return self._run(self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces, paths))
 
     def ship(self, scripts: Iterable[str] = (), *, working_folder: bool = False) -> Shipment:
         """What must travel so that workers can run these scripts (and, if asked, see the working folder).

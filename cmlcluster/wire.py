@@ -12,6 +12,8 @@ ENGINE_ID_ENV = "CMLCLUSTER_ENGINE_ID"  # the engine id the agent registers as
 PRELOAD_ENV = "CMLCLUSTER_PRELOAD"  # modules the agent imports while its engine registers
 # "1" when the worker's working folder is its own, removed when it ends: a stopped program names what it leaves.
 OWN_FOLDER_ENV = "CMLCLUSTER_OWN_FOLDER"
+# Its collect= paths, as JSON: they come home when it ends, so what it leaves is said without them.
+COLLECT_ENV = "CMLCLUSTER_COLLECT"
 # Names a 0600 JSON file of a Horovod run's env= that each rank reads (cmlcluster.horovod.rank): its
 # values never travel on horovodrun's or ssh's command line.
 RANK_ENV_FILE_ENV = "CMLCLUSTER_RANK_ENV"

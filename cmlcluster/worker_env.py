@@ -7,6 +7,7 @@ backend sees it.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -31,6 +32,7 @@ def build_spec(
     capabilities: Capabilities,
     session_environ: Mapping[str, str] = os.environ,
     replaces: str = "",
+    collect: tuple[str, ...] = (),
 ) -> WorkerSpec:
     """The spec a backend starts one worker from. Pure: everything it reads is an argument."""
     wid = worker_id(session_id, engine_id)
@@ -48,6 +50,8 @@ def build_spec(
     )
     if not capabilities.sees(cwd):
         worker_env[wire.OWN_FOLDER_ENV] = "1"  # it starts in a folder of its own (see agent_files.leftovers)
+        if collect:
+            worker_env[wire.COLLECT_ENV] = json.dumps(list(collect))
     if capabilities.sees(PACKAGE_DIR):
         # Workers that see this checkout import the same cmlcluster as the session, installed or not.
         inherited = env.get("PYTHONPATH", session_environ.get("PYTHONPATH", "") if capabilities.session_host else "")
@@ -60,4 +64,5 @@ def build_spec(
         resources=resources,
         cwd=cwd,
         replaces=replaces,
+        collect=collect,
     )

@@ -63,6 +63,7 @@ class WorkerSpec:
     resources: Resources
     cwd: str
     replaces: str = ""  # a lost worker's id: where the backend can, this one starts where that one ran
+    collect: tuple[str, ...] = ()  # paths under its working folder that come home to cwd (results.py)
 
 
 @dataclass(frozen=True)

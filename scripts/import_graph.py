@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "origin",
             "ports",
             "workers",
+            "results",  # what collect= may name, and which files are a worker's: both sides read it
             "resources",
             "events",
             "live",
@@ -75,6 +76,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensorflow.task",
             "ssh.sshd",
             "backends.ssh_remote",
+            "backends.ssh_relay",  # the host's side of an SSH worker, beside ssh_remote
+            "backends.results_host",  # on an SSH host: a worker's collect= files, kept until the session takes them
         ),
     ),
     # What a session drives: the control plane (it runs one function of the agent in the worker) and backends.

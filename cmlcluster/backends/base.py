@@ -21,6 +21,8 @@ the loop that carries every worker's events never waits on one backend:
 - ``wait(handle)`` returns the exit code once the process has ended *and* its
   output has been read to its end: what it wrote last (a stopped program's
   cleanup, say) is in ``output(handle)`` before the session hears of its end.
+  Where it declares ``collects``, what the worker wrote under ``spec.collect`` is
+  in ``spec.cwd`` by then too (results.py), success, failure or stop alike.
   A backend waits for the end of the stream its output arrives through (a
   container's or a pod's log, the pipe of a process: logfile.WorkerOutput), at
   most OUTPUT_DRAIN_SECONDS after the exit. The log it copies the stream into is
@@ -112,6 +114,9 @@ class Capabilities:
         the control plane before a worker is taken as lost (its agent ends it; a session that died
         leaves workers running that long). Sized for a real network; short where nothing but this
         host lies between the session and its workers.
+    collects: what a worker wrote under its spec's collect= paths (results.py) is in the session's
+        spec.cwd once wait() or stop() returns, also where the worker's folder is its own; else
+        collect= is refused before launch where workers do not see the session's working folder.
     """
 
     own_address: bool
@@ -121,6 +126,7 @@ class Capabilities:
     interfaces: tuple[str, ...] = ()
     stable_addresses: bool = False
     silence_timeout: float = DEFAULT_SILENCE_TIMEOUT
+    collects: bool = False
 
     def sees(self, path: str) -> bool:
         """Whether workers read `path` (absolute, on the session's machine) at the same path."""

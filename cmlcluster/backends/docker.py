@@ -3,10 +3,10 @@
 Every container and the session's network carry labels naming their session (and the session's
 process; containers also their worker and controller), so `cmlcluster cleanup` can find what a dead
 session left. The containers are started with --rm and --init: when a worker's agent exits (its
-program is done, it was stopped, or its controller went away) the container
-is gone too. Its output is streamed into the session's folder as it is
-printed, so it survives the container; a worker's exit is reported once that
-stream has ended (the container's last lines are in), as the contract asks.
+program is done, it was stopped, or its controller went away) the container is gone too (one
+whose collect= files come home, once they are copied out: collect.py). Its output is streamed
+into the session's folder as it is printed, so it survives the container; a worker's exit is
+reported once that stream has ended (the container's last lines are in), as the contract asks.
 
 The controller listens on the network's gateway, the host's own address on
 that network, which every container reaches. What concerns the engine itself (its
@@ -32,15 +32,8 @@ from ..errors import BackendError
 from ..logfile import CappedLog
 from ..resources import GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
-from . import docker_worker
-from .base import (
-    OUTPUT_DRAIN_SECONDS,
-    Backend,
-    Capabilities,
-    SessionContext,
-    log_tail,
-    signal_exit_code,
-)
+from . import collect, docker_worker
+from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from .docker_engine import (
     DEFAULT_IMAGE,
     LABEL,
@@ -71,6 +64,7 @@ class DockerHandle:
     exited: asyncio.Future[int]  # the container is gone (removed), with this exit code
     copied: asyncio.Future[None]  # its log stream has ended: all of its output is in log_path
     released: bool = field(default=False)
+    spec: WorkerSpec | None = None  # what it was started for: its collect= files come home (collect.py)
 
 
 class DockerBackend(Backend[DockerHandle]):
@@ -182,6 +176,7 @@ class DockerBackend(Backend[DockerHandle]):
             shared_paths=tuple(self._same_path_mounts(os.getcwd())),
             stable_addresses=self.network is None,  # its session network's range is pinned (docker_engine)
             interfaces=("eth0",),  # a container's interface on its network
+            collects=True,  # copied out of a stopped container (collect.py)
         )
 
     # ---------------------------------------------------------------- workers
@@ -214,7 +209,7 @@ class DockerBackend(Backend[DockerHandle]):
             "mem_limit": f"{spec.resources.memory_mib}m",
             "volumes": [f"{host}:{binding}" for host, binding in mounts.items()],
             "init": True,  # signals reach the agent, and it is not PID 1
-            "auto_remove": True,
+            "auto_remove": not collect.keeps_container(spec, self),  # kept: its files come home first
             "detach": True,
         }
         if spec.resources.nvidia_gpu:
@@ -253,6 +248,7 @@ class DockerBackend(Backend[DockerHandle]):
             gpus=gpus,
             exited=loop.create_future(),
             copied=loop.create_future(),
+            spec=spec,
         )
         _thread(f"wait-{spec.worker_id}", self._wait_for_exit, handle, loop)
         try:
@@ -273,7 +269,7 @@ class DockerBackend(Backend[DockerHandle]):
     def _wait_for_exit(self, handle: DockerHandle, loop: asyncio.AbstractEventLoop) -> None:
         # Runs on its own thread for the container's life; "removed" is what --rm ends with.
         try:
-            code = int(handle.container.wait(condition="removed", timeout=None)["StatusCode"])
+            code = int(collect.wait_then_bring_home(self, handle)["StatusCode"])
         except Exception:
             code = 255  # the container vanished before the wait began; its code is lost
         code = signal_exit_code(code)  # docker-init exits with 128+N when the agent dies of signal N
@@ -327,9 +323,9 @@ class DockerBackend(Backend[DockerHandle]):
                 await asyncio.wait_for(asyncio.shield(handle.exited), grace)
             except asyncio.TimeoutError:
                 with contextlib.suppress(Exception):
-                    await self._call(handle.container.remove, force=True)
+                    await self._call(collect.end_container, handle)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(handle.exited), 10)
+                    await asyncio.wait_for(asyncio.shield(handle.exited), collect.removal_wait(handle))
         if handle.exited.done():
             await self._ended(handle)
         self._release(handle)

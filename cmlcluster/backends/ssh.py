@@ -3,17 +3,18 @@
     cdsw.use_backend("ssh", hosts=["10.0.0.5", "10.0.0.6:2"], user="alice", identity="~/.ssh/id_ed25519")
     cdsw.use_backend("ssh", hostfile="machinefile")     # "host slots=N" or "host:N" lines
 
-Each worker is one `ssh host python -m cmlcluster.backends.ssh_remote` process here. Over that
-connection's stdin the remote side receives the worker's environment (so nothing secret is on
-a command line) and, later, the order to stop; it runs the agent as a process group of its own
-in a private folder, and ends everything the worker started when told to, when the connection
-drops, or when the session dies (then the agent's heartbeat watchdog does it too). Output comes
-back through ssh into the session's folder, like a local worker's.
+Each worker is started by one `ssh host python -m cmlcluster.backends.ssh_remote` process here.
+Over that connection's stdin the remote side receives the worker's environment (so nothing secret
+is on a command line) and, later, the order to stop; it runs the agent as a process group of its
+own in a private folder, under a relay that outlives the connection, and ends everything the
+worker started when told to, or when the session dies (then the agent's heartbeat watchdog does it
+too). A connection that drops is made again (ssh_attach.py); output comes back through ssh into the
+session's folder, like a local worker's, once and in order.
 
 OpenSSH's client does the connecting, so the user's keys, agent and ssh config work as they do
 in a terminal. Host keys are checked against known_hosts: an unknown or changed key is refused,
-unless trust_on_first_use=True is asked for by name. ssh's keepalives are sized to the session's
-silence_timeout: a shorter network blip ends nothing; a longer one fails that host's workers only.
+unless trust_on_first_use=True is asked for by name. A worker is reported lost only once its host
+has been silent for the session's silence_timeout; then that host's workers fail, and no other.
 
 Workers are placed on the host with the most free slots that has the GPUs they ask for; a
 launch that cannot fit is refused before anything starts. Before the first worker starts, every
@@ -23,30 +24,25 @@ host is checked at once: login, the interpreter, and cmlcluster's version there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
+import functools
 import os
 import re
-import signal
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import checks
-from .._proc import signal_group
 from .._version import __version__
 from ..errors import BackendError, ConfigError
-from ..logfile import WorkerOutput, drained, start_process
 from ..ports import route_address
-from ..ssh.config import keepalive_options, ssh_path
+from ..ssh.config import keepalive_options, keepalive_seconds, ssh_path
 from ..ssh.keys import tofu_known_hosts
 from ..wire import DEFAULT_SILENCE_TIMEOUT
 from ..workers import Resources, WorkerSpec
-from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
+from . import collect
+from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
+from .ssh_attach import CONNECT_TIMEOUT, RemoteWorker
 
-REMOTE = "cmlcluster.backends.ssh_remote"
-LOST_HOST_EXIT = 255  # what ssh exits with when the connection fails or drops
-CONNECT_TIMEOUT = 10
 PREFLIGHT_TIMEOUT = 30.0
 HOST_LINE = re.compile(r"^(?P<host>[^\s:#]+|\[[^\]]+\])(?::(?P<colon>\d+))?(?:\s+slots\s*=\s*(?P<slots>\d+))?$")
 
@@ -109,12 +105,12 @@ def parse_hosts(hosts: Sequence[str] | None = None, hostfile: str | None = None)
 
 @dataclass(eq=False)
 class SSHHandle:
-    process: asyncio.subprocess.Process
+    remote: RemoteWorker  # its connections to the host, and what they brought
     host: Host
     gpus: list[str]
     log_path: str
-    output: WorkerOutput | None = None  # ssh's stdout and stderr, copied into log_path (capped)
     released: bool = False
+    spec: WorkerSpec | None = None  # what it was started for: its collect= files come home (collect.py)
 
 
 class SSHBackend(Backend[SSHHandle]):
@@ -182,10 +178,16 @@ class SSHBackend(Backend[SSHHandle]):
     # ---------------------------------------------------------------- what it is
 
     def capabilities(self) -> Capabilities:
-        # Workers on one host share its address; nothing of the session's disk is theirs. A replacement
-        # goes to the host its lost worker ran on, where that has room again (it does: the lost one's slot).
+        # Workers on one host share its address; nothing of the session's disk is theirs, but what they write
+        # under collect= comes home (collect.py). A replacement goes to the host its lost worker ran on, where
+        # that has room again (it does: the lost one's slot).
         return Capabilities(
-            own_address=False, session_host=False, python=self.python, shared_paths=(), stable_addresses=True
+            own_address=False,
+            session_host=False,
+            python=self.python,
+            shared_paths=(),
+            stable_addresses=True,
+            collects=True,
         )
 
     def controller_ip(self) -> str:
@@ -193,12 +195,12 @@ class SSHBackend(Backend[SSHHandle]):
             self._controller_ip = _route_address(self.hosts[0].address)
         return self._controller_ip
 
-    def ssh_argv(self, host: str, *command: str) -> list[str]:
+    def ssh_argv(self, host: str, *command: str, connect_timeout: int = CONNECT_TIMEOUT) -> list[str]:
         """The ssh command line that runs `command` on `host` (options first: ssh keeps the first value)."""
         argv = ["ssh", "-T", "-o", "BatchMode=yes", "-p", str(self.port)]
         argv += ["-o", f"StrictHostKeyChecking={'accept-new' if self.trust_on_first_use else 'yes'}"]
         argv += keepalive_options(self.silence_timeout)
-        argv += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
+        argv += ["-o", f"ConnectTimeout={connect_timeout}"]
         if self.known_hosts:
             argv += ["-o", f"UserKnownHostsFile={ssh_path(self.known_hosts)}"]
         elif self.trust_on_first_use:  # a new key goes into the first file: ours; the user's still pins its keys
@@ -312,21 +314,18 @@ class SSHBackend(Backend[SSHHandle]):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # zero GPUs means none visible, not all of them
         log_path = self.context.log_path(spec.worker_id)
         request: dict[str, object] = {"worker_id": spec.worker_id, "argv": list(spec.argv), "env": env}
-        request |= {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+        request |= {"cpu": spec.resources.cpu, "memory": spec.resources.memory, "collect": list(spec.collect)}
+        request["silence_timeout"] = self.silence_timeout  # how long its relay waits for a connection
+        ssh = functools.partial(self.ssh_argv, host.address)
+        keepalive = keepalive_seconds(self.silence_timeout)
+        remote = RemoteWorker(spec.worker_id, host.address, ssh, python=self.python, log_path=log_path,
+                              silence=self.silence_timeout, keepalive=keepalive)  # fmt: skip
         try:
-            process, output = await start_process(
-                log_path,
-                *self.ssh_argv(host.address, self.python, "-m", REMOTE),
-                stdin=asyncio.subprocess.PIPE,
-                start_new_session=True,  # the notebook's Ctrl-C is not the worker's
-            )
+            await remote.start(request)
         except OSError as e:
             self._give_back(host, gpus)
             raise BackendError(f"could not start ssh for worker {spec.worker_id} on {host.address}: {e}") from e
-        assert process.stdin is not None
-        process.stdin.write(json.dumps(request).encode() + b"\n")
-        # The pipe stays open: closing it (or this process dying) tells the host to stop the worker.
-        return SSHHandle(process=process, host=host, gpus=gpus, log_path=log_path, output=output)
+        return SSHHandle(remote=remote, host=host, gpus=gpus, log_path=log_path, spec=spec)
 
     def _give_back(self, host: Host, gpus: list[str]) -> None:
         host.free_slots += 1
@@ -334,12 +333,12 @@ class SSHBackend(Backend[SSHHandle]):
         host.free_gpus.sort(key=host.gpus.index)
 
     async def poll(self, handle: SSHHandle) -> int | None:
-        return _exit_code(handle.process.returncode)
+        return _exit_code(handle.remote.poll())
 
     async def wait(self, handle: SSHHandle) -> int:
-        code = await handle.process.wait()
-        await drained(handle.output, OUTPUT_DRAIN_SECONDS)  # ssh's last words (why it ended) in the log
+        code = await handle.remote.finished()  # through connections that drop and come back
         self._release(handle)
+        await collect.over_ssh(self, handle)
         return int(_exit_code(code) or 0)
 
     def _release(self, handle: SSHHandle) -> None:
@@ -348,35 +347,15 @@ class SSHBackend(Backend[SSHHandle]):
             self._give_back(handle.host, handle.gpus)
 
     async def stop(self, handle: SSHHandle, grace: float = 5.0) -> None:
-        process = handle.process
-        if process.returncode is None:
-            stdin = process.stdin
-            if stdin is not None and not stdin.is_closing():
-                with contextlib.suppress(OSError, RuntimeError):
-                    stdin.write(f"stop {grace:g}\n".encode())
-                stdin.close()
-            try:
-                # The host ends the worker and ssh exits; an unreachable host never answers.
-                await asyncio.wait_for(process.wait(), grace + CONNECT_TIMEOUT)
-            except asyncio.TimeoutError:
-                signal_group(process.pid, signal.SIGKILL)
-        await process.wait()
-        await drained(handle.output, OUTPUT_DRAIN_SECONDS)
+        await handle.remote.stop(grace)  # the host ends the worker; an unreachable one is given up
         self._release(handle)
+        await collect.over_ssh(self, handle)
 
     def output(self, handle: SSHHandle) -> str:
         return log_tail(handle.log_path)
 
     def exit_reason(self, handle: SSHHandle) -> str | None:
-        if handle.process.returncode != LOST_HOST_EXIT:
-            return None
-        lines = [line for line in log_tail(handle.log_path, 4096).splitlines() if line.strip()]
-        ssh_says = next(
-            (line for line in reversed(lines) if re.search(r"Timeout|Connection|closed|refused|route", line)), ""
-        )
-        if "Timeout" in ssh_says:  # its keepalives went unanswered: a silence, not a refusal
-            ssh_says = ssh_says.strip() + f" (silent for over {self.silence_timeout:g} s: silence_timeout)"
-        return f"lost the SSH connection to {handle.host.address}" + (f": {ssh_says.strip()}" if ssh_says else "")
+        return handle.remote.reason
 
 
 def _exit_code(code: int | None) -> int | None:

@@ -22,6 +22,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts", type=int, default=0, help="replace a lost worker up to N times and go on (elastic)"
     )
+    parser.add_argument(
+        "--collect", action="append", metavar="PATH", help="a path of each worker's folder that comes here as it ends"
+    )
 
 
 def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) -> Any:
@@ -41,5 +44,6 @@ def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) 
         start_timeout=options.start_timeout,
         ssh_port=options.ssh_port,
         max_restarts=options.max_restarts,
+        collect=options.collect,
         **more,
     )

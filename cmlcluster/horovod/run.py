@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
 from .. import _lifeline, checks
-from .._proc import end_group
+from .._proc import descendants, end_group
 from ..api import get_session, stop_session, use_backend
 from ..backends import Backend
 from ..errors import ConfigError
@@ -41,6 +41,7 @@ from ..events import OutputLine
 from ..jobs import Job
 from ..lines import CUT_MARK, MAX_LINE_CHARS
 from ..progress import output_event
+from ..results import check_collect
 from ..runs import RESULT_LINES_KEPT, report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH
@@ -87,6 +88,7 @@ def run_horovod(
     reuse: bool = False,
     ship_working_folder: bool = False,
     max_restarts: int = 0,
+    collect: str | Sequence[str] | None = None,
     echo: bool = True,
     check: bool = False,
 ) -> HorovodResult:
@@ -101,6 +103,7 @@ def run_horovod(
     HorovodError instead of returning a failed result. max_restarts: replace a lost worker (on this
     machine: start a killed rank again) up to this many times; horovodrun's elastic mode, for a
     script that trains under hvd.elastic.run (docs/guide/horovod.md). 0: the first loss fails the run.
+    collect: paths under the workers' folders ("outputs") whose files come here as each ends (launch_workers').
     """
     # Everything is checked before anything starts.
     slots = slots if slots is not None else max(nvidia_gpu, 1)
@@ -119,6 +122,8 @@ def run_horovod(
         raise ConfigError(f"max_restarts={max_restarts!r}: give a whole number of restarts, 0 or more")
     if max_restarts and reuse:
         raise ConfigError("max_restarts with reuse: an elastic run's workers are its own; leave one of them out")
+    if (paths := check_collect(collect)) and reuse:
+        raise ConfigError("collect= with reuse: kept workers do not end, so nothing comes home; leave one out")
     if not os.path.isfile(script):
         raise ConfigError(f"script={script!r}: no such file; give the path of the training script")
     env = check_env(env)
@@ -150,7 +155,9 @@ def run_horovod(
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
             shipment = session.ship([script], working_folder=ship_working_folder)
             resources = Resources(cpu, memory, nvidia_gpu)
-            cluster = ssh_cluster(session, workers, slots, resources, ssh_port, reuse, shipment, max_restarts)
+            cluster = ssh_cluster(
+                session, workers, slots, resources, ssh_port, reuse, shipment, max_restarts, collect=paths
+            )
             if max_restarts and len(cluster.hosts) < 2:
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
             cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
@@ -389,5 +396,5 @@ def _lines(stream: IO[str]) -> Iterator[str]:
 
 
 def _stop(process: subprocess.Popen[str], grace: float = 5.0) -> None:
-    """horovodrun and the ranks it started here (its process group); remote ranks die with their ssh."""
-    end_group(process, grace)
+    """horovodrun and its ranks here, each TERMed (horovodrun may never pass it on); remote ones die with ssh."""
+    end_group(process, grace, others=lambda: descendants(process.pid))

@@ -154,10 +154,12 @@ def ssh_cluster(
     shipment: Shipment,
     max_restarts: int = 0,
     replacement_timeout: float = 120,
+    collect: tuple[str, ...] = (),
 ) -> SSHCluster:
     """n workers with sshd on `port`, `slots` each, the shipment unpacked; the one kept (keep) by the
     session's previous run when it still fits, else new ones (kept for the next run when keep).
-    max_restarts: an elastic cluster whose lost workers the job replaces (never kept)."""
+    max_restarts: an elastic cluster whose lost workers the job replaces (never kept). collect: paths
+    of the workers' folders that come home as each ends (never with keep: kept workers do not end)."""
     previous = _reusable.get(session.id)
     if previous is not None and keep and not max_restarts:
         if len(previous.worker_ids) == n and previous.job.failure is None and previous.hosts:
@@ -175,7 +177,7 @@ def ssh_cluster(
         holder["cluster"].replace(lost, new)
 
     restarts = Restarts(max_restarts, replace, timeout_seconds=replacement_timeout) if max_restarts else None
-    role = Role("host", n, resources, replaceable=restarts is not None)
+    role = Role("host", n, resources, replaceable=restarts is not None, collect=collect)
     job = launch_job(session, [role], "Horovod job", timeout_seconds=120, restarts=restarts)
     cluster = holder["cluster"] = SSHCluster(
         session, [], SessionSSH.create(parent=session.session_dir), job, port=port, slots=slots, shipment=shipment

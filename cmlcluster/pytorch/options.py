@@ -33,6 +33,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts", type=int, default=0, help="replace a lost worker up to N times and resume (elastic)"
     )
+    parser.add_argument(
+        "--collect", action="append", metavar="PATH", help="a path of each worker's folder that comes here as it ends"
+    )
 
 
 def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) -> Any:
@@ -53,5 +56,6 @@ def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) 
         join_timeout=options.join_timeout,
         rank0_only=options.rank0_only,
         max_restarts=options.max_restarts,
+        collect=options.collect,
         **more,
     )

@@ -41,6 +41,7 @@ from ..backends import Backend
 from ..errors import CmlClusterError, ConfigError
 from ..events import Event, OutputLine
 from ..jobs import Job, JobFailure, Member, Restarts, Role, launch_job
+from ..results import check_collect
 from ..runs import RESULT_LINES_KEPT, report_end, send_files, session_for
 from ..session import Session
 from ..workers import FAILED, Resources, check_env
@@ -80,6 +81,7 @@ def run_torch(
     rank0_only: bool = False,
     max_restarts: int = 0,
     ship_working_folder: bool = False,
+    collect: str | Sequence[str] | None = None,
     echo: bool = True,
     check: bool = False,
 ) -> TorchResult:
@@ -94,8 +96,11 @@ def run_torch(
     (torchrun's elastic mode; the script resumes from its snapshot: docs/guide/pytorch.md); needs
     torch in this Python too, which hosts the rendezvous. 0: a static run, the first loss fails it.
     Workers get env= and cmlcluster's own variables (docs/guide/workers.md, "What workers see").
+    collect: paths under the workers' folders ("outputs", "checkpoints") whose files come to this working
+    folder when each worker ends, where workers do not share it (launch_workers' collect=).
     """
     # Everything is checked before anything starts.
+    paths = check_collect(collect)
     if not checks.whole(nnodes, 1):
         raise ConfigError(f"nnodes={nnodes!r}: give a whole number of workers, 1 or more")
     if not checks.whole(nvidia_gpu, 0):
@@ -144,6 +149,7 @@ def run_torch(
             },
             path=path,
             ship_working_folder=ship_working_folder,
+            collect=paths,
             start_timeout=start_timeout,
             echo=echo,
             check=check,
@@ -296,6 +302,7 @@ def _run_job(
     plan: dict[str, Any],
     path: str,
     ship_working_folder: bool,
+    collect: tuple[str, ...],
     start_timeout: float,
     echo: bool,
     check: bool,
@@ -313,7 +320,7 @@ def _run_job(
         run.start(new, {**elastic, "local_addr": new.address})
 
     restarts = Restarts(plan["max_restarts"], take_in, timeout_seconds=start_timeout) if plan["max_restarts"] else None
-    role = Role("node", nnodes, resources, env=env, replaceable=restarts is not None)
+    role = Role("node", nnodes, resources, env=env, replaceable=restarts is not None, collect=collect)
     try:
         job = run.job = launch_job(session, [role], "PyTorch job", timeout_seconds=start_timeout, restarts=restarts)
     except BaseException:

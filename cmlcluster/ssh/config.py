@@ -16,15 +16,26 @@ def host_pattern(host: str, port: int) -> str:
     return f"[{host}]:{port}" if port != 22 else host
 
 
+def _keepalives(silence_timeout: float) -> tuple[int, int]:
+    interval = max(1, min(KEEPALIVE_SECONDS, math.floor(silence_timeout / 4)))
+    return interval, max(1, math.ceil(silence_timeout / 2 / interval) - 1)
+
+
 def keepalive_options(silence_timeout: float) -> list[str]:
     """ssh's keepalives for a session's silence_timeout (seconds). ssh asks a quiet host every
-    `interval` s and gives up at the first ask after `misses` went unanswered (OpenSSH), between
-    silence_timeout + 1 and + 2 intervals: after the worker's agent gave up (at silence_timeout),
-    before the controller does (10 s after it: control.HUB_SILENCE_MARGIN). Until then TCP holds
-    the connection through a blip and sends again."""
-    interval = max(1, min(KEEPALIVE_SECONDS, math.floor(silence_timeout)))
-    misses = math.ceil(silence_timeout / interval)
+    `interval` s and gives up at the first ask after `misses` went unanswered (OpenSSH): after
+    keepalive_seconds(), about half of silence_timeout. A worker does not end with its connection
+    (its relay keeps it: backends/ssh_relay.py), and the session connects again until the host has
+    been silent for the whole silence_timeout; giving a dead connection up early leaves that time
+    to a new one (a NAT or a firewall that forgot the old one lets a new one through)."""
+    interval, misses = _keepalives(silence_timeout)
     return ["-o", f"ServerAliveInterval={interval}", "-o", f"ServerAliveCountMax={misses}"]
+
+
+def keepalive_seconds(silence_timeout: float) -> float:
+    """How long a connection has been silent when ssh gives up on it: interval * (misses + 1)."""
+    interval, misses = _keepalives(silence_timeout)
+    return float(interval * (misses + 1))
 
 
 def ssh_path(path: str) -> str:

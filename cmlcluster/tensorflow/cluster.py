@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from .. import wire
+from .. import results, wire
 from ..api import get_session
 from ..errors import CmlClusterError, ConfigError
 from ..jobs import Job, JobFailed, JobFailure, Member, Restarts, Role, launch_job
@@ -24,7 +24,7 @@ from ..ports import free_ports
 from ..session import Session
 from ..shipping import Shipment
 from ..workers import Program, Resources, check_env
-from . import coordinator, layout, versions
+from . import coordinator, layout, stopping, versions
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,10 @@ class TFCluster:
 
         versions.check_coordinator(tf)
         coordinator.guard_recovery(self.cluster_spec, COORDINATOR_JOB)  # before the strategy can lose a worker
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(self.cluster_spec), task_type=COORDINATOR_JOB, task_id=0, rpc_layer="grpc"
         )
+        return stopping.stoppable(resolver, self)  # the widget's Stop ends model.fit on it
 
     def run_script(self, script: str, args: Sequence[str] = (), timeout_seconds: float = 0) -> list[dict[str, Any]]:
         """Run `script args` as __main__ on every worker task, each with its own TF_CONFIG.
@@ -242,6 +243,7 @@ def start_cluster(
     timeout_seconds: float = 60,
     env: Mapping[str, str] | None = None,
     session: Session | None = None,
+    collect: str | Sequence[str] | None = None,
 ) -> TFCluster:
     """Launch n_ps parameter servers (never with GPUs) and n_workers workers, and make them a cluster.
 
@@ -252,10 +254,11 @@ def start_cluster(
     With min_workers, the cluster goes on with the workers that started if at
     least that many did (a warning names the others). With max_restarts=N, a
     worker task lost while this process coordinates is replaced, N times in all,
-    and training goes on (a lost parameter server still fails the cluster).
+    and training goes on (a lost parameter server still fails the cluster). collect: paths
+    of each task's folder that come to this working folder when it ends (launch_workers').
     """
     min_workers = layout.check_counts(n_workers, n_ps, min_workers)
-    env = check_env(env)
+    env, paths = check_env(env), results.check_collect(collect)
     layout.check_port(port)
     if coordinator is None:
         coordinator = servers
@@ -267,16 +270,10 @@ def start_cluster(
     env = {**versions.legacy_keras_env(), **env}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
         env.setdefault(wire.PRELOAD_ENV, "tensorflow")
-    roles = [  # launch_workers checks the resources before anything starts
-        Role("ps", n_ps, Resources(cpu, memory, 0), env=env),  # never a GPU
-        Role(
-            "worker",
-            n_workers,
-            Resources(cpu, memory, nvidia_gpu),
-            min_count=min_workers,
-            env=env,
-            replaceable=max_restarts > 0,
-        ),
+    task = Resources(cpu, memory, nvidia_gpu)
+    roles = [  # launch_workers checks the resources (and collect=) before anything starts
+        Role("ps", n_ps, Resources(cpu, memory, 0), env=env, collect=paths),  # never a GPU
+        Role("worker", n_workers, task, min_count=min_workers, env=env, replaceable=max_restarts > 0, collect=paths),
     ]
     built: list[TFCluster] = []  # the cluster, once it is: its replacements start their servers in it
 
@@ -323,7 +320,7 @@ def run_cluster(
     task_index) while the parameter servers serve; once the workers are done the
     cluster is stopped and (None, None) returned. A failing worker raises
     WorkerError naming it, with its traceback, after everything is stopped.
-    Other options are start_cluster's (port, min_workers, env, session).
+    Other options are start_cluster's (port, min_workers, env, session, collect).
     """
     # TF1-style: clients connect to session_addr, so no coordinator task (a TF1 master
     # would wait forever for a chief that never serves).

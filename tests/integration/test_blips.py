@@ -2,7 +2,9 @@
 its own network namespace, as a switch's failover or a Wi-Fi roam would) for less than the session's
 silence_timeout carries on once it is back and its program finishes; one cut for longer fails with the
 structured failure naming the silence, in bounded time, with nothing of it left running. On Docker
-containers and on SSH hosts (containers standing in for machines: tests/sshhosts.py).
+containers and on SSH hosts (containers standing in for machines: tests/sshhosts.py). An SSH worker also
+outlives its ssh connection: one whose connection dropped (its ssh client killed, or ssh's keepalives
+given up during a cut) is connected again, and its log holds what it printed meanwhile, once.
 
 The cut is made with iptables in the worker's namespace (nsenter), never by `docker network
 disconnect`: a container reconnected to its network may get another address, which is another test."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import time
 
@@ -26,6 +29,10 @@ pytestmark = pytest.mark.integration
 
 BLIP = 15.0  # seconds without a packet: longer than any clock of the control plane allowed before
 SHORT = 8.0  # a silence_timeout the long cut outlasts
+# On SSH hosts the cut also outlasts ssh's keepalives, which give up after half of silence_timeout (20 s:
+# keepalive_seconds): the connection drops and the session makes a new one. The control plane's TCP
+# stream comes back at its next resend after the cut (exponential backoff: at about 25 s), within 40 s.
+SSH_SILENCE, SSH_BLIP = 40.0, 23.0
 STEPS = 80  # half a second each: the program runs through the blip and past TCP's next resend
 PROGRAM = f"import time\nfor i in range({STEPS}):\n    print('step', i, flush=True)\n    time.sleep(0.5)\n"
 
@@ -64,6 +71,10 @@ def session_for(kind, request, silence_timeout=None):
     return ssh_session(request.getfixturevalue("ssh_hosts"), silence_timeout)
 
 
+def handle_of(session, worker):
+    return session._supervisor.resolve(worker).handle
+
+
 def namespace_pid(kind, request, session, worker) -> int:
     """A process in the worker's network namespace, as this machine sees it: its container's init."""
     if kind == "docker":
@@ -87,18 +98,43 @@ def worker_processes_on(host) -> list[str]:
 # Each clock once in the default run: ssh's keepalives and the agents' watchdog through a blip on SSH
 # hosts; the watchdog's end after the timeout in a container.
 @pytest.mark.parametrize("kind", [pytest.param("docker", marks=pytest.mark.matrix), "ssh"])
-def test_a_worker_cut_off_for_15_s_carries_on_and_its_program_succeeds(kind, request):
-    with session_for(kind, request) as s:
-        assert s.silence_timeout > BLIP  # the default for workers across a network
+def test_a_worker_cut_off_for_15_s_or_more_carries_on_and_its_program_succeeds(kind, request):
+    blip = SSH_BLIP if kind == "ssh" else BLIP
+    with session_for(kind, request, SSH_SILENCE if kind == "ssh" else None) as s:
+        assert s.silence_timeout > blip  # the default for workers across a network, or SSH_SILENCE
         worker = training(s)
         with network_cut(namespace_pid(kind, request, s, worker)):
-            time.sleep(BLIP)
+            time.sleep(blip)
             assert s.list_workers()[0]["status"] == "running"
         done = s.await_workers([worker], timeout_seconds=120)
         assert done["failures"] == [], done["failures"]
         assert [w["status"] for w in done["workers"]] == ["succeeded"]
         # What it printed while cut off arrived once it was back, in order and whole.
         assert s.output(worker).splitlines() == [f"step {i}" for i in range(STEPS)]
+        if kind == "ssh":  # through a new ssh connection: its log has every line once too
+            assert handle_of(s, worker).remote.reconnections == 1
+            assert steps_in(s.worker_log(worker)) == [f"step {i}" for i in range(STEPS)]
+
+
+def steps_in(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("step")]
+
+
+def test_a_worker_whose_ssh_client_is_killed_carries_on_and_its_log_has_each_line_once(ssh_hosts):
+    # kill -9 of the session's ssh client: its connection drops at once; the worker's relay keeps it.
+    program = "import time\nfor i in range(40):\n    print('step', i, flush=True)\n    time.sleep(0.1)\n"
+    with ssh_session(ssh_hosts) as s:
+        [worker] = s.launch_workers(1, cpu=0.5, memory=1, code=program)
+        wait_until(lambda: "step 5" in s.worker_log(worker), 90, "the program printing")
+        remote = handle_of(s, worker).remote
+        killed = remote.link.process.pid
+        os.kill(killed, signal.SIGKILL)
+        done = s.await_workers([worker], timeout_seconds=60)
+        assert done["failures"] == [], done["failures"]
+        log = s.worker_log(worker)
+        assert steps_in(log) == [f"step {i}" for i in range(40)], log
+        assert remote.reconnections == 1 and remote.link.process.pid != killed
+        assert f"the SSH connection to {ssh_hosts.hosts[0].ip} dropped (ssh was killed by signal 9)" in log
 
 
 @pytest.mark.parametrize("kind", ["docker", pytest.param("ssh", marks=pytest.mark.matrix)])

@@ -46,26 +46,27 @@ def check_ddp(result, world: int, n_hosts: int, epochs: int) -> None:
     assert len(losses) == epochs and losses[-1] < losses[0] / 5, losses
 
 
-def test_ddp_on_two_workers_of_two_processes(session, tmp_path):
+def test_ddp_on_two_workers_of_two_processes(session, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     checkpoints = tmp_path / "checkpoints"
     progress = []
     session.subscribe(lambda e: progress.append(e) if isinstance(e, cmlcluster.events.Progress) else None)
     result = run_torch(
         str(EXAMPLE),
-        ["--epochs", "4", "--checkpoint-dir", str(checkpoints)],
+        ["--epochs", "4", "--checkpoint-dir", "checkpoints"],  # in each worker's working folder
         nnodes=2,
         nproc_per_node=2,
         cpu=1,
         memory=1,
         session=session,
         echo=False,
+        collect="checkpoints",  # from SSH hosts, which do not see this folder (containers and pods mount it)
     )
     one_host = session.backend.name == "local"
     check_ddp(result, world=4, n_hosts=1 if one_host else 2, epochs=4)
     assert result.master.startswith(result.hosts[0] + ":")
-    if session.backend.name != "ssh":  # SSH hosts do not see this folder; containers mount it
-        assert [p.name for p in checkpoints.iterdir()] == ["snapshot.pt"]  # each node's, here one folder
-        assert torch.load(checkpoints / "snapshot.pt")["EPOCHS_RUN"] == 4
+    assert [p.name for p in checkpoints.iterdir()] == ["snapshot.pt"]  # rank 0's, here on every backend
+    assert torch.load(checkpoints / "snapshot.pt")["EPOCHS_RUN"] == 4
     # Rank 0's reports reached the session as progress, not as output.
     session.drain()
     assert [(p.task, p.step, p.total) for p in progress] == [("rank 0", e, 4) for e in range(1, 5)]

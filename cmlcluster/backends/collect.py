@@ -1,0 +1,197 @@
+"""How the SSH and Docker backends bring a worker's collect= files home (results.py), before they report
+its end: the one hook each calls, so that their own modules only say when.
+
+- SSH hosts: the host kept the files aside as the worker's folder went (results_host.keep); once the
+  ssh connection has ended, one more ssh command (results_host's `send`) streams them here and removes
+  them there. A host that does not answer keeps them: a warning says where, and for how long.
+- Docker: a container whose files are to come home is made without --rm (results_home decides, at
+  create); its wait thread, once it has stopped, copies each path out of it (the engine's archive
+  API, which reads a stopped container's files) and then removes it. Its exit is reported after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import functools
+import json
+import logging
+import posixpath
+import re
+import subprocess
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .. import results
+from ..workers import WorkerSpec
+from . import docker_worker
+from .results_home import Arrival, Homecoming
+from .results_host import KEEP_DAYS
+
+if TYPE_CHECKING:
+    from .docker import DockerBackend, DockerHandle
+    from .ssh import SSHBackend, SSHHandle
+
+log = logging.getLogger(__name__)
+
+HOST_MODULE = "cmlcluster.backends.results_host"
+# Seconds for one worker's files to come home (1 GiB at 10 MB/s takes 100 s), after which what came stays.
+BRING_TIMEOUT = 300.0
+START_POLL = 0.05  # seconds between looks at a container that has not started yet
+
+
+# ---------------------------------------------------------------- SSH hosts
+
+
+async def over_ssh(backend: SSHBackend, handle: SSHHandle) -> None:
+    """Once the worker's ssh connection has ended: its kept files, from its host into spec.cwd."""
+    spec = handle.spec
+    if spec is None or not results.brought_home(spec.collect, backend.capabilities(), spec.cwd):
+        return
+    home = Homecoming.of(backend.context)
+    cap = str(results.cap_bytes())
+    argv = backend.ssh_argv(handle.host.address, backend.python, "-m", HOST_MODULE, "send", spec.worker_id, cap)
+    await home.once(spec.worker_id, lambda: asyncio.to_thread(_fetch, home, argv, spec, handle.host.address))
+
+
+def _fetch(home: Homecoming, argv: list[str], spec: WorkerSpec, host: str) -> None:
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    said: list[bytes] = []
+    reader = threading.Thread(target=lambda: said.append(process.stderr.read()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    timer = threading.Timer(BRING_TIMEOUT, process.kill)
+    timer.start()
+    arrival = Arrival(spec.worker_id, spec.cwd)
+    try:
+        home.unpack(iter(lambda: process.stdout.read(1 << 20), b""), arrival)  # type: ignore[union-attr]
+    finally:
+        process.stdout.close()
+        code = process.wait()
+        timer.cancel()
+        reader.join(5)
+    text = b"".join(said).decode(errors="replace")
+    report = next((_json(line) for line in reversed(text.splitlines()) if line.startswith("{")), None)
+    if report is not None and report.get("kept") and report.get("sent", True):
+        arrival.say(report)
+        return
+    if report is not None and not report.get("kept"):
+        why = f"the host kept none: {report.get('why', 'nothing was kept')}"
+        log.warning("cmlcluster: worker %s's collect= files did not come home (%s)", spec.worker_id, why)
+        return
+    why = f"no answer within {BRING_TIMEOUT:g} s" if code == -9 else (text.strip().splitlines() or [f"exit {code}"])[-1]
+    if arrival.files:
+        arrival.say()  # what came before the break
+    log.warning(
+        "cmlcluster: could not bring worker %s's collect= files home from %s (%s); they stay there for %g days, "
+        "in cmlcluster-results-<uid>/%s under its temp folder",
+        spec.worker_id,
+        host,
+        why,
+        KEEP_DAYS,
+        spec.worker_id,
+    )
+
+
+def _json(line: str) -> dict[str, Any] | None:
+    try:
+        found = json.loads(line)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+# ---------------------------------------------------------------- Docker
+
+
+def keeps_container(spec: WorkerSpec, backend: DockerBackend) -> bool:
+    """Whether the worker's container stays after its exit (no --rm), for its files to come home."""
+    return results.brought_home(spec.collect, backend.capabilities(), spec.cwd)
+
+
+def wait_then_bring_home(backend: DockerBackend, handle: DockerHandle) -> dict[str, Any]:
+    """On the handle's wait thread: Docker's answer once the container is gone. One kept for its files
+    is waited for until it stops, its files are brought home, and it is removed."""
+    container, spec = handle.container, handle.spec
+    if spec is None or not _kept(handle):
+        return dict(container.wait(condition="removed", timeout=None))
+    while True:
+        answer = dict(container.wait(condition="not-running", timeout=None))
+        container.reload()
+        if container.status in ("exited", "dead"):
+            break
+        # Not started yet, Docker answers "not running" at once (and then it may be running already).
+        time.sleep(START_POLL if container.status == "created" else 0)
+    try:
+        _from_container(Homecoming.of(backend.context), container, spec)
+    except Exception as e:
+        log.warning("cmlcluster: could not bring worker %s's collect= files home: %s", spec.worker_id, e)
+    finally:
+        container.remove(force=True)
+    return answer
+
+
+def _from_container(home: Homecoming, container: Any, spec: WorkerSpec) -> None:
+    import docker.errors
+
+    since = _started(container.attrs.get("State", {}).get("StartedAt", ""))
+    work = docker_worker.work_folder(spec)
+    arrival, missing = Arrival(spec.worker_id, spec.cwd), []
+    deadline = time.monotonic() + BRING_TIMEOUT
+    for path in spec.collect:
+        try:
+            chunks, _ = container.get_archive(posixpath.normpath(posixpath.join(work, path)))
+        except docker.errors.NotFound:
+            missing.append(path)
+            continue
+        # The archive names its top by its base name ("run1/..." for "results/run1"): as the path, then.
+        home.unpack(_until(chunks, deadline), arrival, rename=functools.partial(_under, path), since=since)
+        if arrival.stopped_at_cap:
+            break
+    arrival.say({"missing": missing})
+
+
+def _under(path: str, name: str) -> str:
+    return posixpath.join(path, name.partition("/")[2])
+
+
+def _until(chunks: Any, deadline: float) -> Any:
+    for chunk in chunks:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the copy took more than {BRING_TIMEOUT:g} s")
+        yield chunk
+
+
+def _started(text: str) -> float | None:
+    """Docker's StartedAt ("2026-11-25T04:15:03.251062474Z", the engine's clock) as a time.time()."""
+    found = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?", text)
+    if found is None:
+        return None
+    fraction = float(found.group(2) or 0)
+    return dt.datetime.fromisoformat(found.group(1)).replace(tzinfo=dt.timezone.utc).timestamp() + fraction
+
+
+def _kept(handle: DockerHandle) -> bool:
+    """Whether the container was made to stay after its exit (as Docker has it), for its files."""
+    return not handle.container.attrs.get("HostConfig", {}).get("AutoRemove", True)
+
+
+def end_container(handle: DockerHandle) -> None:
+    """A container past its stop's grace: killed and removed; one kept for its files only killed (its wait
+    thread brings them home, then removes it); one never started (nothing in it yet) removed."""
+    container = handle.container
+    if not _kept(handle):
+        container.remove(force=True)
+        return
+    try:
+        container.kill()
+    except Exception:  # not running: stopped already (its wait thread has it), or never started
+        container.reload()
+        if container.status == "created":
+            container.remove(force=True)
+
+
+def removal_wait(handle: DockerHandle) -> float:
+    """How long a stop waits for a killed container to be gone: its files' journey home included."""
+    return BRING_TIMEOUT + 10 if _kept(handle) else 10

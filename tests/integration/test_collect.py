@@ -1,0 +1,107 @@
+"""Results come home (collect=, cmlcluster/results.py): what workers in folders of their own write under
+the paths named is in the session's working folder when each ends, whether it succeeded, failed or was
+stopped, as on CML's shared disk; what else they leave there is named in one warning that says collect=.
+
+For real, on SSH hosts (containers standing in for machines, which see none of the session's files:
+tests/sshhosts.py) and on Docker containers that do not mount the working folder (mount_cwd=False). One
+session each, three workers at once, to keep the suite short. On Kubernetes (the stand-in, whose API has no
+pods/exec to copy files out of a pod with) collect= works where the working folder is on the shared volume,
+as on CML, and is refused before anything starts elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+
+import pytest
+from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
+
+from cmlcluster import Session
+from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.errors import ConfigError
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def program(name: str, code: int | None) -> str:
+    """Write outputs/<name>.txt, outputs/shared.txt (a different content per worker) and stray.txt (not
+    collected), then exit with `code`, or wait to be stopped (None)."""
+    end = "import time\nprint('saved', flush=True)\ntime.sleep(600)" if code is None else f"raise SystemExit({code})"
+    return (
+        "import os\nos.makedirs('outputs/deep', exist_ok=True)\n"
+        f"open('outputs/{name}.txt', 'w').write('made by {name}')\n"
+        f"open('outputs/deep/{name}.bin', 'wb').write(bytes(range(256)) * 4)\n"
+        f"open('outputs/shared.txt', 'w').write('{name} was here')\n"
+        f"open('stray.txt', 'w').write('left by {name}')\n{end}\n"
+    )
+
+
+@pytest.fixture(params=["ssh", "docker"])
+def own_folder_backend(request):
+    """Backends whose workers start in a folder of their own, removed when they end."""
+    if request.param == "ssh":
+        return ssh_backend(request.getfixturevalue("ssh_hosts"))
+    return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, mount_cwd=False)
+
+
+def test_files_come_home_when_workers_succeed_fail_or_are_stopped(own_folder_backend, tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "notes.md").write_text("the user's own")
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="cmlcluster"), Session(own_folder_backend, echo=False) as session:
+        launch = {"cpu": 0.5, "memory": 0.5, "collect": ["outputs/"]}
+        [ok] = session.launch_workers(1, code=program("ok", 0), **launch)
+        [failing] = session.launch_workers(1, code=program("failing", 1), **launch)
+        [stopped] = session.launch_workers(1, code=program("stopped", None), **launch)
+        ended = session.await_workers([ok, failing], timeout_seconds=90)
+        assert [w["status"] for w in ended["workers"]] == ["succeeded"]
+        assert [(w["status"], w["exit_code"]) for w in ended["failures"]] == [("failed", 1)]
+        # Reported ended: their files are here already.
+        for name in ("ok", "failing"):
+            assert (tmp_path / "outputs" / f"{name}.txt").read_text() == f"made by {name}"
+            assert (tmp_path / "outputs" / "deep" / f"{name}.bin").read_bytes() == bytes(range(256)) * 4
+        assert session.await_workers([stopped], wait_for_completion=False, timeout_seconds=60)["failures"] == []
+        for _ in range(300):
+            if "saved" in session.output(stopped):
+                break
+            time.sleep(0.1)
+        [gone] = session.stop_workers(stopped)
+        assert gone["status"] == "stopped"
+        assert (tmp_path / "outputs" / "stopped.txt").read_text() == "made by stopped"
+        # A program stopped midway names what it leaves in its own output: not what comes home.
+        [left] = [line for line in session.output(stopped).splitlines() if line.startswith("cmlcluster: ")]
+        assert "holds stray.txt (1 file" in left and "collect=['stray.txt']" in left and "outputs" not in left
+    print(f"three workers, their files home, in {time.monotonic() - started:.1f} s")
+
+    # Three workers wrote outputs/shared.txt: the last to end keeps the name, the others are beside it.
+    ids = {ok["id"]: "ok", failing["id"]: "failing", stopped["id"]: "stopped"}
+    shared = {p.name: p.read_text() for p in (tmp_path / "outputs").glob("shared.txt*")}
+    assert shared["shared.txt"] == "stopped was here"  # stopped last
+    assert {name: text for name, text in shared.items() if name != "shared.txt"} == {
+        f"shared.txt.{worker}": f"{ids[worker]} was here" for worker in (ok["id"], failing["id"])
+    }
+    assert (tmp_path / "outputs" / "notes.md").read_text() == "the user's own"  # not a worker's: untouched
+    assert not (tmp_path / "stray.txt").exists()  # not collected
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    both = [m for m in said if "both wrote outputs/shared.txt with different contents" in m]
+    assert len(both) == 2, said  # once per pair of workers that met
+    # What the ok worker leaves uncollected is named, with collect= as the way to keep it; not its outputs/.
+    [left] = [m for m in said if f"worker {ok['id']}'s working folder" in m]
+    assert "holds stray.txt (1 file" in left and "collect=['stray.txt']" in left and "outputs" not in left
+
+
+def test_on_kubernetes_collect_works_on_the_shared_volume_and_is_refused_elsewhere(kube, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # on the claim that every pod mounts at the same path
+    code = "import os\nos.makedirs('outputs')\nopen('outputs/k.txt', 'w').write('from a pod')\n"
+    with Session(kube_backend(kube), echo=False) as session:
+        [worker] = session.launch_workers(1, cpu=0.5, memory=0.5, code=code, collect="outputs")
+        assert session.await_workers([worker], timeout_seconds=90)["failures"] == []
+        assert (tmp_path / "outputs" / "k.txt").read_text() == "from a pod"  # written where the session reads
+        with tempfile.TemporaryDirectory() as elsewhere:  # not on the claim: pods work in folders of their own
+            monkeypatch.chdir(elsewhere)
+            with pytest.raises(ConfigError, match=r"collect=\['outputs'\]: the kubernetes backend's workers work in"):
+                session.launch_workers(1, cpu=0.5, memory=0.5, code=code, collect="outputs")
+            monkeypatch.chdir(tmp_path)
+        assert len(session.list_workers()) == 1  # the refused launch started nothing

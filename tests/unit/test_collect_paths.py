@@ -1,0 +1,231 @@
+"""collect= (cmlcluster/results.py): what may be named, refused before anything starts; and the two sides of
+a worker's files coming home on crafted folders: the host's keep/send (backends/results_host.py) and the
+session's unpack (backends/results_home.py), with a worker's stale shipped copies, links, the cap and two
+workers' files of one name."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+
+import pytest
+
+from cmlcluster import Session, results
+from cmlcluster.backends import Capabilities
+from cmlcluster.backends.fake import FakeBackend
+from cmlcluster.backends.results_home import Arrival, Homecoming
+from cmlcluster.backends.results_host import keep, results_root, send
+from cmlcluster.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("", "collect entry '': an empty path names nothing"),
+        (["outputs", "  "], "collect entry '  ': an empty path names nothing"),
+        ("/home/me/project/outputs", "collect entry '/home/me/project/outputs': give a path relative"),
+        ("../outputs", "collect entry '../outputs': '..' would leave the worker's working folder"),
+        ("outputs/../../etc", "'..' would leave"),
+        ("~/outputs", "collect entry '~/outputs': give a path relative to the worker's working folder"),
+        (["outputs", 3], "collect entry 3: give a path as a string"),
+        (7, "collect=7: give a path or a list of paths"),
+        (b"outputs", "collect=b'outputs': give a path or a list of paths"),
+    ],
+)
+def test_bad_collect_values_are_refused_naming_the_value_and_the_fix(value, said):
+    with pytest.raises(ConfigError, match=r"e\.g\.|relative") as refused:
+        results.check_collect(value)
+    assert said in str(refused.value)
+
+
+def test_collect_paths_are_normalized_and_each_taken_once():
+    assert results.check_collect("checkpoints/") == ("checkpoints",)
+    assert results.check_collect(None) == ()
+    named = ["outputs/", "model.keras", "outputs/best", "./logs", "outputs"]
+    assert results.check_collect(named) == ("outputs", "model.keras", "logs")
+    assert results.check_collect([".", "outputs"]) == (".",)
+
+
+def test_a_launch_with_bad_collect_starts_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    backend = FakeBackend()
+    with Session(backend, echo=False) as session:
+        with pytest.raises(ConfigError, match=r"collect entry '/abs/out'"):
+            session.launch_workers(1, cpu=1, memory=1, code="pass", collect=["outputs", "/abs/out"])
+        # A backend that cannot copy out of its workers' own folders refuses collect= itself, saying why.
+        with pytest.raises(ConfigError, match=r"collect=\['outputs'\]: the fake backend's workers .* shared volume"):
+            session.launch_workers(1, cpu=1, memory=1, code="pass", collect="outputs")
+        assert session.list_workers() == [] and backend.handles == {}
+
+
+def test_workers_that_see_the_working_folder_need_nothing_to_come_home(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sees_all = Capabilities(own_address=False, session_host=True, python="python3", shared_paths=("/",))
+    with Session(FakeBackend(capabilities=sees_all), echo=False) as session:
+        [worker] = session.launch_workers(1, cpu=1, memory=1, code="pass", collect="outputs")
+        assert session.await_workers([worker], timeout_seconds=10)["failures"] == []
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    """A worker's folder on a "host" whose temp folder is this test's; returns that folder."""
+    temp = tmp_path / "host-tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    work = tmp_path / "work"
+    work.mkdir()
+    return work
+
+
+def write(path, text, age=0.0):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if age:
+        then = time.time() - age
+        os.utime(path, (then, then))
+
+
+def sent(worker_id):
+    out, err = io.BytesIO(), io.StringIO()
+    assert send(worker_id, results.cap_bytes(), out, err) == 0
+    return out.getvalue(), err.getvalue()
+
+
+def test_the_host_keeps_what_the_worker_wrote_and_sends_it_once(host, tmp_path, caplog):
+    started = time.time()
+    write(host / "outputs" / "model.keras", "new model")
+    write(host / "outputs" / "logs" / "epoch-1.txt", "loss 0.5")
+    write(host / "outputs" / "shipped.yaml", "lr: 0.1", age=3600)  # shipped to it long before, unchanged
+    os.symlink("/etc/passwd", host / "outputs" / "passwd")
+    write(host / "train.py", "print('train')")  # not named
+    keep(str(host), "s1-0", ["outputs", "model.keras"], started)
+    stream, report = sent("s1-0")
+    assert '"files": 2' in report and "outputs/passwd -> /etc/passwd" in report
+    assert '"missing": ["model.keras"]' in report
+    assert not os.path.exists(results_root())  # sent and gone, with the root (the last one out)
+    assert sent("s1-0") == (b"", sent("s1-0")[1]) and '"kept": false' in sent("s1-0")[1]  # only once
+
+    session = tmp_path / "session"
+    session.mkdir()
+    arrival = Arrival("s1-0", str(session))
+    Homecoming().unpack([stream], arrival)
+    assert (session / "outputs" / "model.keras").read_text() == "new model"
+    assert (session / "outputs" / "logs" / "epoch-1.txt").read_text() == "loss 0.5"
+    assert not (session / "outputs" / "shipped.yaml").exists() and not (session / "outputs" / "passwd").exists()
+    assert sorted(os.listdir(session / "outputs")) == ["logs", "model.keras"]  # no temporary names left
+    assert (arrival.files, arrival.bytes) == (2, len("new model") + len("loss 0.5"))
+    with caplog.at_level(logging.INFO, logger="cmlcluster.backends.results_home"):
+        arrival.say({"links": ["outputs/passwd -> /etc/passwd"], "links_count": 1, "missing": ["model.keras"]})
+    said = [r.getMessage() for r in caplog.records]
+    assert any("stayed behind" in m and "outputs/passwd -> /etc/passwd" in m for m in said), said
+    assert any("had no model.keras" in m for m in said), said
+
+
+def test_a_collected_link_is_followed_inside_the_folder_but_never_out_of_it(host, tmp_path):
+    started = time.time()
+    write(host / "runs" / "7" / "weights.bin", "w7")
+    os.symlink("runs/7", host / "latest")
+    os.symlink("/etc", host / "etc")
+    keep(str(host), "s1-1", ["latest", "etc"], started)
+    stream, report = sent("s1-1")
+    assert "etc -> /etc" in report
+    arrival = Arrival("s1-1", str(tmp_path))
+    Homecoming().unpack([stream], arrival)
+    assert (tmp_path / "latest" / "weights.bin").read_text() == "w7" and not (tmp_path / "latest").is_symlink()
+
+
+def test_the_cap_leaves_the_rest_behind_and_names_it(host, monkeypatch):
+    monkeypatch.setenv("CMLCLUSTER_COLLECT_CAP_MB", str(10 / 2**20))  # 10 bytes
+    started = time.time()
+    write(host / "out" / "a", "12345")
+    write(host / "out" / "b", "123456789")
+    write(host / "out" / "c", "1234")
+    keep(str(host), "s1-2", ["out"], started)
+    _, report = sent("s1-2")
+    assert '"files": 2' in report and '"over_cap": ["out/b"]' in report and '"over_cap_count": 1' in report
+
+
+def test_two_workers_files_of_one_name_are_both_kept_and_said_once(tmp_path, caplog):
+    home = Homecoming()
+
+    def arrive(worker, files):
+        import tarfile
+
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for name, text in files.items():
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(text), time.time()
+                tar.addfile(info, io.BytesIO(text.encode()))
+        arrival = Arrival(worker, str(tmp_path))
+        home.unpack([buffer.getvalue()], arrival)
+        with caplog.at_level(logging.WARNING, logger="cmlcluster.backends.results_home"):
+            arrival.say({})
+        return arrival
+
+    write(tmp_path / "outputs" / "old.txt", "from yesterday's run")
+    arrive("s2-0", {"outputs/metrics.json": "rank 0", "outputs/same.txt": "same", "outputs/old.txt": "new"})
+    assert not caplog.records  # a file from before the session is replaced, as on a shared disk
+    arrival = arrive("s2-1", {"outputs/metrics.json": "rank 1", "outputs/same.txt": "same"})
+    assert (tmp_path / "outputs" / "metrics.json").read_text() == "rank 1"  # the later one keeps the name
+    assert (tmp_path / "outputs" / "metrics.json.s2-0").read_text() == "rank 0"  # the earlier is kept beside it
+    assert not (tmp_path / "outputs" / "same.txt.s2-0").exists()  # the same contents: nothing to keep twice
+    assert arrival.conflicts == {"s2-0": [("outputs/metrics.json", "outputs/metrics.json.s2-0")]}
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "workers s2-0 and s2-1 both wrote outputs/metrics.json with different contents" in said
+    assert "(worker s2-0's now outputs/metrics.json.s2-0)" in said
+
+
+def test_names_that_would_leave_the_folder_and_links_are_never_written(tmp_path):
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in ("../escaped", "/abs", "ok/../../up"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        link = tarfile.TarInfo("outputs/link")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+        tar.addfile(link)
+    (tmp_path / "session").mkdir()
+    arrival = Arrival("s3-0", str(tmp_path / "session"))
+    Homecoming().unpack([buffer.getvalue()], arrival)
+    assert arrival.files == 0 and len(arrival.behind) == 4, arrival.behind
+    assert os.listdir(tmp_path / "session") == [] and sorted(os.listdir(tmp_path)) == ["session"]
+
+
+def test_runs_refuse_bad_collect_before_anything_starts(tmp_path):
+    from cmlcluster import run_horovod, run_torch, start_cluster
+
+    script = tmp_path / "train.py"
+    script.write_text("print('train')\n")
+    with pytest.raises(ConfigError, match="collect entry '/out': give a path relative"):
+        run_torch(str(script), collect="/out", echo=False)
+    with pytest.raises(ConfigError, match=r"collect entry '\.\./x'"):
+        run_horovod(str(script), collect=["outputs", "../x"], echo=False)
+    with pytest.raises(ConfigError, match="collect= with reuse: kept workers do not end"):
+        run_horovod(str(script), collect="outputs", reuse=True, echo=False)
+    with pytest.raises(ConfigError, match="collect entry '': an empty path"):
+        start_cluster(1, collect="")
+
+
+@pytest.mark.parametrize("framework", ["horovod", "pytorch"])
+def test_the_magics_collect_option_reaches_the_run(framework, monkeypatch):
+    import argparse
+    import importlib
+
+    options = importlib.import_module(f"cmlcluster.{framework}.options")
+    run = importlib.import_module(f"cmlcluster.{framework}.run")
+    called = {}
+    name = "run_horovod" if framework == "horovod" else "run_torch"
+    monkeypatch.setattr(run, name, lambda *args, **kwargs: called.update(kwargs))
+    parser = argparse.ArgumentParser()
+    options.add_options(parser)
+    options.run(parser.parse_args(["--collect", "outputs", "--collect", "model.keras"]), "train.py", [])
+    assert called["collect"] == ["outputs", "model.keras"]
+    options.run(parser.parse_args([]), "train.py", [])
+    assert called["collect"] is None
