@@ -53,7 +53,7 @@ def ours(session: Session, n: int) -> float:
 
 
 def by_hand(session: Session, hosts: TestHosts, n: int, first_id: int) -> float:
-    control = session._control
+    control = session._supervisor.control
     assert control is not None
     env = control.agent_env() | {"CDSW_MASTER_IP": session.controller_ip, "PYTHONUNBUFFERED": "1"}
     client = session.client
