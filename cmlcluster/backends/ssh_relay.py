@@ -41,7 +41,7 @@ HELLO, RAW = b"h", b"r"  # what FrameReader gives for MAGIC and for the bytes be
 FRAME_BYTES = 64 << 10
 GONE_EXIT = 69  # `ssh_remote --attach`: no relay of that worker on this host (it ended, or never ran here)
 SOCKET_NAME = "attach.sock"  # in the worker's folder, bound and reached from there (paths over 107 bytes)
-HANGUP_MS = 50  # a dropped ssh login closes a command's input and output at once; a session its input only
+HANGUP_MS = 250  # a dropped ssh login closes a command's input and output at once; a session its input only
 POLL_MS = 250
 
 

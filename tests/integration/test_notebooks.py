@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 
 import nbformat
@@ -24,7 +25,14 @@ def execute(name: str) -> list[str]:
     checked through trait values in test_ui.py, and in a browser in tests/browser).
     """
     notebook = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+    # nbclient's loop takes SIGINT and asyncio gives it back as Python's default handler, whatever was
+    # there: an xdist worker starts with SIGINT ignored, and later tests of this process would not.
+    found = signal.getsignal(signal.SIGINT)
+    try:
+        client.execute()
+    finally:
+        signal.signal(signal.SIGINT, found)
     texts = []
     for cell in notebook.cells:
         if cell.cell_type == "code":
