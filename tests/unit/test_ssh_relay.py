@@ -109,6 +109,9 @@ class Channel:
         self.process.wait(10)
 
 
+# Matrix tier, as the next one: in full runs (ci38, ci39) its second connection found no worker on the "host"
+# (exit 69), never alone; the same path on real SSH hosts (test_blips.py, kill -9 of ssh) passes in them.
+@pytest.mark.matrix
 def test_a_worker_goes_on_without_its_connection_and_the_next_one_gets_the_rest_and_its_exit_code(host_tmp):
     first = Channel(REMOTE, json.dumps(request("r1-0", counting(20, 0.05, code=3))).encode() + b"\nfrom 0\n")
     first.read_until(lambda: first.output.count(b"\n") >= 3)
