@@ -80,7 +80,7 @@ def start(image: str, timeout: float = 120.0) -> Bystander:
     double_fork = (
         "import os, sys\n"
         "pid = os.fork()\n"
-        "if pid: print(pid); os._exit(0)\n"
+        "if pid: print(pid, flush=True); os._exit(0)\n"  # _exit flushes nothing: PYTHONUNBUFFERED may be unset
         "os.dup2(2, 1)\n"  # the log: the pipe that carried the pid must close
         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
     )
