@@ -27,6 +27,19 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def signal_left_of_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to what is left of the process group whose leader `pgid` has been reaped (processes it
+    started that stayed in its group); False if nothing was sent.
+
+    Linux gives no new process a pid that still names a process group, so a live process with that pid
+    now means the old group is empty and the pid someone else's: a pid is reused once the counter wraps
+    (here in minutes: pid_max 32,768), and a group signal sent then would reach whatever now leads a group
+    of that number (a user's process, another session's worker). Nothing is sent then."""
+    if alive(pgid):
+        return False
+    return signal_group(pgid, sig)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (Linux /proc), whatever its session or group: an sshd's logins start
     sessions of their own, so they escape a signal to their parent's group."""
@@ -98,7 +111,9 @@ def end_group(
     or after `grace` s, reap the leader (not with reap=False: in a signal handler that may have
     interrupted the process's own wait(), which holds the lock a second wait() needs). Its exit code."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        if sig == signal.SIGTERM and leader_only:
+        if process.returncode is not None:  # reaped (perhaps long ago): its pid may be someone else's now
+            signal_left_of_group(process.pid, sig)
+        elif sig == signal.SIGTERM and leader_only:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, sig)
         else:
@@ -127,9 +142,12 @@ class AsyncProcess(Protocol):
 
 async def end_group_async(process: AsyncProcess, grace: float) -> int:
     """end_group() for a process asyncio started (asyncio reaps it, so what is left of its group gets
-    the KILL at once after it exits). Its exit code."""
+    the KILL at once after it exits). Its exit code. Idempotent: for a process that ended long ago (a
+    session closing a worker that finished) nothing reaches a group that took its number since."""
     if process.returncode is None and signal_group(process.pid, signal.SIGTERM):
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(process.wait(), grace)
-    signal_group(process.pid, signal.SIGKILL)  # what it left in its group, or itself after the grace
+    if process.returncode is None:
+        signal_group(process.pid, signal.SIGKILL)  # itself after the grace: alive, so its pid is its own
+    signal_left_of_group(process.pid, signal.SIGKILL)  # what it left in its group
     return await process.wait()

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._proc import end_group_async, signal_group
+from .._proc import end_group_async, signal_left_of_group
 from ..agent_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 from ..errors import BackendError
 from ..logfile import WorkerOutput, start_process
@@ -174,8 +174,8 @@ class LocalBackend(Backend[LocalHandle]):
         if handle.released:
             return
         handle.released = True
-        # The agent is gone; anything its program left in the group goes too.
-        signal_group(handle.pid, signal.SIGKILL)
+        # The agent is gone (reaped); anything its program left in the group goes too.
+        signal_left_of_group(handle.pid, signal.SIGKILL)
         self._gpus.give_back(handle.gpus)
         if handle.limits:
             handle.limits.remove()

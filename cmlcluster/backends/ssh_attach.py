@@ -192,7 +192,7 @@ class RemoteWorker:
                 await asyncio.wait_for(asyncio.shield(self._task), grace + CONNECT_TIMEOUT)
             except asyncio.TimeoutError:
                 self._given_up.set()
-                if self.link is not None:
+                if self.link is not None and self.link.process.returncode is None:  # reaped: its pid is not its own
                     signal_group(self.link.process.pid, signal.SIGKILL)
         await self.finished()
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import pty
 import re
-import signal
 import struct
 import subprocess
 import sys
@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 from jupyter_client.manager import KernelManager
+from processes import own_tree
 
 from cmlcluster import Session, origin
 from cmlcluster.ui.widget import RENDER_HZ, WidgetView
@@ -256,9 +257,13 @@ def test_cli_list_sees_another_process_session_and_cleanup_ends_what_a_killed_on
         assert listed.strip() == "no cmlcluster sessions on this machine"
     finally:
         other.kill()
-        for p in pids if "pids" in dir() else []:
-            with __import__("contextlib").suppress(Exception):
-                os.killpg(int(p), signal.SIGKILL)
+        # Its workers, if cleanup failed: orphans of this process (conftest makes it their subreaper), found
+        # in its tree, never by a number that another process may hold since.
+        left = {int(p) for p in pids} if "pids" in dir() else set()
+        for process in own_tree():
+            if process.pid in left:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
 
 
 def test_cli_help_names_every_command():
