@@ -229,11 +229,9 @@ def test_a_sigkilled_owner_takes_its_tensorboard_with_it(tmp_path, wait_gone):
 @pytest.mark.parametrize("logdir", ["", "   ", None, 42, b"logs", ["logs"]])
 def test_a_bad_logdir_is_refused_before_anything_starts(logdir, tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    started = time.monotonic()
     with pytest.raises(ConfigError, match="logdir=") as error:
         TensorBoard.start(logdir)
     assert repr(logdir) in str(error.value)
-    assert time.monotonic() - started < 1
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
 
 

@@ -101,7 +101,11 @@ def open_fds() -> set[str]:
 
 
 def output_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("cmlcluster-output-")]
+    """Copy threads still alive after 5 s: one settles `ended` as its last act, and may not have returned yet."""
+    copying = [t for t in threading.enumerate() if t.name.startswith("cmlcluster-output-")]
+    for thread in copying:
+        thread.join(5)
+    return [t.name for t in copying if t.is_alive()]
 
 
 @pytest.fixture
