@@ -9,6 +9,7 @@ works in JupyterLab 4 and Notebook 7) whose traits update in place, one point at
 
 from __future__ import annotations
 
+import bisect
 import html
 import threading
 import time
@@ -179,6 +180,10 @@ class WidgetView:
         if loss is None:
             return
         steps, losses = self._curves.setdefault(progress.task, ([], []))
+        # A step again (a restart resumed from its last checkpoint): the steps since then are trained
+        # again, drawn once, so the curve goes on from where training resumed instead of doubling back.
+        redone = bisect.bisect_left(steps, progress.step)
+        del steps[redone:], losses[redone:]
         steps.append(progress.step)
         losses.append(loss)
         if len(steps) > CURVE_POINTS:  # keep the shape, drop every other old point

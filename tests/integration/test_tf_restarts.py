@@ -15,6 +15,7 @@ from tf_training import threads_in_update_server_def, train_as_coordinator
 
 import cmlcluster
 from cmlcluster import Session
+from cmlcluster.errors import ConfigError
 from cmlcluster.events import JobChanged
 from cmlcluster.jobs import JobFailed
 
@@ -121,3 +122,12 @@ def test_a_lost_replacement_with_one_restart_fails_fit_with_the_structured_failu
     assert caught.value.failure.member.worker_id == second
     statuses = sorted(w["status"] for w in session.list_workers() if w["id"] != before["id"])
     assert statuses == ["failed", "failed", "stopped", "stopped"], statuses
+
+
+# A pod's address is the cluster's to choose (the stand-in's, like a real one's): no replacement could
+# come back where TensorFlow waits for it, so the run is refused before anything starts, saying so.
+@pytest.mark.parametrize("backend", ["kubernetes"], indirect=True)
+def test_where_a_replacement_cannot_have_the_lost_tasks_address_max_restarts_is_refused_at_once(session):
+    with pytest.raises(ConfigError, match=r"max_restarts=1: TensorFlow takes a lost worker back only at its address"):
+        cmlcluster.start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, max_restarts=1, session=session)
+    assert session.list_workers() == []

@@ -102,6 +102,19 @@ def test_reports_draw_a_progress_bar_metrics_and_a_loss_curve_per_task():
         assert "loss=0.1" in view.task_metrics["worker 0"].value and "accuracy=1" in view.task_metrics["worker 0"].value
 
 
+def test_a_curve_goes_on_from_the_checkpoint_a_restart_resumed_from_never_doubling_back():
+    with fake_session() as s:
+        view = WidgetView(s)
+        for step in range(1, 7):  # the snapshot was taken at step 4; the node was lost after step 6
+            s.publish(Progress("node 0", step, 10, {"loss": 1.0 / step}))
+        for step in range(5, 11):  # the replacement's ranks resume after step 4
+            s.publish(Progress("node 0", step, 10, {"loss": 0.5 / step}))
+        settled(view, lambda: "node 0" in view.lines and list(view.lines["node 0"].x)[-1:] == [10])
+        assert list(view.lines["node 0"].x) == list(range(1, 11))
+        expected = [1.0 / i for i in range(1, 5)] + [0.5 / i for i in range(5, 11)]
+        assert list(view.lines["node 0"].y) == pytest.approx(expected)
+
+
 def test_updates_stay_capped_while_a_worker_floods_its_output():
     flood = tuple(f"line {i}" for i in range(100_000))
     with fake_session(FakeWorker(output=flood)) as s:
