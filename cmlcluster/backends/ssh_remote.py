@@ -247,8 +247,10 @@ def attach(worker_id: str) -> int:
     pattern = os.path.join(glob.escape(tempfile.gettempdir()), f"cmlcluster-{worker_id}-*")
     for folder in glob.glob(pattern):
         info = os.lstat(folder)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
-            continue  # not one this user's worker made
+        # Not one this user's worker made, or one others can reach. Only the access bits are asked: a folder
+        # made in a setgid folder (a group's shared TMPDIR) is 2700, as private as 0700.
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            continue
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             os.chdir(folder)

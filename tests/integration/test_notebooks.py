@@ -67,7 +67,7 @@ def test_horovod_notebook_runs_allreduce_and_cleans_up(backend, monkeypatch):
     monkeypatch.setenv("CMLCLUSTER_DOCKER_IMAGE", DOCKER_TEST_IMAGE)
     monkeypatch.setenv("CMLCLUSTER_DOCKER_HOST_PYTHON", "1")
     _, training, summary, left = execute("horovod.ipynb")
-    assert training == "<widget>\n"  # the ranks' output and progress are in the widget
+    assert training == "<widget>\n", training  # the ranks' output and progress are in the widget
     assert re.search(r"^rank 0 of size 2 on host \S+: weights checksum", summary, re.M), summary
     assert re.search(r"^rank 1 of size 2 on host \S+: weights checksum", summary, re.M), summary
     checksums = re.findall(r"weights checksum (\S+)", summary)

@@ -35,9 +35,11 @@ def request(worker_id: str, program: str, silence: float = 30) -> dict:
             "silence_timeout": silence}  # fmt: skip
 
 
-@pytest.fixture
-def host_tmp(tmp_path, monkeypatch):
-    """The "host's" temp folder: where worker folders (and their sockets) go, for this test only."""
+@pytest.fixture(params=["0700", "setgid"])
+def host_tmp(request, tmp_path, monkeypatch):
+    """The "host's" temp folder: where worker folders (and their sockets) go, for this test only; also
+    a setgid one (a group's shared folder), where the folders made in it are 2700."""
+    os.chmod(tmp_path, 0o2700 if request.param == "setgid" else 0o700)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     return tmp_path
 
