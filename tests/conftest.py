@@ -168,10 +168,6 @@ def pytest_sessionfinish(session, exitstatus):
     for p in own_tree():  # this process's, and only its
         with contextlib.suppress(psutil.Error):  # gone meanwhile
             p.kill()
-    if IS_ROOT and os.path.exists(REPORTS):  # signal_handlers_as_found's, said before the folder goes
-        for report in read_lines(REPORTS):
-            if "left signal handlers" in report:
-                print(f"\n{report['test']} left signal handlers: {report['left signal handlers']}", file=sys.stderr)
     if left:
         print(f"\nthe test run left behind: {left}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -416,17 +412,15 @@ SIGNALS_A_TEST_MUST_LEAVE = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 @pytest.fixture(autouse=True)
 def signal_handlers_as_found(request):
     """A test leaves this process's signal handlers as it found them: a handler left behind changes what
-    Ctrl-C and the widget's Stop do in every later test of this xdist worker (the Stop tests met one).
-    Put back, and said in the run's summary (which test, which handler), not yet failed: which test
-    leaves one is still being found (issue 21)."""
+    Ctrl-C and the widget's Stop do in every later test of this xdist worker (the Stop tests met one,
+    left by asyncio in test_notebooks). Put back, so that later tests are not affected, and failed."""
     before = {sig: signal.getsignal(sig) for sig in SIGNALS_A_TEST_MUST_LEAVE}
     yield
     changed = {sig: signal.getsignal(sig) for sig, h in before.items() if signal.getsignal(sig) is not h}
     for sig in changed:
         signal.signal(sig, before[sig])
-    if changed:
-        left = ", ".join(f"{signal.Signals(s).name} {h!r} (was {before[s]!r})" for s, h in changed.items())
-        append_line(REPORTS, {"test": request.node.nodeid, "left signal handlers": left})
+    left = ", ".join(f"{signal.Signals(s).name} {h!r} (was {before[s]!r})" for s, h in changed.items())
+    assert not changed, f"the test left signal handlers changed: {left}"
 
 
 @pytest.fixture(autouse=True)
