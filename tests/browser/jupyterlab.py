@@ -233,6 +233,10 @@ def jupyter_lab(
             "--LabApp.news_url=None",  # no news feed fetched from the internet
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             "--LabApp.extension_manager=readonly",  # lists what is installed; never asks PyPI
+            # Kernels on unix sockets in this server's folder, which no other test's stray client reaches
+            # (tests/kernels.py says why); named k-<n> there, short enough for a socket's path.
+            "--KernelManager.transport=ipc",
+            f"--KernelManager.ip={home / 'k'}",
         ]
         if os.geteuid() == 0:  # CI and the dev machines run as root; the server refuses that by default
             argv.append("--ServerApp.allow_root=True")

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 from conftest import DOCKER_TEST_IMAGE
-from jupyter_client.manager import KernelManager
+from kernels import kernel_manager
 from processes import agents as all_agents
 from processes import running
 
@@ -27,15 +27,26 @@ print(json.dumps(cdsw.client()[:].apply_sync(os.getpid)))
 
 @pytest.fixture
 def kernel():
-    km = KernelManager(kernel_name="python3")
-    km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    kc.wait_for_ready(timeout=60)
-    yield km, kc
-    kc.stop_channels()
-    if km.is_alive():
-        km.shutdown_kernel(now=True)
+    with kernel_manager() as km:
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        yield km, kc
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+def test_a_test_kernels_channels_are_unix_sockets_of_its_own(kernel):
+    """What keeps other tests' stray clients off its iopub (tests/kernels.py). Its one TCP listener is
+    ipykernel's pipe for its subprocesses' output, which drops a message that lacks the pipe's random id."""
+    km, _ = kernel
+    with open(km.connection_file) as f:
+        info = json.load(f)
+    channels = [info[f"{name}_port"] for name in ("shell", "iopub", "stdin", "control", "hb")]
+    sockets = {c.laddr for c in psutil.Process(km.provisioner.pid).net_connections("unix") if c.laddr}
+    assert info["transport"] == "ipc" and {f"{info['ip']}-{port}" for port in channels} <= sockets
 
 
 def run(kc, code: str, timeout: float = 120) -> tuple[dict, str]:

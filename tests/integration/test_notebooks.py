@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from kernels import kernel_manager
 from nbclient import NotebookClient
 
 pytestmark = pytest.mark.integration
@@ -25,14 +26,15 @@ def execute(name: str) -> list[str]:
     checked through trait values in test_ui.py, and in a browser in tests/browser).
     """
     notebook = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
     # nbclient's loop takes SIGINT and asyncio gives it back as Python's default handler, whatever was
     # there: an xdist worker starts with SIGINT ignored, and later tests of this process would not.
     found = signal.getsignal(signal.SIGINT)
-    try:
-        client.execute()
-    finally:
-        signal.signal(signal.SIGINT, found)
+    with kernel_manager() as km:
+        client = NotebookClient(notebook, km=km, timeout=600, resources={"metadata": {"path": str(ROOT)}})
+        try:
+            client.execute(cleanup_kc=True)  # shuts the kernel down, as for a kernel of its own
+        finally:
+            signal.signal(signal.SIGINT, found)
     texts = []
     for cell in notebook.cells:
         if cell.cell_type == "code":
