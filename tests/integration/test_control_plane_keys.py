@@ -34,12 +34,23 @@ def with_curve(socket: zmq.Socket, server_key: str) -> zmq.Socket:
     return socket
 
 
-def received(socket: zmq.Socket, seconds: float) -> list[list[bytes]]:
+def received(socket: zmq.Socket, seconds: float, first: bool = False) -> list[list[bytes]]:
+    """What comes within `seconds` (with first=True, returned as soon as something does)."""
     messages, deadline = [], time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
+    while (left := deadline - time.monotonic()) > 0 and not (first and messages):
         if socket.poll(int(left * 1000)):
             messages.append(socket.recv_multipart())
     return messages
+
+
+def raw_context() -> zmq.Context:
+    """A context whose sockets never wait to send when closed: a socket closed with a message still queued
+    (a peer that refused its handshake, or a loaded controller yet to read it) would otherwise hold
+    term() until it is sent, and destroy(linger=0) cannot shorten the wait of a socket already closed
+    (by its __del__, say: pyzmq #1407). ci42 waited there until the test's timeout."""
+    context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    return context
 
 
 @pytest.fixture
@@ -54,7 +65,7 @@ def printing_session():
 def test_the_output_relay_reads_nothing_to_a_subscriber_without_the_controllers_key(printing_session):
     info = connection_info(printing_session, "client")
     url = f"{info['interface']}:{info['iopub']}"
-    context = zmq.Context()
+    context = raw_context()
     try:
         stranger = context.socket(zmq.SUB)
         stranger.setsockopt(zmq.SUBSCRIBE, b"")
@@ -63,7 +74,9 @@ def test_the_output_relay_reads_nothing_to_a_subscriber_without_the_controllers_
         holder.setsockopt(zmq.SUBSCRIBE, b"")
         holder.connect(url)
         assert received(stranger, 3) == []
-        heard = b"".join(part for message in received(holder, 3) for part in message)
+        heard, deadline = b"", time.monotonic() + 60  # however loaded the machine
+        while MARKER.encode() not in heard and time.monotonic() < deadline:
+            heard += b"".join(part for message in received(holder, 1, first=True) for part in message)
         assert MARKER.encode() in heard  # the worker's output, for whoever holds the key
     finally:
         context.destroy(linger=0)
@@ -74,17 +87,18 @@ def test_requests_without_both_keys_get_no_answer(printing_session):
     url = f"{info['interface']}:{info['registration']}"  # where workers register, on their address
     right = Signer(key=info["key"].encode(), signature_scheme=info["signature_scheme"], packer="json", unpacker="json")
     wrong = Signer(key=os.urandom(16).hex().encode(), signature_scheme=info["signature_scheme"])
-    context = zmq.Context()
+    context = raw_context()
 
-    def answered(socket: zmq.Socket, signer: Signer) -> bool:
+    def answered(socket: zmq.Socket, signer: Signer, seconds: float) -> bool:
         socket.connect(url)
         signer.send(socket, "connection_request", content={})
-        return bool(received(socket, 3))
+        return bool(received(socket, seconds, first=True))
 
     try:
-        assert not answered(context.socket(zmq.DEALER), right)  # signed, not encrypted
-        assert not answered(with_curve(context.socket(zmq.DEALER), info["curve_serverkey"]), wrong)
-        assert answered(with_curve(context.socket(zmq.DEALER), info["curve_serverkey"]), right)
+        assert not answered(context.socket(zmq.DEALER), right, 3)  # signed, not encrypted
+        assert not answered(with_curve(context.socket(zmq.DEALER), info["curve_serverkey"]), wrong, 3)
+        # Both keys: an answer, however loaded the machine (so that the two silences mean what they say).
+        assert answered(with_curve(context.socket(zmq.DEALER), info["curve_serverkey"]), right, 60)
     finally:
         context.destroy(linger=0)
     # The worker was not disturbed by any of it.
