@@ -133,6 +133,25 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
+FILE_SECONDS: dict[str, float] = {}  # the root's: each test file's setup, call and teardown, summed
+
+
+def pytest_runtest_logreport(report):
+    """In the root, under xdist, each worker's reports arrive here too."""
+    path = report.nodeid.split("::")[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the run's time went, a line per file, longest first (the tiers are sized from this)."""
+    if not IS_ROOT or not FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file (both processes' time together)")
+    for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(FILE_SECONDS.values()):8.1f}  in all")
+
+
 def pytest_runtest_logfinish(nodeid, location):
     append_line(FINISHED, nodeid)
 

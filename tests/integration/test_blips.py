@@ -2,7 +2,8 @@
 its own network namespace, as a switch's failover or a Wi-Fi roam would) for less than the session's
 silence_timeout carries on once it is back and its program finishes; one cut for longer fails with the
 structured failure naming the silence, in bounded time, with nothing of it left running. On Docker
-containers and on SSH hosts (containers standing in for machines: tests/sshhosts.py). An SSH worker also
+containers, on SSH hosts (containers standing in for machines: tests/sshhosts.py) and on pods of the
+stand-in Kubernetes cluster (whose pods are containers; matrix tier). An SSH worker also
 outlives its ssh connection: one whose connection dropped (its ssh client killed, or ssh's keepalives
 given up during a cut) is connected again, and its log holds what it printed meanwhile, once.
 
@@ -18,11 +19,12 @@ import subprocess
 import time
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, leftovers_on
-from processes import wait_until
+from conftest import DOCKER_TEST_IMAGE, kube_backend, leftovers_on
+from processes import run_containers, wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.kubernetes import names
 from cmlcluster.backends.ssh import SSHBackend
 
 pytestmark = pytest.mark.integration
@@ -68,6 +70,8 @@ def ssh_session(hosts, silence_timeout=None):
 def session_for(kind, request, silence_timeout=None):
     if kind == "docker":
         return docker_session(silence_timeout)
+    if kind == "kubernetes":
+        return Session(kube_backend(request.getfixturevalue("kube")), echo=False, silence_timeout=silence_timeout)
     return ssh_session(request.getfixturevalue("ssh_hosts"), silence_timeout)
 
 
@@ -75,14 +79,30 @@ def handle_of(session, worker):
     return session._supervisor.resolve(worker).handle
 
 
-def namespace_pid(kind, request, session, worker) -> int:
-    """A process in the worker's network namespace, as this machine sees it: its container's init."""
+def container_of(kind, request, worker):
+    """The container the worker runs in: its own, its pod's (the stand-in's pods are containers), or
+    its SSH host's (tests/sshhosts.py)."""
     if kind == "docker":
-        container = session._supervisor.resolve(worker).handle.container
+        [container] = run_containers(label=[f"cmlcluster.worker={worker['id']}"])
+    elif kind == "kubernetes":
+        pod = f"default/{names.pod_name(worker['id'])}"
+        containers = request.getfixturevalue("kube").containers()
+        [container] = [c for c in containers if c.labels.get("cmlcluster-standin.pod") == pod]
     else:
         container = request.getfixturevalue("ssh_hosts").hosts[0]._container
+    return container
+
+
+def namespace_pid(kind, request, worker) -> int:
+    """A process in the worker's network namespace, as this machine sees it: its container's init."""
+    container = container_of(kind, request, worker)
     container.reload()
     return int(container.attrs["State"]["Pid"])
+
+
+def kinds(default: str, *matrix: str) -> list:
+    """One kind of worker in the default run, the others in the matrix tier."""
+    return [default, *(pytest.param(kind, marks=pytest.mark.matrix) for kind in matrix)]
 
 
 def training(session):
@@ -97,13 +117,13 @@ def worker_processes_on(host) -> list[str]:
 
 # Each clock once in the default run: ssh's keepalives and the agents' watchdog through a blip on SSH
 # hosts; the watchdog's end after the timeout in a container.
-@pytest.mark.parametrize("kind", [pytest.param("docker", marks=pytest.mark.matrix), "ssh"])
+@pytest.mark.parametrize("kind", kinds("ssh", "docker", "kubernetes"))
 def test_a_worker_cut_off_for_15_s_or_more_carries_on_and_its_program_succeeds(kind, request):
     blip = SSH_BLIP if kind == "ssh" else BLIP
     with session_for(kind, request, SSH_SILENCE if kind == "ssh" else None) as s:
         assert s.silence_timeout > blip  # the default for workers across a network, or SSH_SILENCE
         worker = training(s)
-        with network_cut(namespace_pid(kind, request, s, worker)):
+        with network_cut(namespace_pid(kind, request, worker)):
             time.sleep(blip)
             assert s.list_workers()[0]["status"] == "running"
         done = s.await_workers([worker], timeout_seconds=120)
@@ -137,11 +157,12 @@ def test_a_worker_whose_ssh_client_is_killed_carries_on_and_its_log_has_each_lin
         assert f"the SSH connection to {ssh_hosts.hosts[0].ip} dropped (ssh was killed by signal 9)" in log
 
 
-@pytest.mark.parametrize("kind", ["docker", pytest.param("ssh", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("kind", kinds("docker", "ssh", "kubernetes"))
 def test_a_worker_cut_off_longer_than_silence_timeout_fails_naming_it_and_nothing_is_left(kind, request):
     with session_for(kind, request, silence_timeout=SHORT) as s:
         worker = training(s)
-        pid = namespace_pid(kind, request, s, worker)
+        pid = namespace_pid(kind, request, worker)
+        container = container_of(kind, request, worker) if kind != "ssh" else None  # found while it runs
         with network_cut(pid):
             cut = time.monotonic()
             failed = wait_until(
@@ -149,8 +170,7 @@ def test_a_worker_cut_off_longer_than_silence_timeout_fails_naming_it_and_nothin
             )
             reported = time.monotonic() - cut
             # Ended where it runs, by its own agent, while still cut off from the session.
-            if kind == "docker":
-                container = s._supervisor.resolve(worker).handle.container
+            if container is not None:
                 wait_until(lambda: gone(container), 15, "the worker's container removed")
             else:
                 host = request.getfixturevalue("ssh_hosts").hosts[0]

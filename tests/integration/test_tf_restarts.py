@@ -77,8 +77,12 @@ def job_events(session):
     return events
 
 
-def test_a_worker_task_killed_mid_training_is_replaced_and_trains_on_and_the_loss_goes_on_falling():
-    with Session("local", echo=False) as session:
+# The same on SSH hosts (a replacement on its host, at its port) and Docker (at its IP, in the session's
+# network) in the matrix tier: in the default run they lose a replacement too, below.
+@pytest.mark.parametrize("backend", ["local", *[pytest.param(b, marks=pytest.mark.matrix) for b in ("ssh", "docker")]],
+                         indirect=True)  # fmt: skip
+def test_a_worker_task_killed_mid_training_is_replaced_and_trains_on_and_the_loss_goes_on_falling(backend):
+    with Session(backend, echo=False) as session:
         events = job_events(session)
         with cmlcluster.start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, max_restarts=2, session=session) as c:
             address = c.workers[1].address
