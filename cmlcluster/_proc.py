@@ -32,9 +32,10 @@ def signal_left_of_group(pgid: int, sig: int) -> bool:
     started that stayed in its group); False if nothing was sent.
 
     Linux gives no new process a pid that still names a process group, so a live process with that pid
-    now means the old group is empty and the pid someone else's: a pid is reused once the counter wraps
-    (here in minutes: pid_max 32,768), and a group signal sent then would reach whatever now leads a group
-    of that number (a user's process, another session's worker). Nothing is sent then."""
+    now means the old group is empty and the pid someone else's: pids come round again once the counter
+    wraps (within minutes on a busy machine with the default pid_max of 32,768), and a group signal sent
+    then would reach whatever leads a group of that number now (a user's process, another session's
+    worker). Nothing is sent then."""
     if alive(pgid):
         return False
     return signal_group(pgid, sig)

@@ -298,8 +298,10 @@ class IPyParallelControl(ControlPlane):
         def on_iopub(msg: dict[str, Any]) -> None:
             if msg["header"]["msg_type"] == "stream":
                 content = msg["content"]
-                relay.put(content["name"], content["text"])
+                # Dropped from the client before the session has it: whoever sees the text (on the session's
+                # loop, or a subscriber's thread) never finds the client still holding it (ci43).
                 ipyparallel_internals.forget_stream_text(client, msg)
+                relay.put(content["name"], content["text"])
 
         future, result = self._apply(engine_id, args, on_iopub)
         try:
