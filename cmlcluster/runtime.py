@@ -140,7 +140,8 @@ class Runtime:
             if remaining is not None and remaining <= 0:
                 break
             await self.supervisor.changes.wait(remaining)
-        return waiting.result(workers, failures, wait_for_completion, timeout, fail_fast)
+        last_output = self.supervisor.last_output_for_message
+        return waiting.result(workers, failures, wait_for_completion, timeout, fail_fast, last_output)
 
     def close(self) -> None:
         try:

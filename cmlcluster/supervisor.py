@@ -177,7 +177,7 @@ class Supervisor:
         process = "is still running" if code is None else f"exited with code {code}"
         message = (
             f"worker {worker.id} (engine {worker.engine_id}) registered with the controller but did not "
-            f"answer ({error}); its process {process}{self._tail_for_message(worker)}"
+            f"answer ({error}); its process {process}{self.last_output_for_message(worker)}"
         )
         if await self._end(worker, Ending(FAILED, exit_code=code, message=message)):
             log.warning("cmlcluster: %s", message)
@@ -254,7 +254,7 @@ class Supervisor:
             return Ending(SUCCEEDED, exit_code=0)
         if worker.stop_requested:  # the stop's signal ended the program (agent_program.ProgramStopped)
             return Ending(STOPPED, exit_code=code)
-        message = f"worker {worker.id} exited with code {code}{self._tail_for_message(worker)}"
+        message = f"worker {worker.id} exited with code {code}{self.last_output_for_message(worker)}"
         return Ending(FAILED, exit_code=code, message=message)
 
     async def _program_ending_at_exit(self, worker: Worker) -> Ending | None:
@@ -290,7 +290,7 @@ class Supervisor:
                 FAILED,
                 exit_code=code,
                 message=f"worker {worker.id} exited with code {code} {_exit_moment(worker)}"
-                f"{f' ({reason})' if reason else ''}{self._tail_for_message(worker)}",
+                f"{f' ({reason})' if reason else ''}{self.last_output_for_message(worker)}",
             )
         if changed:
             self._changed(worker)
@@ -377,7 +377,8 @@ class Supervisor:
             worker.output.append(line)
         self._events.publish(event)
 
-    def _tail_for_message(self, worker: Worker) -> str:
+    def last_output_for_message(self, worker: Worker) -> str:
+        """A message's end: its program's last lines, or its process's (its agent's, while it starts)."""
         tail = worker.output_tail()
         if not tail and worker.handle is not None:
             tail = "\n".join(self.backend.output(worker.handle).splitlines()[-TAIL_LINES:])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TIMEDOUT, Worker
@@ -64,10 +64,13 @@ def result(
     wait_for_completion: bool,
     timeout: float,
     fail_fast: bool,
+    last_output: Callable[[Worker], str] = lambda worker: "",
 ) -> dict[str, list[dict[str, Any]]]:
     """CML's {"workers": [...], "failures": [...]} once the wait is over (or its time is up).
 
-    `failures` holds what failed before the wait (a launch that could not start a worker).
+    `failures` holds what failed before the wait (a launch that could not start a worker);
+    `last_output(worker)` ends the message of one still starting when the time was up (what it
+    was doing then: its agent's last lines).
     """
     ok: list[dict[str, Any]] = []
     failures = list(failures)
@@ -82,7 +85,7 @@ def result(
             record["message"] = f"worker {w.id} was still {w.status} when another worker failed"
         elif not decided(w, wait_for_completion):
             record["status"] = TIMEDOUT
-            record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s"
+            record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s{last_output(w)}"
         elif not wait_for_completion and not record.get("message"):
             record["message"] = f"worker {w.id} {w.status} while waiting for it to run"
         failures.append(record)

@@ -285,7 +285,11 @@ def test_never_ready_worker_times_out(session, worker_startup_hook):
         time.sleep(0.1)
     result = session.await_workers([w], wait_for_completion=False, timeout_seconds=3)
     assert result["workers"] == []
-    assert [f["status"] for f in result["failures"]] == ["timedout"]
+    [failure] = result["failures"]
+    assert failure["status"] == "timedout"
+    # What it was doing when the time was up: its process's last lines.
+    assert failure["message"].startswith(f"worker {w['id']} was still scheduling after 3 s; last output:\n")
+    assert failure["message"].endswith("hook: hanging"), failure["message"]
     assert session.list_workers()[0]["status"] == "scheduling"
 
 
