@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 
@@ -36,3 +37,19 @@ def kernel_manager(**options) -> Iterator[KernelManager]:
         )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_kernel(**start) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    """A started kernel of kernel_manager() and its ready client; shut down afterwards."""
+    with kernel_manager() as km:
+        km.start_kernel(**start)
+        kc = km.client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=60)
+            yield km, kc
+        finally:
+            kc.stop_channels()
+            if km.is_alive():
+                km.shutdown_kernel(now=True)

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 from conftest import DOCKER_TEST_IMAGE
-from kernels import kernel_manager
+from kernels import running_kernel
 from processes import agents as all_agents
 from processes import running
 
@@ -27,15 +27,8 @@ print(json.dumps(cdsw.client()[:].apply_sync(os.getpid)))
 
 @pytest.fixture
 def kernel():
-    with kernel_manager() as km:
-        km.start_kernel()
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
-        yield km, kc
-        kc.stop_channels()
-        if km.is_alive():
-            km.shutdown_kernel(now=True)
+    with running_kernel() as started:
+        yield started
 
 
 def test_a_test_kernels_channels_are_unix_sockets_of_its_own(kernel):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kernels import kernel_manager
+from kernels import running_kernel
 from processes import own_tree
 
 from cmlcluster import Session, origin
@@ -152,14 +152,8 @@ def test_without_a_terminal_the_same_run_prints_text(tmp_path):
 
 @pytest.fixture
 def kernel():
-    with kernel_manager() as km:
-        km.start_kernel(cwd=str(ROOT))
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
+    with running_kernel(cwd=str(ROOT)) as (_, kc):
         yield kc
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def execute(kc, code: str) -> list[dict]:
