@@ -37,6 +37,9 @@ from .workers import Program
 # which says more. ipyparallel never takes an unregistered engine back.
 HUB_SILENCE_MARGIN = 10.0
 DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
+# How often, at most, the session asks the hub for the engines it registered (the first ask 0.25 s
+# after connecting, then twice as long each time up to this): control.py's _catch_up says why.
+HUB_RECHECK_SECONDS = 4.0
 OUTPUT_DRAIN_TIMEOUT = 5.0
 
 EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
@@ -118,7 +121,9 @@ class IPyParallelControl(ControlPlane):
         self._listening_file = ""
         self._connection = ""
         self._registered: set[int] = set()
+        self._unregistered: set[int] = set()
         self._ready: asyncio.Future[None] | None = None
+        self._catching_up: asyncio.Task[None] | None = None
 
     @property
     def client(self) -> Any:
@@ -185,6 +190,33 @@ class IPyParallelControl(ControlPlane):
         # Engines that registered before the client connected were never announced to it.
         for engine_id in self._client.ids:
             self._announce("register", engine_id)
+        self._catching_up = asyncio.ensure_future(self._catch_up())
+
+    async def _catch_up(self) -> None:
+        """Announce the engines the hub registered that the client never heard of, for the client's life.
+
+        ipyparallel's client asks the hub for its engines and only then subscribes to its registration
+        notifications, on a PUB socket that drops what it sends before the subscription arrives: an
+        engine that registers in between is announced to no one, ever (ci44, ci47: a worker started
+        with the session's controller was "still scheduling after 60 s", its heart beating). The hub
+        is asked again soon after connecting, when that can happen, and then every few seconds: any
+        notification lost later (a reconnect) is made good too. One small request each time.
+        """
+        client = self._client
+        pause = 0.25
+        while True:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, HUB_RECHECK_SECONDS)
+            try:
+                engines = await ipyparallel_internals.hub_engines(client, HUB_RECHECK_SECONDS)
+            except asyncio.TimeoutError:
+                continue  # a hub too busy to answer now: asked again, later
+            except Exception:  # the client closed meanwhile (close() cancels this task, too)
+                return
+            known = self._registered | self._unregistered
+            missed = {engine_id: uuid for engine_id, uuid in engines.items() if engine_id not in known}
+            if missed:
+                ipyparallel_internals.register_engines(client, missed)
 
     async def _wait_listening(self) -> None:
         assert self._process is not None and self._loop is not None
@@ -225,6 +257,8 @@ class IPyParallelControl(ControlPlane):
             if engine_id in self._registered:
                 return
             self._registered.add(engine_id)
+        else:
+            self._unregistered.add(engine_id)
         if self.on_engine is not None:
             self.on_engine(kind, engine_id)
 
@@ -331,6 +365,8 @@ class IPyParallelControl(ControlPlane):
         return await self._apply_streaming(engine_id, ("call", target, *args), on_output)
 
     async def close(self) -> None:
+        if self._catching_up is not None:
+            self._catching_up.cancel()
         client, self._client = self._client, None
         if client is not None:
             await asyncio.to_thread(client.close, linger=0)

@@ -1,22 +1,27 @@
 """Every name of ipyparallel (and ipykernel) beyond their documented API that cmlcluster relies on.
 
-The session's client sends each request through the client's own mux stream and hears of
-registrations as they happen (control.py says why); the worker's engine overrides how it
-stops, restores its output and starts its heartbeat (agent_engine.py says why). probe_client()
-and probe_engine() check each of these names on the ipyparallel installed, once per process,
-before it is used: an ipyparallel that renamed one is an error naming its version and the
-name, not a worker that silently never registers or a stop that loses its last lines.
+The session's client sends each request through the client's own mux stream, hears of
+registrations as they happen and asks the hub for those it missed (control.py says why); the
+worker's engine overrides how it stops, restores its output and starts its heartbeat
+(agent_engine.py says why). probe_client() and probe_engine() check each of these names on the
+ipyparallel installed, once per process, before it is used: an ipyparallel that renamed one is an
+error naming its version and the name, not a worker that silently never registers or a stop that
+loses its last lines.
 (The widget's hook on ipykernel's comm routing is ui/kernel_internals.py: only the UI uses it.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from . import probes
 from .errors import ControllerError
+
+log = logging.getLogger(__name__)
 
 _probed: set[str] = set()  # "client", "engine": the sides already probed in this process
 
@@ -37,6 +42,29 @@ def engine_ident(client: Any, engine_id: int) -> bytes:
     idents, _ = client._build_targets(engine_id)
     ident: bytes = idents[0]
     return ident
+
+
+async def hub_engines(client: Any, timeout: float) -> dict[int, str]:
+    """The engines registered at the hub now, {id: uuid}: its answer to the connection request the
+    client sends once, as it connects. The request leaves on the client's IO thread; nothing blocks."""
+    request = client._send(client._query_stream, "connection_request")
+    reply = await asyncio.wait_for(asyncio.wrap_future(request), timeout)
+    return {int(engine_id): uuid for engine_id, uuid in reply["content"]["engines"].items()}
+
+
+def register_engines(client: Any, engines: dict[int, str]) -> None:
+    """Have the client take in the engines it lacks as their registration notifications would (their
+    routing identities, its registration callbacks), on its IO thread, where notifications are
+    handled: one whose notification came meanwhile is not taken in twice."""
+
+    def register() -> None:
+        missed = {engine_id: uuid for engine_id, uuid in engines.items() if engine_id not in client._engines}
+        if missed:
+            log.info("the hub registered engines %s that the session's client missed; taking them in", sorted(missed))
+        for engine_id, uuid in missed.items():
+            client._register_engine({"content": {"id": engine_id, "uuid": uuid}})
+
+    client._io_loop.add_callback(register)
 
 
 def forget_stream_text(client: Any, message: dict[str, Any]) -> None:
@@ -100,6 +128,10 @@ def _client_checks() -> list[probes.Check]:
         ("Client._registration_callbacks", lambda: "_registration_callbacks" in client().class_trait_names()),
         ("Client._mux_stream", lambda: "_mux_stream" in inspect.getsource(client())),
         ("Client._build_targets", lambda: callable(client()._build_targets)),
+        ("Client._send(socket, msg_type) -> a future", lambda: callable(client()._send)),
+        ("Client._register_engine", lambda: callable(client()._register_engine)),
+        ("Client._query_stream", lambda: "_query_stream" in inspect.getsource(client())),
+        ("Client._io_loop", lambda: "_io_loop" in client().class_trait_names()),
         ("Client._dispatch_iopub stores a stream's text, then runs the iopub callbacks", _stream_text_then_callbacks),
         (
             "Client.send_apply_request(..., ident=, message_future_hook=)",

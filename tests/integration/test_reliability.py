@@ -174,3 +174,40 @@ def test_ports_to_listen_on_are_distinct_free_and_below_the_ephemeral_range():
     with contextlib.ExitStack() as stack:  # all of them can be bound now
         for port in ports:
             stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+
+
+def test_a_worker_that_registers_while_the_session_connects_to_its_controller_is_not_missed(monkeypatch):
+    # ipyparallel's client asks the hub for its engines, then subscribes to its registration
+    # notifications: an engine whose registration completes in between is announced to no one (ci44,
+    # ci47: a parameter server "still scheduling after 60 s", its heart beating). Here the window is
+    # held open until the hub has registered the worker.
+    import glob
+    import json
+
+    import ipyparallel.util
+    import zmq
+
+    connect = ipyparallel.util.connect
+    held: list[str] = []
+
+    def engines_registered(session_dir: str) -> dict:
+        for path in glob.glob(os.path.join(session_dir, "ipython", "log", "*engines*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                return json.loads(open(path).read())["engines"]
+        return {}
+
+    def late_subscription(socket, url, **keys):
+        if socket.type == zmq.SUB and not held:  # the client's notification socket: its first SUB
+            held.append(url)
+            deadline = time.monotonic() + 60
+            while not engines_registered(s.session_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return connect(socket, url, **keys)
+
+    monkeypatch.setattr(ipyparallel.util, "connect", late_subscription)
+    with Session("local", echo=False) as s:
+        [worker] = s.launch_workers(1, cpu=0.5, memory=0.5, code="print('seen')")
+        assert held, "the client's notification socket was not found: this test no longer holds its window open"
+        assert engines_registered(s.session_dir), "the hub never registered the worker: the window was not hit"
+        assert s.await_workers([worker], timeout_seconds=40)["failures"] == []
+        assert s.output(worker) == "seen"
