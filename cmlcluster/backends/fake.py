@@ -31,6 +31,7 @@ SIGTERM_EXIT = -15
 class FakeWorker:
     start_delay: float = 0.0  # seconds from start until its engine registers
     registers: bool = True  # False: it never becomes ready
+    silent_after: float | None = None  # the controller loses contact this long after it registered (unregister)
     answers: bool = True  # False: it registers, but its engine never answers
     launch_error: str | None = None  # start() fails with this message
     address: str | None = "auto"  # "auto": 10.0.0.<engine id + 1>; None: never known
@@ -118,6 +119,10 @@ class FakeBackend(Backend[FakeHandle]):
         await asyncio.sleep(handle.script.start_delay)
         if not handle.exited.done() and self.control.on_engine is not None:
             self.control.on_engine("register", handle.spec.engine_id)
+        if handle.script.silent_after is not None:
+            await asyncio.sleep(handle.script.silent_after)
+            if not handle.exited.done() and self.control.on_engine is not None:
+                self.control.on_engine("unregister", handle.spec.engine_id)
 
     async def _die_later(self, handle: FakeHandle, delay: float, code: int) -> None:
         await asyncio.sleep(delay)

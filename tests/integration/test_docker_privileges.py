@@ -4,7 +4,6 @@ environment, and a network per session that no other session's container reaches
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -176,7 +175,7 @@ def test_the_sessions_keys_are_not_in_the_containers_environment(client):
     with Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as s:
         [w] = s.launch_workers(1, cpu=0.5, memory=0.5)
         s.await_workers([w], wait_for_completion=False, timeout_seconds=60)
-        key = json.loads(s._supervisor.control.agent_env()[CONNECTION_ENV])["key"]
+        key = s.client.session.key.decode()  # the controller's: the engines' and the client's alike
         [container] = containers_of(client, s.id)
         env = container.attrs["Config"]["Env"]
         labels = container.labels

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from cmlcluster import ConfigError, Session
@@ -132,13 +130,11 @@ def test_stop_workers_stops_named_then_all_and_is_idempotent():
 
 
 def test_await_wakes_on_events_from_other_threads():
-    # The fake's control plane is driven from the test thread: await must react to the
-    # registration event, not discover it by polling.
-    backend = FakeBackend([FakeWorker(registers=False)])
+    # The registration comes on the session's loop while the caller's thread waits: await must react
+    # to the event, not discover it by polling.
+    backend = FakeBackend([FakeWorker(start_delay=0.2)])
     with Session(backend, echo=False) as s:
         [w] = s.launch_workers(1, cpu=1, memory=1)
-        timer = threading.Timer(0.2, lambda: s._rt.loop.call_soon(backend.control.on_engine, "register", 0))
-        timer.start()
         result = s.await_workers([w], wait_for_completion=False, timeout_seconds=0)
         assert [r["status"] for r in result["workers"]] == ["running"]
 

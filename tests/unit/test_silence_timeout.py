@@ -84,7 +84,7 @@ def test_the_session_gives_its_silence_to_the_backend_the_controller_and_the_age
         [plane] = made
         assert plane.silence_timeout == 25
         assert float(plane.agent_env()[wire.SILENCE_ENV]) == 25  # every worker's agent starts with it
-        assert s._supervisor.silence_timeout == 25  # the messages name it
+        assert s.silence_timeout == 25  # the messages name it
 
 
 def test_the_controller_gives_up_on_an_engine_after_its_agent_has():
@@ -135,11 +135,10 @@ def test_a_worker_its_agent_ended_for_silence_fails_naming_the_silence():
 
 def test_a_worker_the_controller_lost_fails_naming_the_silence(monkeypatch):
     monkeypatch.setattr(supervisor, "LOST_CONTACT_GRACE", 0.1)
-    backend = FakeBackend([FakeWorker(run_time=30)])
+    backend = FakeBackend([FakeWorker(run_time=30, silent_after=1)])
     with Session(backend, echo=False, silence_timeout=8) as s:
         [w] = s.launch_workers(1, cpu=1, memory=1, code="train()")
         assert s.await_workers([w], wait_for_completion=False, timeout_seconds=10)["failures"] == []
-        s._rt.loop.call_soon(backend.control.on_engine, "unregister", 0)
         [failure] = s.await_workers([w], timeout_seconds=20)["failures"]
     assert failure["status"] == "failed"
     assert f"no heartbeat for {8 + control.HUB_SILENCE_MARGIN:g} s (silence_timeout=8 s)" in failure["message"]
