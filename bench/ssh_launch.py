@@ -8,7 +8,8 @@ non-root user). Both sides use one warm session's controller, so only the launch
 - by hand (the floor): N `ssh host python -m cmlcluster.agent` started in parallel, round robin
   over the hosts, until the controller has seen all N engines register.
 
-Ratio = ours / by hand, medians of --repeat runs alternating. Goal <= 1.25.
+Ratio = ours / by hand, medians of --repeat runs alternating. Goal <= 1.10 at 16 workers.
+Both sides' median timelines are printed (bench/timeline.py).
 
     python bench/ssh_launch.py [--sizes 1 4 16] [--repeat 3]
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from sshhosts import TestHosts, start_hosts
+from timeline import Timeline, median_timeline  # bench/, the script's folder
 
 from cmlcluster import Session
 from cmlcluster.backends.ssh import SSHBackend
@@ -42,21 +44,26 @@ def backend(hosts: TestHosts) -> SSHBackend:
     )
 
 
-def ours(session: Session, n: int) -> float:
+def ours(session: Session, n: int) -> tuple[float, Timeline]:
+    timeline = Timeline().follow(session)
     t0 = time.perf_counter()
     workers = session.launch_workers(n, cpu=1, memory=1)
+    timeline.mark("launch_workers returned")
     result = session.await_workers(workers, wait_for_completion=False, timeout_seconds=300)
     elapsed = time.perf_counter() - t0
+    timeline.mark("await_workers returned")
     assert len(result["workers"]) == n, result["failures"]
     session.stop_workers(*workers)
-    return elapsed
+    timeline.stop_following()
+    return elapsed, timeline
 
 
-def by_hand(session: Session, hosts: TestHosts, n: int, first_id: int) -> float:
+def by_hand(session: Session, hosts: TestHosts, n: int, first_id: int) -> tuple[float, Timeline]:
     control = session._supervisor.control
     assert control is not None
     env = control.agent_env() | {"CDSW_MASTER_IP": session.controller_ip, "PYTHONUNBUFFERED": "1"}
     client = session.client
+    timeline = Timeline()
     t0 = time.perf_counter()
     processes = []
     for i in range(n):
@@ -70,10 +77,12 @@ def by_hand(session: Session, hosts: TestHosts, n: int, first_id: int) -> float:
         processes.append(
             subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         )
+    timeline.mark("ssh processes started")
     wanted = set(range(first_id, first_id + n))
     while not wanted <= set(client.ids):
         time.sleep(0.01)
     elapsed = time.perf_counter() - t0
+    timeline.mark("every engine registered")
     client.shutdown(targets=sorted(wanted), block=True)
     for process in processes:
         process.wait(timeout=60)
@@ -90,14 +99,21 @@ def main() -> None:
         print(json.dumps({"hosts": [h.ip for h in hosts.hosts]}))
         print(f"{'N':>3} {'cmlcluster s':>13} {'by hand s':>10} {'ratio':>6}  (medians of {args.repeat})")
         next_id = 10_000  # engine ids far from the session's own
+        timelines = {}
         for n in args.sizes:
             mine, floor = [], []
             for _ in range(args.repeat):
                 mine.append(ours(session, n))
                 floor.append(by_hand(session, hosts, n, next_id))
                 next_id += n
-            m, f = statistics.median(mine), statistics.median(floor)
-            print(f"{n:>3} {m:>13.2f} {f:>10.2f} {m / f:>6.2f}", flush=True)
+            m, f = statistics.median(s for s, _ in mine), statistics.median(s for s, _ in floor)
+            spread = max(s for s, _ in floor) / min(s for s, _ in floor)
+            print(f"{n:>3} {m:>13.2f} {f:>10.2f} {m / f:>6.2f}  (by-hand spread {spread:.2f})", flush=True)
+            timelines[n] = (median_timeline(t for _, t in mine), median_timeline(t for _, t in floor))
+        for n, (mine_timeline, floor_timeline) in timelines.items():
+            print(f"median timelines, {n} workers, seconds from the call:")
+            print(mine_timeline.format("ours (launch_workers + await_workers)"))
+            print(floor_timeline.format("by hand"))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ workers), their IPs read from Docker, then `torchrun --nnodes 2 --node-rank i --
 once. Ours: run_torch (what %torchrun calls) on a fresh session: controller, two worker containers,
 a free port picked on worker 0, the rendezvous checked, torchrun on each, teardown. Repeats are
 interleaved (ours, by hand, ours, ...), and the spread of the by-hand runs is printed beside the
-ratio, so that noise and a real gap can be told apart. Goal: ratio (ours / by hand) <= 1.15.
+ratio, so that noise and a real gap can be told apart. Goal: ratio (ours / by hand) <= 1.05.
+Both sides' median timelines are printed (bench/timeline.py).
 
     python bench/torch_e2e.py [--repeat 5] [--epochs 3]
 """
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker
+from timeline import Timeline, median_timeline  # bench/, the script's folder
 
 from cmlcluster import Session, run_torch
 from cmlcluster.backends.docker import DockerBackend
@@ -32,21 +34,27 @@ SCRIPT = str(ROOT / "worker_scripts" / "torch_ddp_train.py")
 CPU, MEMORY_GB, NPROC = 1, 2, 2  # per worker, on both sides
 
 
-def ours(epochs: int) -> float:
+def ours(epochs: int) -> tuple[float, Timeline]:
+    timeline = Timeline()
     t0 = time.perf_counter()
     with Session(DockerBackend(image=IMAGE, host_python=True), echo=False) as session:
+        timeline.follow(session)
         result = run_torch(
             SCRIPT, ["--epochs", str(epochs)], nnodes=2, nproc_per_node=NPROC, cpu=CPU, memory=MEMORY_GB,
             session=session, echo=False,
         )  # fmt: skip
+        timeline.mark("run_torch returned")
     elapsed = time.perf_counter() - t0
+    timeline.mark("session closed")
     assert result.ok, result.message
-    return elapsed
+    return elapsed, timeline
 
 
-def by_hand(epochs: int, client: docker.DockerClient) -> float:
+def by_hand(epochs: int, client: docker.DockerClient) -> tuple[float, Timeline]:
+    timeline = Timeline()
     mounts = [f"{p}:{p}:ro" for p in {"/usr", sys.base_prefix, sys.prefix, str(ROOT)}]
     t0 = time.perf_counter()
+    timeline.start = time.time()
 
     def run(_: int):
         return client.containers.run(
@@ -58,10 +66,12 @@ def by_hand(epochs: int, client: docker.DockerClient) -> float:
 
     with ThreadPoolExecutor(2) as pool:
         containers = list(pool.map(run, range(2)))
+    timeline.mark("containers started")
     try:
         for c in containers:
             c.reload()
         master = containers[0].attrs["NetworkSettings"]["Networks"]["cmlcluster"]["IPAddress"]
+        timeline.mark("addresses read")
 
         def torchrun(node_rank: int) -> int:
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
@@ -72,10 +82,12 @@ def by_hand(epochs: int, client: docker.DockerClient) -> float:
         with ThreadPoolExecutor(2) as pool:
             codes = list(pool.map(torchrun, range(2)))
         assert codes == [0, 0], codes
+        timeline.mark("torchrun returned")
     finally:
         for c in containers:
             c.remove(force=True)
-    return time.perf_counter() - t0
+    timeline.mark("containers removed")
+    return time.perf_counter() - t0, timeline
 
 
 def main() -> None:
@@ -92,11 +104,15 @@ def main() -> None:
     for _ in range(args.repeat):
         mine.append(ours(args.epochs))
         theirs.append(by_hand(args.epochs, client))
-    m, t = statistics.median(mine), statistics.median(theirs)
-    print(f"ours:    {' '.join(f'{x:.2f}' for x in mine)}")
-    print(f"by hand: {' '.join(f'{x:.2f}' for x in theirs)} (spread {max(theirs) / min(theirs):.2f})")
+    ours_s, hand_s = [s for s, _ in mine], [s for s, _ in theirs]
+    m, t = statistics.median(ours_s), statistics.median(hand_s)
+    print(f"ours:    {' '.join(f'{x:.2f}' for x in ours_s)}")
+    print(f"by hand: {' '.join(f'{x:.2f}' for x in hand_s)} (spread {max(hand_s) / min(hand_s):.2f})")
     print(f"torchrun, 2 containers x {NPROC} processes, end to end: %torchrun {m:.2f} s, by hand {t:.2f} s, "
-          f"ratio {m / t:.2f} (goal <= 1.15)")  # fmt: skip
+          f"ratio {m / t:.2f} (goal <= 1.05)")  # fmt: skip
+    print("median timelines, seconds from the call:")
+    print(median_timeline(t for _, t in mine).format("ours (run_torch on a new session)"))
+    print(median_timeline(t for _, t in theirs).format("by hand"))
 
 
 if __name__ == "__main__":

@@ -93,9 +93,13 @@ def local_rank_process(rank):
     return find
 
 
-def test_a_docker_worker_killed_mid_training_is_replaced_and_training_goes_on(tmp_path_factory):
+# Local workers: test_a_local_rank_killed_mid_training_is_started_again_by_horovodrun (one host for horovodrun).
+@pytest.mark.parametrize(
+    "backend", ["docker", *(pytest.param(b, marks=pytest.mark.matrix) for b in ("ssh", "kubernetes"))], indirect=True
+)
+def test_a_worker_killed_mid_training_is_replaced_and_training_goes_on(backend):
     # Without env=: the new host's ranks still find the run's (empty) env file.
-    with Session(backend_for("docker", str(tmp_path_factory.getbasetemp())), echo=False) as session:
+    with Session(backend, echo=False) as session:
         killer = Killer(session, [worker(1)])
         result = run_horovod(str(EXAMPLE), ARGS, np=2, cpu=0.5, memory=1, max_restarts=2, session=session)
         assert result.ok, result.message

@@ -68,16 +68,25 @@ def final_loss(result) -> float:
 
 
 @pytest.mark.parametrize(
-    ("backend_name", "node"),
-    [("local", 1), pytest.param("local", 0, marks=pytest.mark.matrix), ("docker", 0)],
-    ids=["local node 1", "local node 0 (the rendezvous is the session's)", "docker node 0 (and its address)"],
+    ("backend", "node"),
+    [
+        ("local", 1),
+        pytest.param("local", 0, marks=pytest.mark.matrix),
+        ("docker", 0),
+        pytest.param("ssh", 1, marks=pytest.mark.matrix),
+        pytest.param("kubernetes", 0, marks=pytest.mark.matrix),
+    ],
+    ids=[
+        "local node 1",
+        "local node 0 (the rendezvous is the session's)",
+        "docker node 0 (and its address)",
+        "ssh node 1",
+        "kubernetes node 0",
+    ],
+    indirect=["backend"],
 )
-def test_a_worker_killed_mid_training_is_replaced_and_training_resumes_from_its_snapshot(
-    backend_name, node, tmp_path_factory
-):
-    from conftest import backend_for
-
-    with Session(backend_for(backend_name, str(tmp_path_factory.getbasetemp())), echo=False) as session:
+def test_a_worker_killed_mid_training_is_replaced_and_training_resumes_from_its_snapshot(backend, node):
+    with Session(backend, echo=False) as session:
         killer = Killer(session, [lambda workers: workers[node]])
         result = run_torch(str(EXAMPLE), ARGS, nnodes=2, max_restarts=2, session=session, echo=False)
         assert result.ok, result.message
