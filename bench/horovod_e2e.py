@@ -44,7 +44,14 @@ def ours(epochs: int) -> tuple[float, Timeline]:
     with Session(DockerBackend(image=IMAGE, host_python=True), echo=False) as session:
         timeline.follow(session)
         result = run_horovod(
-            SCRIPT, ["--epochs", str(epochs)], np=2, cpu=CPU, memory=MEMORY_GB, session=session, echo=False
+            # echo=True: the ranks' output and progress reach the session (whose own echo is off), for the timeline.
+            SCRIPT,
+            ["--epochs", str(epochs)],
+            np=2,
+            cpu=CPU,
+            memory=MEMORY_GB,
+            session=session,
+            echo=True,
         )
         timeline.mark("run_horovod returned")
     elapsed = time.perf_counter() - t0

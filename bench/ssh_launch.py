@@ -86,7 +86,7 @@ def by_hand(session: Session, hosts: TestHosts, n: int, first_id: int) -> tuple[
     client.shutdown(targets=sorted(wanted), block=True)
     for process in processes:
         process.wait(timeout=60)
-    return elapsed
+    return elapsed, timeline
 
 
 def main() -> None:

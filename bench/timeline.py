@@ -81,9 +81,11 @@ class Timeline:
         folder = self._session.session_dir if self._session is not None else None
         if folder and "controller listening" not in self.marks:
             try:
-                self.mark("controller listening", at=os.stat(os.path.join(folder, LISTENING_FILE)).st_mtime)
+                listening = os.stat(os.path.join(folder, LISTENING_FILE)).st_mtime
             except OSError:
-                pass
+                return
+            if listening >= self.start:  # not the controller of an earlier call of the session's
+                self.mark("controller listening", at=listening)
 
     def phases(self) -> list[tuple[str, float]]:
         return sorted(self.marks.items(), key=lambda item: item[1])

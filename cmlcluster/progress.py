@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -62,6 +63,21 @@ def _number(name: str, value: Any) -> float:
     return number
 
 
+def _horovod_rank() -> str | None:
+    """The rank Horovod gives this process now, where it runs: an elastic run numbers its ranks again at
+    each reset, while HOROVOD_RANK keeps the one the process started with (a survivor and the rank that
+    joined after a loss both reported as "rank 1", seen in bench/horovod_recovery.py)."""
+    for name in ("horovod.tensorflow", "horovod.torch"):  # horovod.keras and tensorflow.keras use the first
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        try:
+            return str(int(module.rank()))
+        except Exception:  # noqa: S112 - not initialized (yet, or any more): the environment's
+            continue
+    return None
+
+
 def _in_worker() -> bool:
     """Whether this process's stdout reaches a session: a worker (or its children), or a rank horovodrun relays.
 
@@ -71,7 +87,7 @@ def _in_worker() -> bool:
 
 
 def _task_name() -> str:
-    rank = os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+    rank = _horovod_rank() or os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
     if rank is None and "TORCHELASTIC_RUN_ID" in os.environ:  # a process torchrun started
         rank = os.environ.get("RANK")
     if rank is not None:

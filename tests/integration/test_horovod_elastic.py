@@ -46,6 +46,7 @@ class Killer:
         self.victims = list(victims)
         self.killed: list[int] = []
         self.replaced = 0
+        self.reporting_since_replaced: set[str] = set()  # the tasks whose progress came after the first replacement
         self.lock = threading.Lock()
         session.subscribe(self.on_event)
 
@@ -53,6 +54,8 @@ class Killer:
         with self.lock:
             if isinstance(event, JobChanged) and event.state == "member_replaced":
                 self.replaced += 1
+            if isinstance(event, Progress) and self.replaced:
+                self.reporting_since_replaced.add(event.task)
             if len(self.killed) == len(self.victims) or self.replaced < len(self.killed):
                 return
             trained = isinstance(event, Progress) and event.task == "rank 0" and event.step >= STEPS
@@ -105,6 +108,9 @@ def test_a_worker_killed_mid_training_is_replaced_and_training_goes_on(backend):
         assert result.ok, result.message
         assert result.restarts == 1 and killer.killed and killer.replaced == 1
         assert "--host-discovery-script" in result.argv and "-H" not in result.argv
+        # Each rank reports as the rank it is now: the survivor and the rank that joined are two (seen before:
+        # both "rank 1", the number each had started with).
+        assert killer.reporting_since_replaced == {"rank 0", "rank 1"}, killer.reporting_since_replaced
         workers = session.list_workers()
         assert [w["status"] for w in workers] == ["stopped", "failed", "stopped"]
     texts = {rank: "\n".join(lines) for rank, lines in result.output.items()}

@@ -149,3 +149,29 @@ def test_report_in_a_worker_is_a_marked_line_and_bad_values_are_refused(monkeypa
     )
     with pytest.raises(ConfigError, match=r"report\(loss='high'\): give a number"):
         report(1, loss="high")
+
+
+def test_a_horovod_rank_reports_as_the_rank_horovod_gives_it_now(monkeypatch, capsys):
+    # An elastic run numbers its ranks again at each reset; HOROVOD_RANK keeps the first number (a
+    # survivor that was rank 1 is rank 0 after its partner's loss, and the rank that joins is rank 1).
+    import sys
+    import types
+
+    from cmlcluster import report
+    from cmlcluster.progress import decode
+
+    monkeypatch.setenv("HOROVOD_RANK", "1")
+    report(1)
+    assert decode(capsys.readouterr().out, "rank 1").task == "rank 1"  # no Horovod in the process: its env
+    horovod = types.ModuleType("horovod.tensorflow")
+    horovod.rank = lambda: 0
+    monkeypatch.setitem(sys.modules, "horovod.tensorflow", horovod)
+    report(2)
+    assert decode(capsys.readouterr().out, "rank 1").task == "rank 0"
+
+    def not_initialized():
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+
+    horovod.rank = not_initialized
+    report(3)
+    assert decode(capsys.readouterr().out, "rank 1").task == "rank 1"
