@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import threading
 import time
 from pathlib import Path
+
+from repeats import medians  # bench/, the script's folder
 
 from cmlcluster import Session
 from cmlcluster.backends.docker import DockerBackend
@@ -97,16 +98,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    runs = []
-    for _ in range(args.repeat):
-        run = once()
-        runs.append(run)
-        print(
+    median = medians(
+        once,
+        args.repeat,
+        lambda run: (
             f"fresh start to the first step: {run['fresh']:5.1f} s   kill to the survivor training: "
-            f"{run['survivor']:5.1f} s   kill to both ranks training: {run['both']:5.1f} s",
-            flush=True,
-        )
-    median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            f"{run['survivor']:5.1f} s   kill to both ranks training: {run['both']:5.1f} s"
+        ),
+    )
     print(
         f"docker, worker 1 killed, medians of {args.repeat}: fresh start {median['fresh']:.1f} s, survivor training "
         f"again {median['survivor']:.1f} s, both ranks {median['both']:.1f} s (ratio to a fresh start "

@@ -27,6 +27,8 @@ import threading
 import time
 import traceback
 
+from repeats import medians  # bench/, the script's folder
+
 from cmlcluster import Session, start_cluster
 from cmlcluster.events import JobChanged
 
@@ -117,17 +119,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    runs = []
-    for _ in range(args.repeat):
-        run = once()
-        runs.append(run)
-        print(
+    m = medians(
+        once,
+        args.repeat,
+        lambda run: (
             f"fresh start {run['fresh']:5.1f} s   kill -> replacement running {run['replaced']:5.1f} s   "
             f"kill -> taken back {run['back']:5.1f} s   steps/s {run['rate_before']:.0f} before, "
-            f"{run['rate_away']:.0f} while away",
-            flush=True,
-        )
-    m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            f"{run['rate_away']:.0f} while away"
+        ),
+    )
     print(
         f"medians of {args.repeat}: fresh start {m['fresh']:.1f} s, kill -> replacement running {m['replaced']:.1f} s, "
         f"kill -> taken back {m['back']:.1f} s (ratio to a fresh start {m['back'] / m['fresh']:.2f}); "
