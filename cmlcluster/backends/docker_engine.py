@@ -92,7 +92,8 @@ def session_network(client: Any, session_id: str) -> str:
 
     Docker drops traffic between two user-defined bridge networks, so no other session's workers
     (nor any other container) reach this session's, whatever they listen on: TensorFlow's servers
-    bind every interface. The session's machine reaches the gateway, where the controller listens."""
+    bind every interface (but for the moments while Docker 20.10 makes any network: docs/security.md).
+    The session's machine reaches the gateway, where the controller listens."""
     import docker.errors
 
     name = session_network_name(session_id)

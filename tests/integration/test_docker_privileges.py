@@ -14,6 +14,7 @@ import docker
 import ipyparallel as ipp
 import pytest
 from conftest import DOCKER_TEST_IMAGE
+from docker_window import refused_unless_in_dockers_window
 
 from cmlcluster import ConfigError, Session
 from cmlcluster.backends import docker_engine
@@ -92,17 +93,19 @@ def threads_until_refused(most):
 
 
 @ipp.interactive
-def listen_once():
-    """Runs on a worker: accept one connection on every interface in the background; return the port."""
+def listen():
+    """Runs on a worker: answer "hello" to each connection on every interface, in the background; return
+    the port."""
     import socket as _socket
     import threading as _threading
 
     server = _socket.create_server(("0.0.0.0", 0))
 
     def answer():
-        connection, _ = server.accept()
-        connection.sendall(b"hello")
-        connection.close()
+        while True:
+            connection, _ = server.accept()
+            connection.sendall(b"hello")
+            connection.close()
 
     _threading.Thread(target=answer, daemon=True).start()
     return server.getsockname()[1]
@@ -202,8 +205,13 @@ def test_each_session_has_its_own_network_that_others_cannot_reach_and_it_goes_w
         assert list(container_a.attrs["NetworkSettings"]["Networks"]) == [network_a.name]
         # A's worker listens on every interface; B's cannot connect to it. (The host, where both
         # sessions' controllers are, reaches both networks: that is how workers reach their session.)
-        port = a.client[wa["engine_id"]].apply_sync(listen_once)
-        assert b.client[wb["engine_id"]].apply_sync(dial, ra["ip_address"], port).startswith("failed:")
+        port = a.client[wa["engine_id"]].apply_sync(listen)
+        across = refused_unless_in_dockers_window(
+            client,
+            lambda: b.client[wb["engine_id"]].apply_sync(dial, ra["ip_address"], port),
+            lambda got: not got.startswith("failed:"),
+        )
+        assert across.startswith("failed:"), across
         assert a.client[wa["engine_id"]].apply_sync(dial, ra["ip_address"], port) == "hello"  # it did listen
     assert networks_of(client, a.id) == [] and networks_of(client, b.id) == []
 
