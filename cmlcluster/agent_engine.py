@@ -6,7 +6,10 @@ on for hours, so a watchdog thread listens to the controller's heartbeat pings
 (the same ones the engine answers) and ends the worker's whole process group
 once they have been silent for the session's silence_timeout. A stop signal
 ends the running program (agent_program) and sends what the engine holds
-before the agent dies of it.
+before the agent dies of it. An interrupt request (the Jupyter protocol's, on the
+control channel, which a thread of its own serves while the program runs) ends the
+program the same way and leaves the engine serving: the session then takes the
+worker's collect= files through it before it stops the worker (homeward.py).
 """
 
 from __future__ import annotations
@@ -117,8 +120,13 @@ class AgentEngine(IPEngine):
     # the watchdog's last words go there, not into a pipe whose reader dies with the process.
     log_fd = 2
     silence_seconds = wire.DEFAULT_SILENCE_TIMEOUT  # the session's silence_timeout (wire.SILENCE_ENV)
+    interrupting = False  # the next SIGTERM is an interrupt request's: it ends the program, not the engine
 
     def _signal_stop(self, sig: int, frame: Any) -> None:
+        if AgentEngine.interrupting:
+            AgentEngine.interrupting = False
+            agent_program.stop_program(sig)
+            return
         AgentEngine.stop_signal = sig
         super()._signal_stop(sig, frame)
         # The engine stops once the program returns: end it now (its finally blocks run), not
@@ -169,8 +177,19 @@ class AgentEngine(IPEngine):
     def _connection_from_session(self) -> str:
         return AgentEngine.controller_connection
 
+    def _interrupt_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """On the control thread: end the running program as a stop's signal does (the signal, so that a
+        program blocked in a system call wakes), keeping the engine. ipykernel's own would SIGINT the
+        process group, which the engine ignores and a program's children would not survive."""
+        if agent_program.in_program() and AgentEngine.stop_signal is None:
+            AgentEngine.interrupting = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.kernel.session.send(stream, "interrupt_reply", {"status": "ok"}, parent, ident=ident)
+
     def start_heartbeat(self, hb_ping: str, hb_pong: str, hb_period: int, identity: bytes) -> None:
         super().start_heartbeat(hb_ping, hb_pong, hb_period, identity)
+        # Registered: the kernel exists (ipyparallel makes it just before it starts the heart).
+        self.kernel.control_handlers["interrupt_request"] = self._interrupt_request
         import zmq
 
         curve: dict[int, bytes] = {}

@@ -41,6 +41,7 @@ DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
 # after connecting, then twice as long each time up to this): control.py's _catch_up says why.
 HUB_RECHECK_SECONDS = 4.0
 OUTPUT_DRAIN_TIMEOUT = 5.0
+INTERRUPT_TIMEOUT = 5.0  # seconds for an agent's control thread to answer an interrupt request
 
 EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
 OutputCallback = Callable[[str, str], None]  # (stream name, text)
@@ -82,6 +83,11 @@ class ControlPlane(abc.ABC):
 
         An exception raised there is raised here as a RemoteError carrying the remote traceback.
         """
+
+    @abc.abstractmethod
+    async def interrupt(self, engine_id: int) -> None:
+        """End the worker's running program as a stop does (run_program returns its exit code, -signal),
+        its agent still serving; nothing when no program runs."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -363,6 +369,10 @@ class IPyParallelControl(ControlPlane):
 
     async def call(self, engine_id: int, target: str, args: tuple[Any, ...], on_output: OutputCallback) -> Any:
         return await self._apply_streaming(engine_id, ("call", target, *args), on_output)
+
+    async def interrupt(self, engine_id: int) -> None:
+        reply = ipyparallel_internals.send_interrupt(self._client, engine_id)
+        await asyncio.wait_for(asyncio.wrap_future(reply), INTERRUPT_TIMEOUT)
 
     async def close(self) -> None:
         if self._catching_up is not None:

@@ -52,6 +52,12 @@ async def hub_engines(client: Any, timeout: float) -> dict[int, str]:
     return {int(engine_id): uuid for engine_id, uuid in reply["content"]["engines"].items()}
 
 
+def send_interrupt(client: Any, engine_id: int) -> Any:
+    """Send the Jupyter protocol's interrupt_request to one engine's control channel (the agent's engine
+    serves it: agent_engine.py); a future of the reply. Sent on the client's IO thread."""
+    return client._send_control_request(targets=engine_id, msg_type="interrupt_request", content={}, block=False)
+
+
 def register_engines(client: Any, engines: dict[int, str]) -> None:
     """Have the client take in the engines it lacks as their registration notifications would (their
     routing identities, its registration callbacks), on its IO thread, where notifications are
@@ -132,12 +138,20 @@ def _client_checks() -> list[probes.Check]:
         ("Client._register_engine", lambda: callable(client()._register_engine)),
         ("Client._query_stream", lambda: "_query_stream" in inspect.getsource(client())),
         ("Client._io_loop", lambda: "_io_loop" in client().class_trait_names()),
+        ("Client._send_control_request(targets, msg_type, content, block)", _send_control_request),
         ("Client._dispatch_iopub stores a stream's text, then runs the iopub callbacks", _stream_text_then_callbacks),
         (
             "Client.send_apply_request(..., ident=, message_future_hook=)",
             lambda: {"ident", "message_future_hook"} <= set(inspect.signature(client().send_apply_request).parameters),
         ),
     ]
+
+
+def _send_control_request() -> bool:
+    from ipyparallel import Client
+
+    parameters = list(inspect.signature(Client._send_control_request).parameters)[1:]
+    return parameters == ["targets", "msg_type", "content", "block"]
 
 
 def _stream_text_then_callbacks() -> bool:
@@ -166,8 +180,15 @@ def _engine_checks() -> list[probes.Check]:
         ),
         ("IPEngine.connection_info_env", lambda: engine().class_traits().get("connection_info_env") is not None),
         ("ipykernel.iostream.IOPubThread.stop", _iopub_thread_stop),
+        ("ipykernel Kernel.control_handlers (by message type)", _control_handlers),
         ("ipykernel.iostream.OutStream._fid (the captured fd's pipe)", _out_stream_fid),
     ]
+
+
+def _control_handlers() -> bool:
+    from ipykernel.kernelbase import Kernel
+
+    return "self.control_handlers[msg_type]" in inspect.getsource(Kernel)
 
 
 def _iopub_thread_stop() -> bool:

@@ -38,7 +38,7 @@ class Leftovers:
 
     def _may_ask(self, worker: Worker) -> bool:
         """An idle worker, in a folder of its own, with its agent there and not asked yet."""
-        program = self._supervisor._programs.get(worker.id)  # running, or run
+        program = self._supervisor.programs.get(worker.id)
         return (
             worker.status == RUNNING
             and worker.id not in self._asked

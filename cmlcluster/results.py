@@ -2,10 +2,11 @@
 
 On CML every worker writes to the project's shared disk, so a script that saves ``outputs/model.keras``
 finds it in the notebook's folder afterwards. Where workers start in a folder of their own, removed when
-they end (SSH hosts, Docker without the working folder mounted), ``collect=["outputs"]`` makes that so
-again: when a worker ends (success, failure or stop), what it wrote under those paths lands at the same
-relative paths in the session's working folder. Both sides read the rules here: the host's side
-(backends/results_host.py) that keeps the files before the folder goes, and the session's side
+they end (SSH hosts, Docker without the working folder mounted, pods off the shared volume),
+``collect=["outputs"]`` makes that so again: when a worker ends (success, failure or stop), what it wrote
+under those paths lands at the same relative paths in the session's working folder. Both sides read the
+rules here: the worker's side (backends/results_host.py, on an SSH host or in a pod's agent:
+agent_results.py) that keeps the files before the folder goes, and the session's side
 (backends/results_home.py) that writes them into the session's folder.
 
 - Paths are relative to the worker's working folder: "outputs", "checkpoints/", "model.keras", "." (all of
@@ -93,18 +94,6 @@ def brought_home(collect: tuple[str, ...], capabilities: Capabilities, cwd: str)
     """Whether a worker's collect= files must travel: its backend's workers do not see `cwd`, where
     they would be already (local processes, a mounted folder, a shared volume)."""
     return bool(collect) and not capabilities.sees(cwd)
-
-
-def check_backend(collect: tuple[str, ...], capabilities: Capabilities, cwd: str, backend: str) -> None:
-    """Refuse collect= before anything starts on a backend that cannot bring files home from where its
-    workers write them."""
-    if brought_home(collect, capabilities, cwd) and not capabilities.collects:
-        raise ConfigError(
-            f"collect={list(collect)!r}: the {backend} backend's workers work in folders of their own, out of "
-            "this session's reach, and it cannot copy files out of them when they end; run from a folder its "
-            "workers see at the same path (a shared volume), where what they write is on this machine already, "
-            "or leave collect= out"
-        )
 
 
 def cap_bytes() -> int:

@@ -107,7 +107,6 @@ class Session:
         cwd = os.getcwd()
         program = validate_launch(n, cpu, memory, nvidia_gpu, kernel, script, code, env, cwd)
         paths = results.check_collect(collect)
-        results.check_backend(paths, self.backend.capabilities(), cwd, self.backend.name)
         shipment = self.ship([program.script] if program.script else [], working_folder=ship_working_folder)
         if shipment.files:
             program = replace(

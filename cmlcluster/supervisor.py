@@ -18,6 +18,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from .backends import Backend
+from .collect_through_agents import CollectThroughAgents
 from .control import HUB_SILENCE_MARGIN, ControlPlane
 from .errors import BackendError, ConfigError, WorkerError
 from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
@@ -52,9 +53,10 @@ class Supervisor:
         self._next_engine_id = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_watchers: dict[str, asyncio.Task[None]] = {}
-        self._programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, run to its ending
+        self.programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, running or run to its ending
         self._lines: dict[tuple[str, str], LineSplitter] = {}  # per worker and stream, its line being written
         self.leftovers = Leftovers(self)  # what a worker's own folder holds, said before it goes
+        self.collecting = CollectThroughAgents(self)  # collect= files the backend cannot take itself
 
     def new_engine_id(self) -> int:
         engine_id = self._next_engine_id
@@ -231,7 +233,7 @@ class Supervisor:
     async def _run_program(self, worker: Worker) -> None:
         worker.program_started = True
         program = asyncio.ensure_future(self._program_ending(worker))
-        self._programs[worker.id] = program
+        self.programs[worker.id] = program
         try:
             ending = await program
         except Exception as e:
@@ -241,6 +243,7 @@ class Supervisor:
             await self._end(worker, Ending(FAILED, message=f"worker {worker.id} failed: {e}"))
             return
         # Like a CML worker, it ends when its program does.
+        await self.collecting.take(worker)
         await self.leftovers.before_stop([worker])
         await self._end(worker, ending)
 
@@ -261,7 +264,7 @@ class Supervisor:
         """Its program's ending, for a worker whose process is gone: its result and last output may
         trail the process's end over the control plane (EXIT_OUTPUT_GRACE). None: no program, or
         none that ended with a result (its engine died with it)."""
-        program = self._programs.get(worker.id)
+        program = self.programs.get(worker.id)
         if program is None:
             return None
         if not program.done():
@@ -276,6 +279,7 @@ class Supervisor:
         # A worker's end is reported once all of its output is in: what its process wrote (the
         # backend's wait() returns once output() holds it all) and what its program printed.
         code = await self.backend.wait(worker.handle)
+        self.collecting.ended_untaken(worker)
         program_ending = await self._program_ending_at_exit(worker)
         self._flush_partial(worker)
         ending = worker.ending or program_ending
@@ -335,6 +339,7 @@ class Supervisor:
     async def stop(self, workers: list[Worker], grace: float = STOP_GRACE) -> list[dict[str, Any]]:
         """Stop these workers in parallel (TERM, KILL after `grace` s); their dicts once they are stopped."""
         live = [w for w in workers if not w.finished and w.handle is not None]
+        await self.collecting.before_stop(live)
         await self.leftovers.before_stop(live)
         for w in live:
             w.stop_requested = True
@@ -347,8 +352,7 @@ class Supervisor:
 
     async def stop_everything(self) -> None:
         await self.stop(list(self.workers.values()))
-        # A finished worker's process may still be on its way out (its program just
-        # ended); stop is idempotent, so make sure of every one before the loop goes.
+        # A finished worker's process may still be on its way out (its program just ended); stop is idempotent.
         handles = [w.handle for w in self.workers.values() if w.handle is not None]
         await asyncio.gather(*(self.backend.stop(h, STOP_GRACE) for h in handles))
 

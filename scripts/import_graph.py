@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "agent_engine",
             "agent_files",
             "agent_program",
+            "agent_results",  # in a pod's agent: its collect= files, for the session to take
             "agent_template",
             "pytorch.node",
             "pytorch.rank",
@@ -92,6 +93,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "records",
             "worker_logs",
             "leftovers",
+            "collect_through_agents",
             "tensorboard_server",
             "tensorboard_process",
             "ui",

@@ -115,8 +115,10 @@ class Capabilities:
         leaves workers running that long). Sized for a real network; short where nothing but this
         host lies between the session and its workers.
     collects: what a worker wrote under its spec's collect= paths (results.py) is in the session's
-        spec.cwd once wait() or stop() returns, also where the worker's folder is its own; else
-        collect= is refused before launch where workers do not see the session's working folder.
+        spec.cwd once wait() or stop() returns, also where the worker's folder is its own and the
+        worker was killed outright. Else, where workers do not see the session's working folder, the
+        session takes the files through the worker's agent before it stops it
+        (collect_through_agents.py), which a worker killed outright takes with it.
     """
 
     own_address: bool

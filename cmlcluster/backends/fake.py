@@ -54,6 +54,7 @@ class FakeHandle:
     printed: list[str] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     on_end: Callable[[FakeHandle], None] | None = None
+    interrupted: asyncio.Future[None] | None = None  # set by an interrupt while its program runs
 
     def end(self, code: int) -> None:
         if not self.exited.done():
@@ -175,10 +176,13 @@ class FakeControl(ControlPlane):
             on_output("stdout", line + "\n")
         running: asyncio.Future[Any] = asyncio.ensure_future(asyncio.sleep(handle.script.run_time))
         exited: asyncio.Future[Any] = handle.exited
+        handle.interrupted = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait([running, exited], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([running, exited, handle.interrupted], return_when=asyncio.FIRST_COMPLETED)
         finally:
             running.cancel()
+        if handle.interrupted.done() and not exited.done():
+            return SIGTERM_EXIT  # ended as a stop ends it, the agent still serving
         if handle.exited.done():
             if handle.script.cleanup_output and handle.exited.result() == SIGTERM_EXIT:
                 # Stopped: the agent's program ends through its cleanup and says so, and that news
@@ -195,6 +199,12 @@ class FakeControl(ControlPlane):
         if self.responder is None:
             raise CmlClusterError(f"fake worker {engine_id} runs no code (asked for {target})")
         return self.responder(engine_id, target, args)
+
+    async def interrupt(self, engine_id: int) -> None:
+        self.calls.append((engine_id, "interrupt", ()))
+        interrupted = self._backend.handles[engine_id].interrupted
+        if interrupted is not None and not interrupted.done():
+            interrupted.set_result(None)
 
     async def close(self) -> None:
         self.closed = True

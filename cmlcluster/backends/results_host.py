@@ -44,7 +44,7 @@ def results_root() -> str:
     return os.path.join(tempfile.gettempdir(), f"cmlcluster-results-{os.getuid()}")
 
 
-def _own_root(make: bool) -> str:
+def own_root(make: bool) -> str:
     """The root folder, checked to be this user's alone (made with make=True); OSError when it is not."""
     root = results_root()
     if make:
@@ -65,7 +65,7 @@ def keep(work: str, worker_id: str, collect: Iterable[str], since: float) -> Non
         return
     report: dict[str, Any] = {"files": 0, "bytes": 0, "missing": [], "links": [], "over_cap": [], "errors": []}
     try:
-        root = _own_root(make=True)
+        root = own_root(make=True)
         _sweep(root)
         kept = os.path.join(root, worker_id)
         shutil.rmtree(kept, ignore_errors=True)
@@ -157,7 +157,7 @@ def send(worker_id: str, cap: int, out: IO[bytes], err: IO[str]) -> int:
         return 2
     _wait_for_keep(worker_id)
     try:
-        kept = os.path.join(_own_root(make=False), worker_id)
+        kept = os.path.join(own_root(make=False), worker_id)
         with open(os.path.join(kept, "report.json")) as f:
             report = json.load(f)
     except (OSError, ValueError) as e:

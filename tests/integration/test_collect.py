@@ -3,14 +3,15 @@ the paths named is in the session's working folder when each ends, whether it su
 stopped, as on CML's shared disk; what else they leave there is named in one warning that says collect=.
 
 For real, on SSH hosts (containers standing in for machines, which see none of the session's files:
-tests/sshhosts.py) and on Docker containers that do not mount the working folder (mount_cwd=False). One
-session each, three workers at once, to keep the suite short. On Kubernetes (the stand-in, whose API has no
-pods/exec to copy files out of a pod with) collect= works where the working folder is on the shared volume,
-as on CML, and is refused before anything starts elsewhere."""
+tests/sshhosts.py), on Docker containers that do not mount the working folder (mount_cwd=False), and on
+the stand-in Kubernetes cluster's pods run from a folder off its shared volume (their files come through
+their agents: collect_through_agents.py). One session each, three workers at once, to keep the suite short.
+On the shared volume, pods write where the session reads, as on CML."""
 
 from __future__ import annotations
 
 import logging
+import pathlib
 import tempfile
 import time
 
@@ -19,7 +20,6 @@ from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 from cmlcluster import Session
 from cmlcluster.backends.docker import DockerBackend
-from cmlcluster.errors import ConfigError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -37,15 +37,21 @@ def program(name: str, code: int | None) -> str:
     )
 
 
-@pytest.fixture(params=["ssh", "docker"])
-def own_folder_backend(request):
-    """Backends whose workers start in a folder of their own, removed when they end."""
+@pytest.fixture(params=["ssh", "docker", "kube"])
+def own_folder_backend(request, tmp_path):
+    """Backends whose workers start in a folder of their own, removed when they end; and the folder the
+    session runs in (the stand-in's pods see the tests' whole temp folder: one outside it, for them)."""
     if request.param == "ssh":
-        return ssh_backend(request.getfixturevalue("ssh_hosts"))
-    return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, mount_cwd=False)
+        yield ssh_backend(request.getfixturevalue("ssh_hosts")), tmp_path
+    elif request.param == "docker":
+        yield DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, mount_cwd=False), tmp_path
+    else:
+        with tempfile.TemporaryDirectory() as elsewhere:
+            yield kube_backend(request.getfixturevalue("kube")), pathlib.Path(elsewhere)
 
 
-def test_files_come_home_when_workers_succeed_fail_or_are_stopped(own_folder_backend, tmp_path, monkeypatch, caplog):
+def test_files_come_home_when_workers_succeed_fail_or_are_stopped(own_folder_backend, monkeypatch, caplog):
+    own_folder_backend, tmp_path = own_folder_backend
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()
     (tmp_path / "outputs" / "notes.md").write_text("the user's own")
@@ -92,16 +98,10 @@ def test_files_come_home_when_workers_succeed_fail_or_are_stopped(own_folder_bac
     assert "holds stray.txt (1 file" in left and "collect=['stray.txt']" in left and "outputs" not in left
 
 
-def test_on_kubernetes_collect_works_on_the_shared_volume_and_is_refused_elsewhere(kube, tmp_path, monkeypatch):
+def test_on_kubernetes_pods_on_the_shared_volume_write_where_the_session_reads(kube, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # on the claim that every pod mounts at the same path
     code = "import os\nos.makedirs('outputs')\nopen('outputs/k.txt', 'w').write('from a pod')\n"
     with Session(kube_backend(kube), echo=False) as session:
         [worker] = session.launch_workers(1, cpu=0.5, memory=0.5, code=code, collect="outputs")
         assert session.await_workers([worker], timeout_seconds=90)["failures"] == []
         assert (tmp_path / "outputs" / "k.txt").read_text() == "from a pod"  # written where the session reads
-        with tempfile.TemporaryDirectory() as elsewhere:  # not on the claim: pods work in folders of their own
-            monkeypatch.chdir(elsewhere)
-            with pytest.raises(ConfigError, match=r"collect=\['outputs'\]: the kubernetes backend's workers work in"):
-                session.launch_workers(1, cpu=0.5, memory=0.5, code=code, collect="outputs")
-            monkeypatch.chdir(tmp_path)
-        assert len(session.list_workers()) == 1  # the refused launch started nothing

@@ -54,9 +54,6 @@ def test_a_launch_with_bad_collect_starts_nothing(tmp_path, monkeypatch):
     with Session(backend, echo=False) as session:
         with pytest.raises(ConfigError, match=r"collect entry '/abs/out'"):
             session.launch_workers(1, cpu=1, memory=1, code="pass", collect=["outputs", "/abs/out"])
-        # A backend that cannot copy out of its workers' own folders refuses collect= itself, saying why.
-        with pytest.raises(ConfigError, match=r"collect=\['outputs'\]: the fake backend's workers .* shared volume"):
-            session.launch_workers(1, cpu=1, memory=1, code="pass", collect="outputs")
         assert session.list_workers() == [] and backend.handles == {}
 
 
