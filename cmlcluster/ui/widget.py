@@ -9,6 +9,7 @@ works in JupyterLab 4 and Notebook 7) whose traits update in place, one point at
 
 from __future__ import annotations
 
+import base64
 import bisect
 import html
 import threading
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
-from .. import blocking
+from .. import blocking, logfile
 from ..events import (
     Event,
     JobChanged,
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
 
 RENDER_HZ = 10  # at most this many widget updates a second
 OUTPUT_LINES = 200  # lines kept per source for the output panel
+# A log's link carries it whole up to this size, else its first LOG_LINK_HEAD bytes and its end: a click
+# sends it through the widget's comm (`cmlcluster logs` shows a log whole whatever its size).
+LOG_LINK_BYTES = 2 << 20
+LOG_LINK_HEAD = 256 << 10
 CURVE_POINTS = 500  # points kept per loss curve (older ones thinned out)
 STOPS_THE_CELL = "Stops these workers, and the cmlcluster call a running cell waits in"
 STOPS_BETWEEN_CELLS = "Stops these workers between cells; a running cell stops with Interrupt (■)"
@@ -84,11 +89,17 @@ class WidgetView:
         self.source.observe(self._guarded(lambda _: self._dirty.set()), names="value")
         self.output = w.HTML()
         self.log_hint = w.HTML()  # where the selected worker's whole log is, also after the session
+        # Its link: made on a click (the log read then), for the worker selected at that moment.
+        self.log_button = w.Button(description="log", icon="download", tooltip="A link to the selected worker's log")
+        self.log_button.on_click(self._guarded(self._on_log_click))
+        self.log_link = w.HTML()
+        self._linked: str | None = None  # the worker whose log the link holds
         self.errors = w.Output()  # exceptions in callbacks land here, shown under the widget
         self.training = w.VBox()
         self.task_bars: dict[str, w.FloatProgress] = {}
         self.task_metrics: dict[str, w.HTML] = {}
         self.plot, self._scales = _new_plot()
+        self.plot_area = w.Box()  # holds the plot from the first loss on: no empty chart where nothing trains
         self.lines: dict[str, Any] = {}  # task -> its bqplot Lines
         self.widget = w.VBox(
             [
@@ -96,10 +107,10 @@ class WidgetView:
                 self.up,
                 self.table,
                 self.training,
-                *([self.plot] if self.plot is not None else []),
+                self.plot_area,
                 self.source,
                 self.output,
-                self.log_hint,
+                w.HBox([self.log_hint, self.log_button, self.log_link]),
                 self.errors,
             ],
             layout=w.Layout(width="100%"),
@@ -220,6 +231,12 @@ class WidgetView:
             return f"stopped from the widget: stopping {names} failed: {e}"
         return f"stopped from the widget: {names} stopped"
 
+    def _on_log_click(self, _button: Any) -> None:
+        """The selected worker's log as a link that downloads it (its state now; click again for later)."""
+        worker = self.source.value
+        if worker in self._rows:  # a worker's output is selected (the button shows only then)
+            self._linked, self.log_link.value = worker, _log_link(self.session, worker)
+
     # ---------------------------------------------------------------- rendering
 
     def _render_loop(self) -> None:
@@ -268,7 +285,9 @@ class WidgetView:
         self.stop_button.disabled = session.closed or not (live or blocking.busy(session))
         self.stop_button.button_style = "" if self.stop_button.disabled else "danger"  # red only when it can act
         self._render_training(progress, labels)
-        if self.plot is not None:
+        if self.plot is not None and curves:
+            if not self.plot_area.children:
+                self.plot_area.children = (self.plot,)
             self._render_curves(curves)
         names = [(labels.get(s, s), s) for s in sources]
         if names != list(self.source.options):
@@ -277,6 +296,9 @@ class WidgetView:
                 self.source.value = selected
         self.output.value = f'<pre class="cmlcluster-output">{html.escape(chr(10).join(output))}</pre>'
         self.log_hint.value = _log_hint(session, selected_worker) if selected_worker else ""
+        self.log_button.layout.display = "" if selected_worker else "none"
+        if self._linked is not None and self._linked != selected_worker:
+            self._linked, self.log_link.value = None, ""  # another worker's: gone with its selection
         self.updates += 1
 
     def _render_curves(self, curves: dict[str, tuple[list[float], list[float]]]) -> None:
@@ -318,6 +340,18 @@ def _log_hint(session: Session, worker_id: str) -> str:
     command = html.escape(f"cmlcluster logs {session.id} {worker_id}")
     return (
         f'<div class="cmlcluster-log">whole log: <code>{path}</code>, after the session: <code>{command}</code></div>'
+    )
+
+
+def _log_link(session: Session, worker_id: str) -> str:
+    """A link whose data is the worker's log (LOG_LINK_BYTES at most), saved as <worker id>.log."""
+    data = logfile.excerpt(session.worker_log_path(worker_id), LOG_LINK_BYTES, LOG_LINK_HEAD)
+    name = html.escape(f"{worker_id}.log")  # a worker id holds its session's
+    href = "data:text/plain;charset=utf-8;base64," + base64.b64encode(data).decode()
+    size = f"{len(data) / 1000:.1f} kB" if len(data) >= 1000 else f"{len(data)} bytes"
+    return (
+        f'<a class="cmlcluster-log-link" download="{name}" href="{href}" style="text-decoration:underline">'
+        f"{name} ({size})</a>"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 
@@ -12,7 +13,7 @@ from cmlcluster.backends.fake import FakeBackend, FakeWorker
 from cmlcluster.events import JobChanged, Progress
 from cmlcluster.jobs import Member
 from cmlcluster.ui.terminal import TerminalView
-from cmlcluster.ui.widget import RENDER_HZ, WidgetView
+from cmlcluster.ui.widget import LOG_LINK_BYTES, RENDER_HZ, WidgetView
 
 
 def fake_session(*plan: FakeWorker) -> Session:
@@ -160,3 +161,26 @@ def test_terminal_view_prints_status_output_and_throttled_progress(capsys):
     assert progress[0] == "[rank 0] step 1/100 loss=1"
     assert progress[-1] == "[rank 0] step 100/100 loss=0.01"
     assert len(progress) <= 3  # throttled: first, last, perhaps one between
+
+
+def test_the_log_button_links_the_selected_workers_log_capped_and_only_while_it_is_selected():
+    with fake_session(FakeWorker(output=("hello",)), FakeWorker(output=("hello",))) as s:
+        view = WidgetView(s)
+        first, second = s.launch_workers(2, cpu=1, memory=1, code="pass")
+        s.await_workers([first, second], timeout_seconds=10)
+        settled(view, lambda: view.source.value == first["id"] and view.log_button.layout.display == "")
+        lines = [f"line {i:07d} {'x' * 40}\n" for i in range(60_000)]  # 3.1 MB: more than a link carries
+        with open(s.worker_log_path(first), "w") as f:
+            f.writelines(lines)
+        view.log_button.click()
+        link = re.search(
+            r'<a class="cmlcluster-log-link" download="([^"]+)" href="data:text/plain;[^,]*,([^"]+)"',
+            view.log_link.value,
+        )
+        assert link.group(1) == f"{first['id']}.log"
+        text = base64.b64decode(link.group(2)).decode()
+        assert text.startswith(lines[0]) and text.endswith(lines[-1])
+        assert re.search(r"\n\[\.\.\. [\d,]+ bytes left out here \.\.\.\]\n", text)
+        assert len(text) == LOG_LINK_BYTES + len(re.search(r"\n\[.*\]\n", text).group(0))
+        view.source.value = second["id"]
+        settled(view, lambda: view.log_link.value == "")  # another worker selected: the link was the first's
