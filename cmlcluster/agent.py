@@ -4,9 +4,9 @@ It prepares the worker's environment, connects an ipyparallel engine (agent_engi
 session's controller, and then serves: the session runs the worker's program (agent_program)
 and everything else (%px, TF servers, sshd) through that engine, calling this module's
 functions by name: `describe`, `run_program`, `call` (control._agent_call), `unpack_files` and
-`leftovers` ("cmlcluster.agent:unpack_files"; agent_files), and takes collect= files through
-agent_results. An interrupt request on the engine's control channel ends the running program as a
-stop does, but leaves the engine serving (agent_engine).
+`leftovers` ("cmlcluster.agent:unpack_files"; agent_files), and hands collect= files over through
+agent_results (imported only when the session asks). An interrupt request on the engine's control
+channel ends the running program as a stop does, but leaves the engine serving (agent_engine).
 
 Configured by environment:
 CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_CONNECTION (the
@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from . import agent_files, agent_results, ipyparallel_internals, wire
+from . import agent_files, ipyparallel_internals, wire
 from .agent_engine import AgentEngine, import_kernel_without_debugger, silence_seconds
 from .agent_files import leftovers, unpack_files
 from .agent_program import call, run_program
@@ -117,7 +117,7 @@ def main() -> None:
     import_kernel_without_debugger()
     agent_files.own_folder = os.getcwd() if os.environ.pop(wire.OWN_FOLDER_ENV, "") == "1" else ""
     agent_files.collected = tuple(json.loads(os.environ.pop(wire.COLLECT_ENV, "[]")))
-    agent_results.started = time.time()
+    agent_files.started = time.time()
     preload = os.environ.pop(wire.PRELOAD_ENV, "")
     if preload:
         threading.Thread(target=_preload, args=(preload.split(","),), name="preload", daemon=True).start()

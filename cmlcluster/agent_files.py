@@ -25,6 +25,8 @@ _files_folder: str | None = None  # where shipped files were unpacked; relative 
 own_folder = ""
 # Its collect= paths (results.py): they come home when the worker ends, so they are not said to be lost.
 collected: tuple[str, ...] = ()
+# When the agent started (set by its main): files older than this came with the image or were shipped.
+started = 0.0
 # Files shipped into the working folder, by name there: (size, mtime) as unpacked. Not the program's.
 _shipped: dict[str, tuple[int, int]] = {}
 SCAN_LIMIT = 10_000  # files counted at most: a folder of a dataset's million files is not walked to its end

@@ -14,14 +14,10 @@ import contextlib
 import io
 import json
 import os
-import time
 from typing import Any
 
 from . import agent_files
 from .backends import results_host
-
-# When the agent started (set by its main): files older than this came with the image or were shipped.
-started = time.time()
 
 
 def pack(worker_id: str, cap: int) -> dict[str, Any]:
@@ -30,7 +26,7 @@ def pack(worker_id: str, cap: int) -> dict[str, Any]:
     folder, collect = agent_files.own_folder, agent_files.collected
     if not folder or not collect:
         return {"kept": False, "why": "the worker's working folder is not its own, or it has no collect= paths"}
-    results_host.keep(folder, worker_id, collect, started)
+    results_host.keep(folder, worker_id, collect, agent_files.started)
     said = io.StringIO()
     with open(_packed(worker_id), "wb") as out:
         results_host.send(worker_id, cap, out, said)

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from cmlcluster import Session, agent_files, agent_results
+from cmlcluster import Session, agent_files
 from cmlcluster.agent_program import call
 from cmlcluster.backends.base import Capabilities
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
@@ -23,7 +23,7 @@ def worker_folder(tmp_path, monkeypatch):
     (folder / "stray.txt").write_text("not collected")
     monkeypatch.setattr(agent_files, "own_folder", str(folder))
     monkeypatch.setattr(agent_files, "collected", ("outputs",))
-    monkeypatch.setattr(agent_results, "started", 0.0)
+    monkeypatch.setattr(agent_files, "started", 0.0)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "worker-tmp"))
     (tmp_path / "worker-tmp").mkdir()
     session_folder = tmp_path / "session"
