@@ -10,9 +10,10 @@ killed session could not remove itself.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
-from . import _lifeline
+from . import _lifeline, ipyparallel_internals
 
 # Created in the session's folder once the controller listens: the session wrote the connection
 # files before the controller started (control.py), so their presence says nothing.
@@ -24,6 +25,10 @@ def main() -> None:
     _lifeline.hold(_lifeline.remove_folder(session_dir) if session_dir else None)
     from ipyparallel.controller.app import IPController
 
+    ipyparallel_internals.announce_new_hearts_at_once()
+    # The heart monitor is a process the hub forks: forked, it has the change above (Python 3.14's
+    # default, forkserver, would import ipyparallel afresh in it).
+    multiprocessing.set_start_method("fork", force=True)
     # What ipyparallel's main() does (IPController.launch_instance), with the word in between.
     controller = IPController.instance()
     controller.initialize()  # binds the hub's sockets

@@ -101,6 +101,46 @@ def captured_fd_unread(stream: Any) -> int:
     return unread
 
 
+def announce_new_hearts_at_once() -> None:
+    """In the controller: its heart monitor announces an engine's heart to the hub as the heart first
+    answers a ping, not at the beat after (ipyparallel's HeartMonitor.beat): a period (250 ms) off every
+    worker's registration. Later beats treat it as they would have. Left as it is, with a warning, on an
+    ipyparallel whose heart monitor lacks what this reads."""
+    missing = probes.missing(_heart_monitor_checks())
+    if missing:
+        log.warning("cmlcluster: hearts announced at ipyparallel's own pace (it lacks %s)", "; ".join(missing))
+        return
+    from ipyparallel.controller.heartmonitor import HeartMonitor
+
+    answered = HeartMonitor.handle_pong
+
+    def handle_pong(self: Any, msg: list[bytes]) -> None:
+        answered(self, msg)
+        heart = msg[0]
+        if heart in self.responses and heart not in self.hearts:
+            self.handle_new_hearts({heart})
+
+    HeartMonitor.handle_pong = handle_pong
+
+
+def _heart_monitor_checks() -> list[probes.Check]:
+    from ipyparallel.controller.heartmonitor import HeartMonitor
+
+    names = HeartMonitor.class_trait_names()
+    return [
+        (
+            "HeartMonitor.handle_pong(msg)",
+            lambda: list(inspect.signature(HeartMonitor.handle_pong).parameters)[1:] == ["msg"],
+        ),
+        ("HeartMonitor.handle_new_hearts(hearts)", lambda: callable(HeartMonitor.handle_new_hearts)),
+        ("HeartMonitor.hearts and .responses", lambda: {"hearts", "responses"} <= set(names)),
+        (
+            "HeartMonitor.handle_pong adds an answer to .responses",
+            lambda: "self.responses.add(msg[0])" in inspect.getsource(HeartMonitor.handle_pong),
+        ),
+    ]
+
+
 def probe_client() -> None:
     _probe("client", _client_checks)
 

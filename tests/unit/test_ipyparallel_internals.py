@@ -31,3 +31,22 @@ def test_a_renamed_name_is_an_error_naming_the_version_and_the_name(monkeypatch)
     assert f"ipyparallel {ipyparallel.__version__}" in message and "IPEngine.restore_output" in message
     assert "_signal_stop" not in message  # only what is missing is named
     ipyparallel_internals.probe_client()  # the client's side has all it needs
+
+
+def test_the_heart_monitor_announces_a_new_heart_as_it_first_answers_not_a_beat_later(monkeypatch):
+    from ipyparallel.controller.heartmonitor import HeartMonitor
+
+    monkeypatch.setattr(HeartMonitor, "handle_pong", HeartMonitor.handle_pong)  # undone after the test
+    ipyparallel_internals.announce_new_hearts_at_once()
+    monitor = HeartMonitor(period=250)
+    announced: list[set[bytes]] = []
+    monkeypatch.setattr(
+        monitor, "handle_new_hearts", lambda hearts: (announced.append(set(hearts)), monitor.hearts.update(hearts))
+    )
+    monitor.lifetime = 1.5
+    current = str(monitor.lifetime).encode()
+    monitor.handle_pong([b"heart-a", current])
+    assert announced == [{b"heart-a"}]  # at its first answer, no beat in between
+    monitor.handle_pong([b"heart-a", current])
+    monitor.handle_pong([b"heart-b", b"0.25"])  # an answer to a ping long gone: not a heart that beats now
+    assert announced == [{b"heart-a"}]
