@@ -26,6 +26,7 @@ def main() -> None:
     from ipyparallel.controller.app import IPController
 
     ipyparallel_internals.announce_new_hearts_at_once()
+    ipyparallel_internals.no_sleep_in_hub_start()
     # The heart monitor is a process the hub forks: forked, it has the change above (Python 3.14's
     # default, forkserver, would import ipyparallel afresh in it).
     multiprocessing.set_start_method("fork", force=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -121,6 +122,40 @@ def announce_new_hearts_at_once() -> None:
             self.handle_new_hearts({heart})
 
     HeartMonitor.handle_pong = handle_pong
+
+
+def no_sleep_in_hub_start() -> None:
+    """In the controller: the hub's start without the quarter second ipyparallel sleeps in it (init_hub's
+    `time.sleep(0.25)`, after binding the monitor socket). Nothing waits on it: a bind is done when it
+    returns, the hub's loop (which serves registrations) starts after, and the heart monitor waits for
+    its own subscription. Every worker's launch waited on it. Left as it is on another ipyparallel."""
+    from ipyparallel.controller import app
+
+    source = inspect.getsource(app.IPController.init_hub)
+    if source.count("time.sleep(") != 1 or "time.sleep(0.25)" not in source or app.time is not time:
+        log.warning("cmlcluster: the hub starts at ipyparallel's own pace (its init_hub changed)")
+        return
+    init_hub = app.IPController.init_hub
+
+    def init_hub_without_sleep(self: Any) -> None:
+        app.time = _NoSleep()
+        try:
+            init_hub(self)
+        finally:
+            app.time = time
+
+    app.IPController.init_hub = init_hub_without_sleep
+
+
+class _NoSleep:
+    """The time module, but for sleep."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        pass
 
 
 def _heart_monitor_checks() -> list[probes.Check]:
