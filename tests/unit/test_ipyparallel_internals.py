@@ -50,3 +50,27 @@ def test_the_heart_monitor_announces_a_new_heart_as_it_first_answers_not_a_beat_
     monitor.handle_pong([b"heart-a", current])
     monitor.handle_pong([b"heart-b", b"0.25"])  # an answer to a ping long gone: not a heart that beats now
     assert announced == [{b"heart-a"}]
+
+
+def test_the_hub_starts_without_ipyparallels_quarter_second_sleep(monkeypatch, caplog):
+    import time
+
+    from ipyparallel.controller import app
+
+    slept: list[float] = []
+
+    def init_hub(self):  # what ipyparallel's does, as far as time goes
+        started = time.monotonic()
+        app.time.sleep(0.25)
+        slept.append(time.monotonic() - started)
+
+    monkeypatch.setattr(app.IPController, "init_hub", app.IPController.init_hub)  # undone after the test
+    ipyparallel_internals.no_sleep_in_hub_start()  # recognises this ipyparallel's init_hub
+    assert "own pace" not in caplog.text
+    wrapped = app.IPController.init_hub
+    monkeypatch.setattr(app.IPController, "init_hub", init_hub)
+    monkeypatch.setattr(ipyparallel_internals.inspect, "getsource", lambda _: "time.sleep(0.25)")
+    ipyparallel_internals.no_sleep_in_hub_start()
+    app.IPController.init_hub(None)
+    assert slept[0] < 0.1 and app.time is time  # no sleep in it, and the time module back after it
+    assert wrapped.__name__ == "init_hub_without_sleep"  # the real init_hub was recognised and wrapped
