@@ -103,17 +103,20 @@ def captured_fd_unread(stream: Any) -> int:
 
 
 def announce_new_hearts_at_once() -> None:
-    """In the controller: its heart monitor announces an engine's heart to the hub as the heart first
-    answers a ping, not at the beat after (ipyparallel's HeartMonitor.beat): a period (250 ms) off every
-    worker's registration. Later beats treat it as they would have. Left as it is, with a warning, on an
-    ipyparallel whose heart monitor lacks what this reads."""
+    """In the controller: its heart monitor pings an engine's heart as it connects and announces it to the
+    hub at its first answer. ipyparallel's (HeartMonitor.beat) pings at the next beat, up to a period (250
+    ms) later, and announces a heart at the beat after its answer, another period: each worker's
+    registration waited on both. Pings sent between beats carry the current beat's stamp, so an answer
+    counts as the answer to that beat; engines connecting together share one such ping (PING_SOON).
+    Later beats treat a heart as they would have. Left as it is, with a warning, on an ipyparallel whose
+    heart monitor lacks what this reads."""
     missing = probes.missing(_heart_monitor_checks())
     if missing:
         log.warning("cmlcluster: hearts announced at ipyparallel's own pace (it lacks %s)", "; ".join(missing))
         return
     from ipyparallel.controller.heartmonitor import HeartMonitor
 
-    answered = HeartMonitor.handle_pong
+    answered, started = HeartMonitor.handle_pong, HeartMonitor.start
 
     def handle_pong(self: Any, msg: list[bytes]) -> None:
         answered(self, msg)
@@ -121,7 +124,35 @@ def announce_new_hearts_at_once() -> None:
         if heart in self.responses and heart not in self.hearts:
             self.handle_new_hearts({heart})
 
-    HeartMonitor.handle_pong = handle_pong
+    def start(self: Any) -> None:
+        started(self)  # beats from now on
+        _ping_as_hearts_connect(self)
+
+    HeartMonitor.handle_pong, HeartMonitor.start = handle_pong, start
+
+
+PING_SOON = 0.02  # seconds from a heart's connection to its ping: its subscription arrives meanwhile
+
+
+def _ping_as_hearts_connect(monitor: Any) -> None:
+    import zmq
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    connections = monitor.ping_stream.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    pending = False
+
+    def ping() -> None:
+        nonlocal pending
+        pending = False
+        monitor.ping_stream.send(str(monitor.lifetime).encode("ascii"))
+
+    def connected(_event: list[bytes]) -> None:
+        nonlocal pending
+        if not pending:
+            pending = True
+            monitor.loop.call_later(PING_SOON, ping)
+
+    ZMQStream(connections, monitor.loop).on_recv(connected)
 
 
 def no_sleep_in_hub_start() -> None:
@@ -168,7 +199,15 @@ def _heart_monitor_checks() -> list[probes.Check]:
             lambda: list(inspect.signature(HeartMonitor.handle_pong).parameters)[1:] == ["msg"],
         ),
         ("HeartMonitor.handle_new_hearts(hearts)", lambda: callable(HeartMonitor.handle_new_hearts)),
-        ("HeartMonitor.hearts and .responses", lambda: {"hearts", "responses"} <= set(names)),
+        ("HeartMonitor.start()", lambda: list(inspect.signature(HeartMonitor.start).parameters) == ["self"]),
+        (
+            "HeartMonitor.hearts, .responses, .lifetime, .ping_stream and .loop",
+            lambda: {"hearts", "responses", "lifetime", "ping_stream", "loop"} <= set(names),
+        ),
+        (
+            "HeartMonitor.beat pings with str(self.lifetime)",
+            lambda: "self.ping_stream.send(str(self.lifetime).encode('ascii'))" in inspect.getsource(HeartMonitor.beat),
+        ),
         (
             "HeartMonitor.handle_pong adds an answer to .responses",
             lambda: "self.responses.add(msg[0])" in inspect.getsource(HeartMonitor.handle_pong),

@@ -36,7 +36,8 @@ def test_a_renamed_name_is_an_error_naming_the_version_and_the_name(monkeypatch)
 def test_the_heart_monitor_announces_a_new_heart_as_it_first_answers_not_a_beat_later(monkeypatch):
     from ipyparallel.controller.heartmonitor import HeartMonitor
 
-    monkeypatch.setattr(HeartMonitor, "handle_pong", HeartMonitor.handle_pong)  # undone after the test
+    monkeypatch.setattr(HeartMonitor, "handle_pong", HeartMonitor.handle_pong)  # both undone after the test
+    monkeypatch.setattr(HeartMonitor, "start", HeartMonitor.start)
     ipyparallel_internals.announce_new_hearts_at_once()
     monitor = HeartMonitor(period=250)
     announced: list[set[bytes]] = []
@@ -74,3 +75,58 @@ def test_the_hub_starts_without_ipyparallels_quarter_second_sleep(monkeypatch, c
     app.IPController.init_hub(None)
     assert slept[0] < 0.1 and app.time is time  # no sleep in it, and the time module back after it
     assert wrapped.__name__ == "init_hub_without_sleep"  # the real init_hub was recognised and wrapped
+
+
+def test_a_heart_is_pinged_as_it_connects_and_announced_as_it_answers_not_at_the_beats(monkeypatch):
+    """ipyparallel's own heart monitor, in a thread, beating every 30 s: a heart that connects is pinged
+    and announced to the hub within a second."""
+    import threading
+    import time
+
+    import zmq
+    from ipyparallel.controller import heartmonitor
+
+    monkeypatch.setattr(heartmonitor.HeartMonitor, "handle_pong", heartmonitor.HeartMonitor.handle_pong)
+    monkeypatch.setattr(heartmonitor.HeartMonitor, "start", heartmonitor.HeartMonitor.start)
+    ipyparallel_internals.announce_new_hearts_at_once()
+    context = zmq.Context()
+    hub = context.socket(zmq.XSUB)  # where the monitor tells the hub of new hearts
+    hub_port = hub.bind_to_random_port("tcp://127.0.0.1")
+    ping_port, pong_port = (free_port() for _ in range(2))
+    threading.Thread(
+        target=heartmonitor.start_heartmonitor,
+        kwargs=dict(
+            ping_url=f"tcp://127.0.0.1:{ping_port}",
+            pong_url=f"tcp://127.0.0.1:{pong_port}",
+            monitor_url=f"tcp://127.0.0.1:{hub_port}",
+            period=30_000,
+        ),
+        daemon=True,
+    ).start()
+    time.sleep(1)
+    hub.send(b"\x01")  # subscribed: the heart monitor starts beating (its first beat goes to no one)
+    time.sleep(0.5)
+    started = time.monotonic()
+    heart_in, heart_out = context.socket(zmq.SUB), context.socket(zmq.DEALER)
+    heart_in.setsockopt(zmq.SUBSCRIBE, b"")
+    heart_out.setsockopt(zmq.IDENTITY, b"heart-1")
+    heart_in.connect(f"tcp://127.0.0.1:{ping_port}")
+    heart_out.connect(f"tcp://127.0.0.1:{pong_port}")
+    try:
+        assert heart_in.poll(5_000), "no ping within 5 s of connecting"
+        heart_out.send(heart_in.recv())  # the engine's heart echoes the ping
+        assert hub.poll(5_000), "the hub heard of no new heart"
+        announced = hub.recv_multipart()
+        assert any(b"new_heart" in part for part in announced) and any(b"heart-1" in part for part in announced)
+        assert time.monotonic() - started < 5  # the next beat is 29 s away
+    finally:
+        for socket in (hub, heart_in, heart_out):
+            socket.close(linger=0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
