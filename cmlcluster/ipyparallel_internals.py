@@ -107,7 +107,7 @@ def announce_new_hearts_at_once() -> None:
     hub at its first answer. ipyparallel's (HeartMonitor.beat) pings at the next beat, up to a period (250
     ms) later, and announces a heart at the beat after its answer, another period: each worker's
     registration waited on both. Pings sent between beats carry the current beat's stamp, so an answer
-    counts as the answer to that beat; engines connecting together share one such ping (PING_SOON).
+    counts as the answer to that beat; engines connecting together share one (_ping_as_hearts_connect).
     Later beats treat a heart as they would have. Left as it is, with a warning, on an ipyparallel whose
     heart monitor lacks what this reads."""
     missing = probes.missing(_heart_monitor_checks())
@@ -135,22 +135,27 @@ PING_SOON = 0.02  # seconds from a heart's connection to its ping: its subscript
 
 
 def _ping_as_hearts_connect(monitor: Any) -> None:
+    """A ping soon after each heart connects: never sooner than half a period after the last ping (a beat
+    or one of these), and none when the next beat comes first. Every heart answers every ping, so these at
+    most double the pings of a period, and only while hearts connect (1,024 at once: control_plane_model)."""
     import zmq
     from zmq.eventloop.zmqstream import ZMQStream
 
     connections = monitor.ping_stream.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    pending = False
+    half = monitor.period / 2000  # seconds
+    pending, last = False, 0.0
 
     def ping() -> None:
-        nonlocal pending
-        pending = False
+        nonlocal pending, last
+        pending, last = False, time.monotonic()
         monitor.ping_stream.send(str(monitor.lifetime).encode("ascii"))
 
     def connected(_event: list[bytes]) -> None:
         nonlocal pending
-        if not pending:
+        at = max(time.monotonic() + PING_SOON, monitor.tic + half, last + half)  # tic: the last beat
+        if not pending and at < monitor.tic + 2 * half:
             pending = True
-            monitor.loop.call_later(PING_SOON, ping)
+            monitor.loop.call_later(at - time.monotonic(), ping)
 
     ZMQStream(connections, monitor.loop).on_recv(connected)
 
@@ -201,8 +206,8 @@ def _heart_monitor_checks() -> list[probes.Check]:
         ("HeartMonitor.handle_new_hearts(hearts)", lambda: callable(HeartMonitor.handle_new_hearts)),
         ("HeartMonitor.start()", lambda: list(inspect.signature(HeartMonitor.start).parameters) == ["self"]),
         (
-            "HeartMonitor.hearts, .responses, .lifetime, .ping_stream and .loop",
-            lambda: {"hearts", "responses", "lifetime", "ping_stream", "loop"} <= set(names),
+            "HeartMonitor.hearts, .responses, .lifetime, .tic, .period, .ping_stream and .loop",
+            lambda: {"hearts", "responses", "lifetime", "tic", "period", "ping_stream", "loop"} <= set(names),
         ),
         (
             "HeartMonitor.beat pings with str(self.lifetime)",

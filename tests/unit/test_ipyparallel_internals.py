@@ -78,8 +78,9 @@ def test_the_hub_starts_without_ipyparallels_quarter_second_sleep(monkeypatch, c
 
 
 def test_a_heart_is_pinged_as_it_connects_and_announced_as_it_answers_not_at_the_beats(monkeypatch):
-    """ipyparallel's own heart monitor, in a thread, beating every 30 s: a heart that connects is pinged
-    and announced to the hub within a second."""
+    """ipyparallel's own heart monitor, in a thread, beating every 10 s: a heart that connects just after a
+    beat is pinged half a period after it (no sooner: these pings at most double a period's), seconds
+    before the next beat, and announced to the hub as it answers."""
     import threading
     import time
 
@@ -89,6 +90,9 @@ def test_a_heart_is_pinged_as_it_connects_and_announced_as_it_answers_not_at_the
     monkeypatch.setattr(heartmonitor.HeartMonitor, "handle_pong", heartmonitor.HeartMonitor.handle_pong)
     monkeypatch.setattr(heartmonitor.HeartMonitor, "start", heartmonitor.HeartMonitor.start)
     ipyparallel_internals.announce_new_hearts_at_once()
+    monitors: list[heartmonitor.HeartMonitor] = []
+    patched_start = heartmonitor.HeartMonitor.start
+    monkeypatch.setattr(heartmonitor.HeartMonitor, "start", lambda self: (monitors.append(self), patched_start(self)))
     context = zmq.Context()
     hub = context.socket(zmq.XSUB)  # where the monitor tells the hub of new hearts
     hub_port = hub.bind_to_random_port("tcp://127.0.0.1")
@@ -99,29 +103,39 @@ def test_a_heart_is_pinged_as_it_connects_and_announced_as_it_answers_not_at_the
             ping_url=f"tcp://127.0.0.1:{ping_port}",
             pong_url=f"tcp://127.0.0.1:{pong_port}",
             monitor_url=f"tcp://127.0.0.1:{hub_port}",
-            period=30_000,
+            period=10_000,
         ),
         daemon=True,
     ).start()
     time.sleep(1)
-    hub.send(b"\x01")  # subscribed: the heart monitor starts beating (its first beat goes to no one)
-    time.sleep(0.5)
-    started = time.monotonic()
-    heart_in, heart_out = context.socket(zmq.SUB), context.socket(zmq.DEALER)
-    heart_in.setsockopt(zmq.SUBSCRIBE, b"")
-    heart_out.setsockopt(zmq.IDENTITY, b"heart-1")
-    heart_in.connect(f"tcp://127.0.0.1:{ping_port}")
-    heart_out.connect(f"tcp://127.0.0.1:{pong_port}")
+    hub.send(b"\x01")  # subscribed: the heart monitor starts, its first beat 10 s away
+    beats_from = time.monotonic()
+    sockets = [hub]
+
+    def heart(name: bytes) -> tuple[zmq.Socket, zmq.Socket]:
+        ping, pong = context.socket(zmq.SUB), context.socket(zmq.DEALER)
+        ping.setsockopt(zmq.SUBSCRIBE, b"")
+        pong.setsockopt(zmq.IDENTITY, name)
+        ping.connect(f"tcp://127.0.0.1:{ping_port}")
+        pong.connect(f"tcp://127.0.0.1:{pong_port}")
+        sockets.extend((ping, pong))
+        return ping, pong
+
     try:
-        assert heart_in.poll(5_000), "no ping within 5 s of connecting"
-        heart_out.send(heart_in.recv())  # the engine's heart echoes the ping
-        assert hub.poll(5_000), "the hub heard of no new heart"
+        time.sleep(0.5)
+        ping, pong = heart(b"heart-1")
+        assert not ping.poll(3_000), "pinged before half a period had passed since the beat"
+        assert ping.poll(3_000), "no ping by 6.5 s, half a period after the beat at 0"
+        pong.send(ping.recv())  # the engine's heart echoes the ping
+        assert hub.poll(2_000), "the hub heard of no new heart"
         announced = hub.recv_multipart()
         assert any(b"new_heart" in part for part in announced) and any(b"heart-1" in part for part in announced)
-        assert time.monotonic() - started < 5  # the next beat is 29 s away
+        assert time.monotonic() - beats_from < 9  # the next beat is at 10 s
     finally:
-        for socket in (hub, heart_in, heart_out):
+        for socket in sockets:
             socket.close(linger=0)
+        for monitor in monitors:  # its thread ends, and its sockets with it
+            monitor.loop.add_callback(monitor.loop.stop)
 
 
 def free_port() -> int:
