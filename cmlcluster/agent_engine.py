@@ -134,6 +134,17 @@ class AgentEngine(IPEngine):
         # must not interrupt the program's cleanup.
         agent_program.stop_program(sig)
 
+    def redirect_output(self, iopub_socket: Any) -> None:
+        # ipyparallel 9's prints each handler of its log to the new sys.stdout (a debugging print left in):
+        # every worker's first reply waited for that line's flush, and the session got it as output.
+        from ipyparallel.engine import app
+
+        app.print = _print_nothing  # the module's globals come before builtins
+        try:
+            super().redirect_output(iopub_socket)
+        finally:
+            del app.print
+
     def restore_output(self) -> None:
         # ipyparallel's stop points sys.stdout/err back at the process's own as the engine shuts down.
         # A program the stop interrupts runs its cleanup after that (its finally blocks): what it
@@ -205,6 +216,10 @@ class AgentEngine(IPEngine):
             name="controller-watch",
             daemon=True,
         ).start()
+
+
+def _print_nothing(*args: Any, **kwargs: Any) -> None:
+    pass
 
 
 def import_kernel_without_debugger() -> None:

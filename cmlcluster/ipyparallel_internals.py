@@ -291,6 +291,10 @@ def _engine_checks() -> list[probes.Check]:
         ("IPEngine._signal_stop", lambda: callable(engine()._signal_stop)),
         ("IPEngine.restore_output", lambda: callable(engine().restore_output)),
         (
+            "IPEngine.redirect_output(iopub_socket)",
+            lambda: "iopub_socket" in inspect.signature(engine().redirect_output).parameters,
+        ),
+        (
             "IPEngine.start_heartbeat(hb_ping, hb_pong, hb_period, identity)",
             lambda: (
                 list(inspect.signature(engine().start_heartbeat).parameters)[1:]

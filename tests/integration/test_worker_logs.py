@@ -95,3 +95,13 @@ def test_missing_limits_on_local_workers_are_said_once_a_session(monkeypatch, ca
     said = [r for r in caplog.records if r.name == "cmlcluster.resources"]
     assert [r.levelno for r in said] == [logging.WARNING] * 2, [r.getMessage() for r in said]
     assert "CPU/memory limits are not applied to local workers" in said[0].getMessage()
+
+
+def test_a_worker_that_printed_nothing_has_nothing_of_ipyparallels_own_in_its_log(tmp_path, monkeypatch):
+    # ipyparallel 9's engine prints its log's handlers as it starts (agent_engine.redirect_output says why not).
+    monkeypatch.chdir(tmp_path)
+    with Session("local", echo=False) as session:
+        [w] = session.launch_workers(1, cpu=0.5, memory=0.5, code="print('only this')")
+        assert session.await_workers([w], timeout_seconds=60)["failures"] == []
+        log = on_disk(session, w).decode()
+    assert "only this" in log and "StreamHandler" not in log, log
