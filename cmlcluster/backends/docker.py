@@ -340,9 +340,11 @@ class DockerBackend(Backend[DockerHandle]):
 
     async def close(self) -> None:
         # Every worker was stopped (their containers removed) before: the session's network is free.
+        removed = False
         try:
             if self.network is None and self._client is not None:
                 await self._call(remove_session_network, self._client, self.context.session_id)
+                removed = True  # and so were its containers: a network with one attached stays
         finally:
             if self._client is not None:
                 await self._call(self._client.close)
@@ -352,8 +354,10 @@ class DockerBackend(Backend[DockerHandle]):
             reaper, self._reaper = self._reaper, None
             if reaper is not None:
                 assert reaper.stdin is not None
-                reaper.stdin.close()  # its cue: it finds nothing left, and exits
-                await self._call(reaper.wait)
+                if removed:
+                    reaper.kill()  # nothing left for it: not a second look through the engine (0.15 s)
+                reaper.stdin.close()  # else its cue: it removes what is left, and exits
+                await asyncio.to_thread(reaper.wait)
 
     @classmethod
     def cleanup(cls, dry_run: bool, options: Mapping[str, Any]) -> list[str]:
