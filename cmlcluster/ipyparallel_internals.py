@@ -251,11 +251,11 @@ def _client_checks() -> list[probes.Check]:
 
     return [
         ("Client._registration_callbacks", lambda: "_registration_callbacks" in client().class_trait_names()),
-        ("Client._mux_stream", lambda: "_mux_stream" in inspect.getsource(client())),
+        ("Client._mux_stream", lambda: "self._mux_stream = " in inspect.getsource(client()._setup_streams)),
         ("Client._build_targets", lambda: callable(client()._build_targets)),
         ("Client._send(socket, msg_type) -> a future", lambda: callable(client()._send)),
         ("Client._register_engine", lambda: callable(client()._register_engine)),
-        ("Client._query_stream", lambda: "_query_stream" in inspect.getsource(client())),
+        ("Client._query_stream", lambda: "self._query_stream = " in inspect.getsource(client()._setup_streams)),
         ("Client._io_loop", lambda: "_io_loop" in client().class_trait_names()),
         ("Client._send_control_request(targets, msg_type, content, block)", _send_control_request),
         ("Client._dispatch_iopub stores a stream's text, then runs the iopub callbacks", _stream_text_then_callbacks),
@@ -304,14 +304,15 @@ def _engine_checks() -> list[probes.Check]:
         ("IPEngine.connection_info_env", lambda: engine().class_traits().get("connection_info_env") is not None),
         ("ipykernel.iostream.IOPubThread.stop", _iopub_thread_stop),
         ("ipykernel Kernel.control_handlers (by message type)", _control_handlers),
-        ("ipykernel.iostream.OutStream._fid (the captured fd's pipe)", _out_stream_fid),
+        ("ipykernel.iostream.OutStream._fid (the captured fd's pipe, set in _setup_stream_redirects)", _out_stream_fid),
     ]
 
 
 def _control_handlers() -> bool:
     from ipykernel.kernelbase import Kernel
 
-    return "self.control_handlers[msg_type]" in inspect.getsource(Kernel)
+    # A method's source, not the class's: finding a class's reads its whole module (30 ms in each worker).
+    return "self.control_handlers[msg_type]" in inspect.getsource(Kernel.__init__)
 
 
 def _iopub_thread_stop() -> bool:
@@ -323,4 +324,4 @@ def _iopub_thread_stop() -> bool:
 def _out_stream_fid() -> bool:
     from ipykernel.iostream import OutStream
 
-    return "self._fid" in inspect.getsource(OutStream)
+    return "self._fid = pr" in inspect.getsource(OutStream._setup_stream_redirects)
