@@ -8,8 +8,8 @@ once they have been silent for the session's silence_timeout. A stop signal
 ends the running program (agent_program) and sends what the engine holds
 before the agent dies of it. An interrupt request (the Jupyter protocol's, on the
 control channel, which a thread of its own serves while the program runs) ends the
-program the same way and leaves the engine serving: the session then takes the
-worker's collect= files through it before it stops the worker (homeward.py).
+program the same way and leaves the engine serving: the session then takes the worker's
+collect= files through it before it stops the worker (collect_through_agents.py).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Where the backend cannot reach a worker's folder once the worker has ended (a pod's: the Kubernetes API
 reads no files of a stopped container), the session takes them from the worker's agent before it stops
-the worker: once its program has ended, or been interrupted by the stop (homeward.py). `pack` moves them
-aside as an SSH host keeps them (results_host.keep: changed files only, links left behind) and writes
-them, capped, as one tar file beside (results_host.send); `chunk` reads it piece by piece, one call's
-reply each, so that neither side ever holds more than a piece; `drop` removes it.
+the worker: once its program has ended, or been interrupted by the stop (collect_through_agents.py).
+`pack` moves them aside as an SSH host keeps them (results_host.keep: changed files only, links left
+behind) and writes them, capped, as one tar file beside (results_host.send); `chunk` reads it piece by
+piece, one call's reply each, so that neither side ever holds more than a piece; `drop` removes it.
 """
 
 from __future__ import annotations
