@@ -8,7 +8,6 @@ that left the group), never a sequence of its own.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -145,6 +144,8 @@ async def end_group_async(process: AsyncProcess, grace: float) -> int:
     """end_group() for a process asyncio started (asyncio reaps it, so what is left of its group gets
     the KILL at once after it exits). Its exit code. Idempotent: for a process that ended long ago (a
     session closing a worker that finished) nothing reaches a group that took its number since."""
+    import asyncio  # here: an SSH host's relay imports this module, and never this (20 ms of its start)
+
     if process.returncode is None and signal_group(process.pid, signal.SIGTERM):
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(process.wait(), grace)

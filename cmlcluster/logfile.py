@@ -14,13 +14,15 @@ that their worker processes write their stdout and stderr to, instead of writing
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import select
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +189,8 @@ class WorkerOutput:
     """
 
     def __init__(self, log_path: str, fifo: str | None = None):
+        import asyncio  # here: an SSH host's relay reads READ_CHUNK, and would pay 20 ms of its start
+
         loop = asyncio.get_running_loop()
         self.log = CappedLog(log_path)
         self.fifo = fifo
@@ -229,6 +233,8 @@ class WorkerOutput:
     async def drain(self, timeout: float) -> None:
         """Once every writer is gone and all they wrote is in the log; at most `timeout` s, after which
         the copy stops (a process that outlived its worker, holding the pipe, writes here no more)."""
+        import asyncio
+
         await asyncio.wait([self._ended], timeout=timeout)
         self.close()
         await asyncio.wait([self._ended], timeout=5)  # the thread lets go of the log and the pipe
@@ -293,6 +299,8 @@ async def drained(output: WorkerOutput | None, timeout: float) -> None:
 async def start_process(log_path: str, *argv: str, **options: Any) -> tuple[asyncio.subprocess.Process, WorkerOutput]:
     """`argv` started (create_subprocess_exec's options) with its stdout and stderr into a WorkerOutput
     of `log_path`. Raises what create_subprocess_exec raises, leaving nothing of the output behind."""
+    import asyncio
+
     output = WorkerOutput(log_path)
     try:
         process = await asyncio.create_subprocess_exec(

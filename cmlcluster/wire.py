@@ -26,8 +26,9 @@ DEFAULT_SILENCE_TIMEOUT = 60.0
 # What an agent exits with when its watchdog ended the worker: the session names the silence.
 SILENCE_EXIT = 70
 
-# The controller's ping period. The hub announces a new engine at the beat after the first ping
-# it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start.
+# The controller's ping period. ipyparallel's hub announces a new engine at the beat after the first
+# ping it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start
+# (the session's controller pings and announces sooner: ipyparallel_internals.announce_new_hearts_at_once).
 HEARTBEAT_MS = 250
 # The session starts its controller and its first workers at once: an engine may wait for the
 # controller to listen for as long as the session waits for it.

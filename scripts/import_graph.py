@@ -82,7 +82,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     # What a session drives: the control plane (it runs one function of the agent in the worker) and backends.
-    ("drivers", ("control", "backends")),
+    ("drivers", ("control", "backends", "backends.registry")),
     (
         "session parts",
         (

@@ -191,7 +191,7 @@ def registered(monkeypatch, **backends):
     """Entry points of the group cmlcluster.backends, as an installed package would register them."""
     import importlib.metadata
 
-    import cmlcluster.backends as registry
+    from cmlcluster.backends import registry
 
     points = [
         importlib.metadata.EntryPoint(name, f"{__name__}:{cls.__name__}", registry.ENTRY_POINT_GROUP)
