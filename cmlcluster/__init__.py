@@ -7,9 +7,9 @@ cdsw.await_workers(workers)
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from . import _lazy
 from ._version import __version__ as __version__
 
 # Imported when first used, not with the package: every worker's agent runs as
@@ -37,7 +37,6 @@ _EXPORTS = {
     "tensorflow": ("TFCluster", "run_cluster", "start_cluster"),
     "workers": ("Program",),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
     from .api import (
@@ -62,17 +61,7 @@ if TYPE_CHECKING:
     from .workers import Program
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cmlcluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # found here from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, globals())
 
 
 def load_ipython_extension(ipython: object) -> None:

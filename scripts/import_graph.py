@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "errors",
             "checks",
             "_version",
+            "_lazy",
             "wire",
             "_aio",
             "blocking",  # a call that holds the notebook's cell, and ending it from another thread

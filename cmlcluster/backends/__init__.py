@@ -8,8 +8,9 @@ import the session's side first (the registry's entry points, asyncio: 43 ms of 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import _lazy
 
 _EXPORTS = {
     "base": ("Backend", "Capabilities", "SessionContext"),
@@ -25,7 +26,6 @@ _EXPORTS = {
         "resolve_backend",
     ),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
     from .base import Backend, Capabilities, SessionContext
@@ -42,17 +42,7 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cmlcluster.backends' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # found here from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, globals())
 
 
 __all__ = [

@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Backend, Capabilities, SessionContext
+from .base import Backend
 
 ENTRY_POINT_GROUP = "cmlcluster.backends"
 
@@ -178,19 +178,3 @@ def make_backend(backend: str | Backend, **options: Any) -> Backend:
     """A backend instance from a name (plus options) or an instance."""
     resolved = resolve_backend(backend, options)
     return resolved if isinstance(resolved, Backend) else resolved(**options)
-
-
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "Backend",
-    "Capabilities",
-    "SessionContext",
-    "add_backend_arguments",
-    "backend_class",
-    "backend_from",
-    "backends_help",
-    "known_backends",
-    "make_backend",
-    "options_of",
-    "resolve_backend",
-]
