@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
-from .. import blocking, logfile
+from .. import blocking, logfile, results
 from ..events import (
     Event,
     JobChanged,
@@ -348,10 +348,9 @@ def _log_link(session: Session, worker_id: str) -> str:
     data = logfile.excerpt(session.worker_log_path(worker_id), LOG_LINK_BYTES, LOG_LINK_HEAD)
     name = html.escape(f"{worker_id}.log")  # a worker id holds its session's
     href = "data:text/plain;charset=utf-8;base64," + base64.b64encode(data).decode()
-    size = f"{len(data) / 1000:.1f} kB" if len(data) >= 1000 else f"{len(data)} bytes"
     return (
         f'<a class="cmlcluster-log-link" download="{name}" href="{href}" style="text-decoration:underline">'
-        f"{name} ({size})</a>"
+        f"{name} ({results.size_text(len(data))})</a>"
     )
 
 
