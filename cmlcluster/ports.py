@@ -30,21 +30,44 @@ def ports_to_listen_on(n: int, host: str = "") -> list[int]:
     any outgoing connection may take one (the kernel picks its local port there) before the
     server binds it; up to 15 ports held open for a second on a busy machine are worth keeping
     out of its way.
+
+    Each is left reserved (see _reserve) for its server to bind: another session starting on this
+    host at the same moment could draw the same port before it was bound (a CI run: two sessions'
+    controllers, one failing with "Address already in use"). The server must bind with
+    SO_REUSEADDR, as zmq and gRPC do.
     """
     ephemeral_from = _ephemeral_range_start()
     candidates = random.sample(range(LISTEN_PORTS_FROM, ephemeral_from), ephemeral_from - LISTEN_PORTS_FROM)
     with contextlib.ExitStack() as stack:
-        chosen: list[int] = []
+        chosen: list[socket.socket] = []
         for port in candidates:
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            held = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
-                s.bind((host, port))
+                held.bind((host, port))
             except OSError:
                 continue
-            chosen.append(port)
+            chosen.append(held)
             if len(chosen) == n:
-                return chosen
+                for held in chosen:
+                    _reserve(held)
+                return [held.getsockname()[1] for held in chosen]
     raise OSError(f"fewer than {n} free ports between {LISTEN_PORTS_FROM} and {ephemeral_from} on this host")
+
+
+def _reserve(bound: socket.socket) -> None:
+    """Leave bound's port reserved for a minute: taken for a plain bind, free for SO_REUSEADDR's.
+
+    One connection to it, closed first on its side, waits in TIME_WAIT on the port for 60 s
+    (Linux): a bind without SO_REUSEADDR (ports_to_listen_on's, in any session) fails there, and
+    a server binding with SO_REUSEADDR gets it, because the listener set it before the connection
+    was accepted. bound was bound without it, so the port was free of every other claim.
+    """
+    bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    bound.listen(1)
+    host, port = bound.getsockname()
+    with socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=5):
+        accepted, _ = bound.accept()
+        accepted.close()
 
 
 def _ephemeral_range_start() -> int:

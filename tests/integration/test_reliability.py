@@ -19,6 +19,7 @@ import warnings
 
 import psutil
 import pytest
+import zmq
 from conftest import on
 from processes import agents
 
@@ -171,9 +172,29 @@ def test_ports_to_listen_on_are_distinct_free_and_below_the_ephemeral_range():
     ports = ports_to_listen_on(15)
     assert len(set(ports)) == 15
     assert all(10_000 <= p < ephemeral_from for p in ports)
-    with contextlib.ExitStack() as stack:  # all of them can be bound now
+    with contextlib.ExitStack() as stack:  # all of them can be bound now, as the controller binds
         for port in ports:
-            stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            server = stack.enter_context(socket.socket())
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+
+
+def test_ports_to_listen_on_are_not_drawn_again_by_another_session_before_its_controller_binds_them(monkeypatch):
+    # Two sessions starting together each drew a port the other had drawn (a CI run: one controller
+    # "Address already in use"). Here both draws see the candidates in the same order.
+    import cmlcluster.ports as ports
+
+    monkeypatch.setattr(ports.random, "sample", lambda population, k: list(population))
+    first = ports.ports_to_listen_on(3)
+    second = ports.ports_to_listen_on(3)
+    assert not set(first) & set(second)
+    for port in first:
+        with socket.socket() as other:  # a server that does not know of the reservation
+            with pytest.raises(OSError, match="Address already in use"):
+                other.bind(("", port))
+        with zmq.Context() as context, context.socket(zmq.ROUTER) as controller:
+            controller.bind(f"tcp://127.0.0.1:{port}")  # what the controller does: it gets its port
 
 
 def test_a_worker_that_registers_while_the_session_connects_to_its_controller_is_not_missed(monkeypatch):
