@@ -36,7 +36,11 @@ from .workers import Program
 # has given up (it ends the worker at silence_timeout) and its backend has seen the worker's exit,
 # which says more. ipyparallel never takes an unregistered engine back.
 HUB_SILENCE_MARGIN = 10.0
-DESCRIBE_TIMEOUT = 10.0  # a registered engine silent this long is failed
+# A registered engine is failed when it has not answered its first request for this long, counted
+# from the latest first answer of any engine: many engines starting on one machine's cores answer one
+# after another (64 local workers: the last took over 10 s), and while others answer, it is waiting
+# its turn, not hung.
+DESCRIBE_TIMEOUT = 10.0
 # How often, at most, the session asks the hub for the engines it registered (the first ask 0.25 s
 # after connecting, then twice as long each time up to this): control.py's _catch_up says why.
 HUB_RECHECK_SECONDS = 4.0
@@ -128,6 +132,7 @@ class IPyParallelControl(ControlPlane):
         self._connection = ""
         self._registered: set[int] = set()
         self._unregistered: set[int] = set()
+        self._last_first_answer = -math.inf  # loop time: describe's deadline counts from it
         self._ready: asyncio.Future[None] | None = None
         self._catching_up: asyncio.Task[None] | None = None
 
@@ -305,23 +310,28 @@ class IPyParallelControl(ControlPlane):
         # shell socket can connect later, and ipyparallel's router drops what is sent to
         # it before then. describe is idempotent, so on silence ask again, with backoff.
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + DESCRIBE_TIMEOUT
+        asked_at = loop.time()
         asked: set[asyncio.Future[Any]] = set()
         silence = 0.5
         try:
             while True:
                 _, result = self._apply(engine_id, ("describe",))
                 asked.add(asyncio.wrap_future(result))
+                deadline = max(asked_at, self._last_first_answer) + DESCRIBE_TIMEOUT
                 done, asked = await asyncio.wait(
                     asked, timeout=max(0.0, min(silence, deadline - loop.time())), return_when=asyncio.FIRST_COMPLETED
                 )
                 if done:
                     info = done.pop().result()
+                    self._last_first_answer = loop.time()
                     return WorkerInfo(
                         ip_address=info.get("ip_address"), hostname=info.get("hostname"), pid=info.get("pid")
                     )
-                if loop.time() >= deadline:
-                    raise TimeoutError(f"engine {engine_id} did not answer for {DESCRIBE_TIMEOUT:g} s")
+                if loop.time() >= max(asked_at, self._last_first_answer) + DESCRIBE_TIMEOUT:
+                    raise TimeoutError(
+                        f"engine {engine_id} did not answer for {loop.time() - asked_at:.0f} s, "
+                        f"{DESCRIBE_TIMEOUT:g} s of them while no other engine answered"
+                    )
                 silence = min(silence * 2, 4.0)
         finally:
             # Requests abandoned here are cancelled, so that their late failure (the engine

@@ -1,0 +1,78 @@
+"""The deadline for a registered engine's first answer (control.py's describe): counted from the latest
+first answer of any engine, so that engines answering one after another on a machine's few cores are
+not failed, while one that hangs still is.
+
+The engines here are futures the test answers on its own schedule (the session side's describe is
+what is tested; the real agent's hang is test_reliability.py's)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from cmlcluster import control
+
+TIMEOUT = 1.0  # DESCRIBE_TIMEOUT here; the schedules below keep 0.5 s or more from each deadline
+
+
+class Engines(control.IPyParallelControl):
+    """describe's requests go to futures that `answer` resolves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: dict[int, list[concurrent.futures.Future[dict[str, str]]]] = {}
+
+    def _apply(self, engine_id, args):  # type: ignore[no-untyped-def]
+        assert args == ("describe",)
+        request: concurrent.futures.Future[dict[str, str]] = concurrent.futures.Future()
+        self.requests.setdefault(engine_id, []).append(request)
+        return None, request
+
+    def answer(self, engine_id: int) -> None:
+        for request in self.requests[engine_id]:
+            if not request.done():
+                request.set_result({"ip_address": f"10.0.0.{engine_id}", "hostname": "h", "pid": "1"})
+
+
+@pytest.fixture(autouse=True)
+def short_deadline(monkeypatch):
+    monkeypatch.setattr(control, "DESCRIBE_TIMEOUT", TIMEOUT)
+
+
+async def _answer_at(engines: Engines, schedule: dict[int, float]) -> None:
+    start = asyncio.get_running_loop().time()
+    for engine_id, at in sorted(schedule.items(), key=lambda item: item[1]):
+        await asyncio.sleep(max(0.0, start + at - asyncio.get_running_loop().time()))
+        engines.answer(engine_id)
+
+
+def test_an_engine_answering_after_the_timeout_while_others_answer_in_turn_is_not_failed():
+    async def main() -> list[object]:
+        engines = Engines()
+        # Engine 0 answers at 2.0 s, past its own 1 s; the others answered at 0.5, 1.0 and 1.5 s.
+        answering = asyncio.ensure_future(_answer_at(engines, {1: 0.5, 2: 1.0, 3: 1.5, 0: 2.0}))
+        results = await asyncio.gather(*(engines.describe(i) for i in range(4)), return_exceptions=True)
+        await answering
+        return results
+
+    results = asyncio.run(main())
+    assert [r.ip_address for r in results] == ["10.0.0.0", "10.0.0.1", "10.0.0.2", "10.0.0.3"]  # type: ignore[union-attr]
+
+
+def test_an_engine_that_never_answers_fails_a_timeout_after_the_last_other_answer():
+    async def main() -> tuple[BaseException | None, float]:
+        engines = Engines()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        answering = asyncio.ensure_future(_answer_at(engines, {1: 0.3, 2: 0.8}))
+        hung = asyncio.ensure_future(engines.describe(0))
+        await asyncio.gather(engines.describe(1), engines.describe(2), answering)
+        with pytest.raises(TimeoutError) as failed:
+            await hung
+        return failed.value, loop.time() - start
+
+    error, took = asyncio.run(main())
+    assert 0.8 + TIMEOUT <= took < 0.8 + TIMEOUT + 1.0, took  # counted from engine 2's answer, not its own ask
+    assert "engine 0 did not answer for 2 s, 1 s of them while no other engine answered" in str(error)
