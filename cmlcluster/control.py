@@ -36,10 +36,8 @@ from .workers import Program
 # has given up (it ends the worker at silence_timeout) and its backend has seen the worker's exit,
 # which says more. ipyparallel never takes an unregistered engine back.
 HUB_SILENCE_MARGIN = 10.0
-# A registered engine is failed when it has not answered its first request for this long, counted
-# from the latest first answer of any engine: many engines starting on one machine's cores answer one
-# after another (64 local workers: the last took over 10 s), and while others answer, it is waiting
-# its turn, not hung.
+# A registered engine silent this long since the latest first answer of any engine is failed: while
+# others answer (64 local workers on 2 cores: over 10 s in all), it is waiting its turn, not hung.
 DESCRIBE_TIMEOUT = 10.0
 # How often, at most, the session asks the hub for the engines it registered (the first ask 0.25 s
 # after connecting, then twice as long each time up to this): control.py's _catch_up says why.
@@ -314,25 +312,18 @@ class IPyParallelControl(ControlPlane):
         asked: set[asyncio.Future[Any]] = set()
         silence = 0.5
         try:
-            while True:
+            while (deadline := max(asked_at, self._last_first_answer) + DESCRIBE_TIMEOUT) > loop.time():
                 _, result = self._apply(engine_id, ("describe",))
                 asked.add(asyncio.wrap_future(result))
-                deadline = max(asked_at, self._last_first_answer) + DESCRIBE_TIMEOUT
-                done, asked = await asyncio.wait(
-                    asked, timeout=max(0.0, min(silence, deadline - loop.time())), return_when=asyncio.FIRST_COMPLETED
-                )
+                wait = max(0.0, min(silence, deadline - loop.time()))
+                done, asked = await asyncio.wait(asked, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if done:
                     info = done.pop().result()
                     self._last_first_answer = loop.time()
-                    return WorkerInfo(
-                        ip_address=info.get("ip_address"), hostname=info.get("hostname"), pid=info.get("pid")
-                    )
-                if loop.time() >= max(asked_at, self._last_first_answer) + DESCRIBE_TIMEOUT:
-                    raise TimeoutError(
-                        f"engine {engine_id} did not answer for {loop.time() - asked_at:.0f} s, "
-                        f"{DESCRIBE_TIMEOUT:g} s of them while no other engine answered"
-                    )
+                    return WorkerInfo(**{key: info.get(key) for key in ("ip_address", "hostname", "pid")})
                 silence = min(silence * 2, 4.0)
+            waited = f"{loop.time() - asked_at:.0f} s, {DESCRIBE_TIMEOUT:g} s of them while no other engine answered"
+            raise TimeoutError(f"engine {engine_id} did not answer for {waited}")
         finally:
             # Requests abandoned here are cancelled, so that their late failure (the engine
             # dies; the hub reports "Engine died while running task") is never left unretrieved.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import random
 import socket
 import time
@@ -65,7 +66,8 @@ def _reserve(bound: socket.socket) -> None:
     bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     bound.listen(1)
     host, port = bound.getsockname()
-    with socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=5):
+    to = "127.0.0.1" if ipaddress.ip_address(host).is_unspecified else host
+    with socket.create_connection((to, port), timeout=5):
         accepted, _ = bound.accept()
         accepted.close()
 

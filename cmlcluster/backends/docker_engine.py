@@ -19,6 +19,7 @@ from typing import Any
 from .. import origin
 from ..errors import BackendError, ConfigError
 from ..wire import CONNECTION_ENV
+from . import docker_ranges
 from .base import run_tag_labels
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def session_network(client: Any, session_id: str) -> str:
     # one of the engine's few address ranges: those of sessions that are gone go first.
     remove_orphan_networks(client, quiet=True)
     try:
-        network = _pinned(client, client.networks.create(name, driver="bridge", labels=labels))
+        network = _create_with_range(client, name, labels)
     except docker.errors.APIError as e:
         explanation = str(e.explanation or e)
         if any(words in explanation for words in POOL_EXHAUSTED):
@@ -119,11 +120,36 @@ def session_network(client: Any, session_id: str) -> str:
     return _gateway(network)
 
 
+def _create_with_range(client: Any, name: str, labels: Mapping[str, str]) -> Any:
+    """The bridge network `name`, made with its range given (docker_ranges says why and how it is
+    chosen); by an engine elsewhere, made with the range the engine picks, then made again with it."""
+    import docker.errors
+    from docker.types import IPAMConfig, IPAMPool
+
+    info = client.info()
+    if docker_ranges.engine_is_here(info):
+        lost_to_others: list[docker_ranges.Range] = []
+        for _ in range(5):
+            taken = docker_ranges.network_ranges(client.networks.list())
+            chosen = docker_ranges.free_range(
+                docker_ranges.pools(info), [*taken, *docker_ranges.host_routes(), *lost_to_others]
+            )
+            if chosen is None:
+                break  # every range is taken: the engine's own refusal below says so
+            ipam = IPAMConfig(pool_configs=[IPAMPool(subnet=str(chosen), gateway=str(chosen[1]))])  # .1: Docker's
+            try:
+                return client.networks.create(name, driver="bridge", labels=labels, ipam=ipam)
+            except docker.errors.APIError as e:
+                if "Pool overlaps" not in str(e.explanation or e):
+                    raise
+                lost_to_others.append(chosen)  # another session's network took it meanwhile
+    return _pinned(client, client.networks.create(name, driver="bridge", labels=labels))
+
+
 def _pinned(client: Any, network: Any) -> Any:
-    """The network made again with the range the engine gave it, as the user's own: Docker starts a
-    container at an address of one's choosing (a lost TensorFlow task's replacement, at the lost
-    task's) only on a network whose range was given when it was made. The engine's pool picks the
-    range, so sessions never clash with each other's or the host's networks."""
+    """The network made again with the range the engine gave it, as the user's own (docker_ranges
+    says why), for an engine whose host's routes this process cannot see: the engine's pool picks
+    the range, so sessions never clash with each other's or the host's networks."""
     import docker.errors
     from docker.types import IPAMConfig, IPAMPool
 

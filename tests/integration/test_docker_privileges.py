@@ -5,6 +5,7 @@ environment, and a network per session that no other session's container reaches
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -263,6 +264,45 @@ def test_an_exhausted_address_pool_says_what_to_do():
                 "to assign to the network",
             )
 
-    engine = type("Client", (), {"networks": Networks()})()
-    with pytest.raises(ConfigError, match=r"(?s)no free address range.*cmlcluster cleanup.*default-address-pools"):
-        docker_engine.session_network(engine, "feed02")
+    for name in (socket.gethostname(), "an engine elsewhere"):  # the range chosen here, or by the engine
+        engine = type("Client", (), {"networks": Networks(), "info": lambda self, name=name: {"Name": name}})()
+        with pytest.raises(ConfigError, match=r"(?s)no free address range.*cmlcluster cleanup.*default-address-pools"):
+            docker_engine.session_network(engine, "feed02")
+
+
+def test_sessions_making_their_networks_at_once_each_get_a_range_of_their_own_that_takes_chosen_addresses(client):
+    import concurrent.futures
+    import ipaddress
+
+    from cmlcluster.backends import docker_ranges
+
+    routes = docker_ranges.host_routes()  # before: the new networks' bridges add their own
+    ids = [f"ranges{os.getpid()}x{i}" for i in range(4)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+            gateways = list(pool.map(lambda i: docker_engine.session_network(client, i), ids))
+        configs = [client.networks.get(docker_engine.session_network_name(i)).attrs["IPAM"]["Config"] for i in ids]
+        subnets = [ipaddress.ip_network(c[0]["Subnet"]) for c in configs]
+        assert not [(a, b) for a in subnets for b in subnets if a is not b and a.overlaps(b)], subnets
+        assert not [(s, r) for s in subnets for r in routes if s.overlaps(r)], (subnets, routes)
+        assert gateways == [str(s[1]) for s in subnets]
+        # What a lost TensorFlow task's replacement needs: a container at an address of one's choosing.
+        chosen = str(subnets[0][7])
+        container = client.api.create_container(
+            DOCKER_TEST_IMAGE,
+            "true",
+            labels=docker_engine.session_labels(ids[0]),
+            networking_config=client.api.create_networking_config(
+                {docker_engine.session_network_name(ids[0]): client.api.create_endpoint_config(ipv4_address=chosen)}
+            ),
+            host_config=client.api.create_host_config(network_mode=docker_engine.session_network_name(ids[0])),
+        )
+        try:
+            client.api.start(container)
+            networks = client.api.inspect_container(container)["NetworkSettings"]["Networks"]
+            assert networks[docker_engine.session_network_name(ids[0])]["IPAddress"] == chosen
+        finally:
+            client.api.remove_container(container, force=True)
+    finally:
+        for i in ids:
+            docker_engine.remove_network(client, docker_engine.session_network_name(i))
