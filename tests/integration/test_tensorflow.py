@@ -64,6 +64,8 @@ def test_parameter_server_training_with_this_process_as_coordinator(session, cap
         # The steps ran in the worker processes: both worked (their servers are idle otherwise).
         assert all(used > 0.1 for used in cpu_used), cpu_used
     assert {w["status"] for w in session.list_workers()} == {"stopped"}
+    if session.backend.name != "local":
+        return  # what follows is the coordinator's, this process's, whatever the backend
 
     # The coordinator was detached before its servers stopped: freeing its functions logs nothing
     # (TensorFlow used to log "Failed to remove function remotely" per function and task, for minutes).
