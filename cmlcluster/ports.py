@@ -55,21 +55,25 @@ def ports_to_listen_on(n: int, host: str = "") -> list[int]:
     raise OSError(f"fewer than {n} free ports between {LISTEN_PORTS_FROM} and {ephemeral_from} on this host")
 
 
-def _reserve(bound: socket.socket) -> None:
-    """Leave bound's port reserved for a minute: taken for a plain bind, free for SO_REUSEADDR's.
+def _reserve(held: socket.socket) -> None:
+    """Leave held's port reserved for a minute: taken for a plain bind, free for SO_REUSEADDR's.
 
     One connection to it, closed first on its side, waits in TIME_WAIT on the port for 60 s
     (Linux): a bind without SO_REUSEADDR (ports_to_listen_on's, in any session) fails there, and
-    a server binding with SO_REUSEADDR gets it, because the listener set it before the connection
-    was accepted. bound was bound without it, so the port was free of every other claim.
+    a server binding with SO_REUSEADDR gets it, because its listener had it. held was bound
+    without it, so the port was free of every other claim; the listener is on loopback only (or
+    held's own address), so that nothing listens on every interface, even for a moment.
     """
-    bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    bound.listen(1)
-    host, port = bound.getsockname()
-    to = "127.0.0.1" if ipaddress.ip_address(host).is_unspecified else host
-    with socket.create_connection((to, port), timeout=5):
-        accepted, _ = bound.accept()
-        accepted.close()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # after its bind: others' plain binds still fail
+    host, port = held.getsockname()
+    on = "127.0.0.1" if ipaddress.ip_address(host).is_unspecified else host
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((on, port))
+        listener.listen(1)
+        with socket.create_connection((on, port), timeout=5):
+            accepted, _ = listener.accept()
+            accepted.close()
 
 
 def _ephemeral_range_start() -> int:

@@ -289,13 +289,15 @@ def test_sessions_making_their_networks_at_once_each_get_a_range_of_their_own_th
         # What a lost TensorFlow task's replacement needs: a container at an address of one's choosing.
         chosen = str(subnets[0][7])
         container = client.api.create_container(
-            DOCKER_TEST_IMAGE,
-            "true",
+            DOCKER_TEST_IMAGE,  # empty: its programs are the host's /usr, as host_python's workers'
+            ["/usr/bin/sleep", "60"],  # removed below once its address is read
             labels=docker_engine.session_labels(ids[0]),
             networking_config=client.api.create_networking_config(
                 {docker_engine.session_network_name(ids[0]): client.api.create_endpoint_config(ipv4_address=chosen)}
             ),
-            host_config=client.api.create_host_config(network_mode=docker_engine.session_network_name(ids[0])),
+            host_config=client.api.create_host_config(
+                network_mode=docker_engine.session_network_name(ids[0]), binds={"/usr": {"bind": "/usr", "mode": "ro"}}
+            ),
         )
         try:
             client.api.start(container)

@@ -186,8 +186,14 @@ def test_ports_to_listen_on_are_not_drawn_again_by_another_session_before_its_co
     import cmlcluster.ports as ports
 
     monkeypatch.setattr(ports.random, "sample", lambda population, k: list(population))
+    listening = []  # where the reservation listens: on loopback only (test_listeners samples too slowly)
+    listen = socket.socket.listen
+    monkeypatch.setattr(
+        socket.socket, "listen", lambda self, *a: (listening.append(self.getsockname()[0]), listen(self, *a))[1]
+    )
     first = ports.ports_to_listen_on(3)
     second = ports.ports_to_listen_on(3)
+    assert listening == ["127.0.0.1"] * 6
     assert not set(first) & set(second)
     for port in first:
         with socket.socket() as other:  # a server that does not know of the reservation
