@@ -81,6 +81,8 @@ def test_interrupt_stops_the_wait_and_the_session_goes_on(kernel):
     content, out = run(kc, "print(sorted(w['status'] for w in cdsw.list_workers()))")
     assert content["status"] == "ok", out
     assert out.strip() == "['running', 'running']"
+    # Stopped here: the fixture kills the kernel, whose idle workers would then wait out their 10 s of silence.
+    assert run(kc, "cdsw.stop_workers()")[0]["status"] == "ok"
 
 
 def test_kernel_restart_stops_workers(kernel, wait_gone):
