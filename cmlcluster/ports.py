@@ -12,15 +12,19 @@ LISTEN_PORTS_FROM = 10_000  # ports_to_listen_on's range starts here (below: wel
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct ports free on this host now (held together while picked, so no two are the same).
+    """n distinct ports free on this host now (held together while picked, so no two are the same),
+    each reserved (see _reserve) for its server to bind: a server binding with SO_REUSEADDR, as
+    TensorFlow's gRPC servers, torch's TCPStore and sshd do (each checked on a reserved port).
 
-    Another process may take one before its server binds it; callers pick again per run, never
-    a fixed port, so a port left in use by an earlier run never blocks the next one.
+    Callers pick again per run, never a fixed port, so a port left in use by an earlier run never
+    blocks the next one.
     """
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
         for s in sockets:
             s.bind(("", 0))
+        for s in sockets:
+            _reserve(s)
         return [s.getsockname()[1] for s in sockets]
 
 

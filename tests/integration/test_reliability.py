@@ -207,6 +207,23 @@ def test_ports_to_listen_on_are_not_drawn_again_by_another_session_before_its_co
             controller.bind(f"tcp://127.0.0.1:{port}")  # what the controller does: it gets its port
 
 
+def test_free_ports_stay_reserved_for_the_servers_they_are_drawn_for():
+    # free_ports draws TensorFlow's task ports and torch's master port in the kernel's ephemeral range,
+    # for servers that bind them a moment later in another process.
+    from cmlcluster.ports import free_ports
+
+    drawn = free_ports(3)
+    assert len(set(drawn)) == 3 and not set(drawn) & set(free_ports(3))
+    for port in drawn:
+        with socket.socket() as other:
+            with pytest.raises(OSError, match="Address already in use"):
+                other.bind(("", port))
+        with socket.socket() as server:  # as gRPC, torch's TCPStore and sshd bind
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("", port))
+            server.listen()
+
+
 def test_a_worker_that_registers_while_the_session_connects_to_its_controller_is_not_missed(monkeypatch):
     # ipyparallel's client asks the hub for its engines, then subscribes to its registration
     # notifications: an engine whose registration completes in between is announced to no one (ci44,

@@ -33,7 +33,13 @@ TESTS = [
 # does the job layer's: going on without a worker that never started, and failing a job whose task
 # died under a TF1 script. Nor do restarts: the TensorFlow they rely on (the coordinator taking a worker
 # back) is probed on this version by test_tf_internals.py, and the restarts run on the main TensorFlow.
-BACKENDS = ["-k", "not docker and not ssh and not kubernetes and not min_workers and not during_run_cluster"]
+# Nor do a raising script's report and run_cluster's returned spec (the job layer's; the servers they
+# start are the PS training's too).
+BACKENDS = [
+    "-k",
+    "not docker and not ssh and not kubernetes and not min_workers and not during_run_cluster"
+    " and not raising_worker_script and not returns_a_spec",
+]
 LONGEST = True  # conftest.py starts this file first
 
 
