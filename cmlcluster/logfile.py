@@ -21,16 +21,16 @@ import select
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .wire import READ_CHUNK, TAIL_BYTES
+
 if TYPE_CHECKING:
     import asyncio
 
 log = logging.getLogger(__name__)
 
 HEAD_BYTES = 1 << 20  # 1 MiB
-TAIL_BYTES = 8 << 20  # the tail keeps the last 4 to 8 MiB
 # The tail that a roll keeps begins at a line's start when one begins at most this far before it.
 LINE_SEARCH = 64 << 10
-READ_CHUNK = 64 << 10  # what one read of a worker's pipe takes at most
 
 
 class CappedLog:

@@ -1,4 +1,5 @@
-"""GPUs and CPU/memory limits for workers that run as local processes."""
+"""GPUs for workers that run as local processes, and the notice that their CPU/memory limits are not applied
+(the limits themselves: cgroups.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import os
 import shutil
 import subprocess
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 from .workers import Resources
+
+if TYPE_CHECKING:
+    from .cgroups import CgroupLimits
 
 log = logging.getLogger(__name__)
 
@@ -69,86 +74,6 @@ class GpuPool:
     def give_back(self, gpus: list[str]) -> None:
         self._free.extend(g for g in gpus if g not in self._free)
         self._free.sort(key=self.all.index)
-
-
-CGROUP_ROOT = "/sys/fs/cgroup"
-CPU_PERIOD_US = 100_000
-
-
-def _own_cgroup(controller: str) -> str | None:
-    """This process's cgroup path in the v1 hierarchy of `controller` (or v2 when controller is "")."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if controllers.split(",") == [controller] or (controller == "" and controllers == ""):
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-class CgroupLimits:
-    """CPU quota and memory limit for one worker, through cgroups v2 or v1, when writable.
-
-    Best effort by design: a laptop or an unprivileged container cannot create
-    cgroups, and the worker then runs with its resources recorded only.
-    """
-
-    def __init__(self, name: str, cpu: float, memory_gb: float):
-        self.paths: list[str] = []
-        self.applied: dict[str, str] = {}
-        self.problem: str | None = None  # why the limits are not (all) applied, for LimitsNotice
-        memory_bytes = str(int(memory_gb * 1024**3))
-        quota = str(max(1000, int(cpu * CPU_PERIOD_US)))
-        if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
-            own = _own_cgroup("")
-            if own is not None:
-                self._make(
-                    os.path.join(CGROUP_ROOT, own.lstrip("/"), name),
-                    {"memory.max": memory_bytes, "cpu.max": f"{quota} {CPU_PERIOD_US}"},
-                )
-        else:
-            for controller, settings in (
-                ("memory", {"memory.limit_in_bytes": memory_bytes}),
-                ("cpu", {"cpu.cfs_period_us": str(CPU_PERIOD_US), "cpu.cfs_quota_us": quota}),
-            ):
-                own = _own_cgroup(controller)
-                if own is not None:
-                    self._make(os.path.join(CGROUP_ROOT, controller, own.lstrip("/"), name), settings)
-        if not self.paths and self.problem is None:
-            self.problem = "this process is in no cgroup that it can see (/proc/self/cgroup)"
-
-    def _make(self, path: str, settings: dict[str, str]) -> None:
-        try:
-            os.makedirs(path, exist_ok=True)
-            self.paths.append(path)
-            for key, value in settings.items():
-                with open(os.path.join(path, key), "w") as f:
-                    f.write(value)
-                self.applied[key] = value
-        except OSError as e:
-            self.problem = self.problem or f"cannot write {e.filename or path}: {e.strerror or e}"
-
-    def add(self, pid: int) -> None:
-        for path in self.paths:
-            try:
-                with open(os.path.join(path, "cgroup.procs"), "w") as f:
-                    f.write(str(pid))
-            except ProcessLookupError:
-                pass  # it has exited already: nothing to limit
-            except OSError as e:
-                self.problem = self.problem or f"cannot move a worker into {path}: {e.strerror or e}"
-
-    def remove(self) -> None:
-        for path in reversed(self.paths):
-            # The leaf, then the session folder once it is empty.
-            for folder in (path, os.path.dirname(path)):
-                try:
-                    os.rmdir(folder)
-                except OSError:
-                    break
-        self.paths = []
 
 
 class LimitsNotice:

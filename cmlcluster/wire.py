@@ -33,3 +33,9 @@ HEARTBEAT_MS = 250
 # The session starts its controller and its first workers at once: an engine may wait for the
 # controller to listen for as long as the session waits for it.
 CONTROLLER_START_TIMEOUT = 60.0
+
+# A worker's output as the session keeps it: its log keeps the last TAIL_BYTES / 2 to TAIL_BYTES
+# (logfile.py), and an SSH worker's relay on its host as much, for a connection that drops
+# (ssh_relay.py); a pipe is read READ_CHUNK at a time on both sides.
+TAIL_BYTES = 8 << 20
+READ_CHUNK = 64 << 10

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "workers",
             "results",  # what collect= may name, and which files are a worker's: both sides read it
             "resources",
+            "cgroups",
             "events",
             "live",
             "shipping",

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from .._proc import end_group_async, signal_left_of_group
 from ..agent_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
+from ..cgroups import CgroupLimits
 from ..errors import BackendError
 from ..logfile import WorkerOutput, start_process
-from ..resources import CgroupLimits, GpuPool, LimitsNotice, visible_gpus
+from ..resources import GpuPool, LimitsNotice, visible_gpus
 from ..workers import Resources, WorkerSpec
 from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail
 

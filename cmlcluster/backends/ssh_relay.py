@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..logfile import READ_CHUNK, TAIL_BYTES
+from ..wire import READ_CHUNK, TAIL_BYTES
 
 SPOOL_BYTES = TAIL_BYTES  # what a worker's log keeps of its tail is what its relay keeps for a new connection
 MAGIC = b"\x00cmlcluster-relay-1\n"  # what comes before it on a connection is a login script's chatter

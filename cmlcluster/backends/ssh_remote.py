@@ -41,10 +41,8 @@ import time
 from typing import Any
 
 from .._proc import descendants, end_group
-from ..logfile import READ_CHUNK
-from ..resources import CgroupLimits
-from ..wire import DEFAULT_SILENCE_TIMEOUT
-from .results_host import keep
+from ..cgroups import CgroupLimits
+from ..wire import DEFAULT_SILENCE_TIMEOUT, READ_CHUNK
 from .ssh_relay import FRAME_BYTES, GONE_EXIT, HANGUP_MS, POLL_MS, SOCKET_NAME, Relay, end_worker_on_signals
 
 DEFAULT_GRACE = 5.0
@@ -117,6 +115,8 @@ def run_worker(request: dict[str, Any], folder: str, listener: socket.socket, fi
     finally:
         relay.end_worker(0)  # nothing of the worker outlives its relay, even one that failed
         limits.remove()
+        from .results_host import keep  # here, at the worker's end: its imports are 5 ms of every worker's start
+
         keep(os.path.join(folder, "work"), worker_id, request.get("collect", ()), started)  # for the session
         shutil.rmtree(folder, ignore_errors=True)
     return code

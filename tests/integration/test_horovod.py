@@ -68,9 +68,18 @@ def horovod_backend(name, request, tmp_path_factory):
     [pytest.param("docker", marks=pytest.mark.matrix), "docker as a uid the image does not name", "ssh", "kubernetes"],
 )
 def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_path_factory, capsys):
-    cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
-    result = shell.run_line_magic("horovod", f"-np 2 {EXAMPLE} --epochs 2")
+    # As a new user does: a script in the system's temp folder, which no worker sees.
+    folder = tempfile.mkdtemp(prefix="hvd-script-")
+    try:
+        script = Path(folder) / "train.py"
+        script.write_text(EXAMPLE.read_text())
+        cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
+        result = shell.run_line_magic("horovod", f"-np 2 {script} --epochs 2")
+    finally:
+        shutil.rmtree(folder)
     check_allreduce(result, n_hosts=2)
+    # Shipped: every rank ran a copy in its worker's folder, found by name.
+    assert result.argv[-4:] == ["cmlcluster.horovod.rank", "train.py", "--epochs", "2"]
     assert len({h for h, _ in result.hosts}) == 2 and {s for _, s in result.hosts} == {1}
     assert result.argv[result.argv.index("-p") + 1] == "2222"
     assert result.argv[result.argv.index("-H") + 1] == ",".join(f"{h}:1" for h, _ in result.hosts)
@@ -83,23 +92,9 @@ def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_p
     assert not Path(identity).exists() and not Path(identity).parent.exists()
 
 
-@pytest.mark.parametrize("backend_name", ["docker", "ssh", pytest.param("kubernetes", marks=pytest.mark.matrix)])
-def test_a_script_outside_the_working_folder_reaches_every_host(backend_name, shell, request, tmp_path_factory):
-    # As a new user does: a script in the system's temp folder, which the workers do not see.
-    folder = tempfile.mkdtemp(prefix="hvd-script-")
-    try:
-        script = Path(folder) / "train.py"
-        script.write_text(EXAMPLE.read_text())
-        cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
-        result = shell.run_line_magic("horovod", f"-np 2 {script} --epochs 1")
-    finally:
-        shutil.rmtree(folder)
-    assert result.ok, result.message
-    # Shipped: every rank ran a copy in its worker's folder, found by name.
-    assert result.argv[-4:] == ["cmlcluster.horovod.rank", "train.py", "--epochs", "1"]
-
-
-@pytest.mark.parametrize("backend_name", ["local", "ssh"])
+# On a host that sees none of the session's files the cell is shipped as a script is (above): SSH in the
+# matrix tier.
+@pytest.mark.parametrize("backend_name", ["local", pytest.param("ssh", marks=pytest.mark.matrix)])
 def test_horovod_cell_magic(backend_name, shell, request, tmp_path_factory):
     cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
     result = shell.run_cell_magic(

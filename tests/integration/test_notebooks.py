@@ -61,7 +61,9 @@ def test_parameter_server_notebook_trains_and_stops():
     assert stopped.strip() == "['stopped', 'stopped', 'stopped']"
 
 
-@pytest.mark.parametrize("backend", ["local", "docker"])
+# On local: %horovod across containers is test_horovod's (and test_horovod_elastic's, as root); this is the
+# notebook, run by a real kernel.
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_horovod_notebook_runs_allreduce_and_cleans_up(backend, monkeypatch):
     from conftest import DOCKER_TEST_IMAGE
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from cmlcluster import Session, logfile, resources
+from cmlcluster import Session, cgroups, logfile
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +86,7 @@ def test_a_worker_dying_after_much_output_is_reported_with_its_last_traceback_li
 
 
 def test_missing_limits_on_local_workers_are_said_once_a_session(monkeypatch, caplog):
-    monkeypatch.setattr(resources, "CGROUP_ROOT", "/dev/null/cgroup")  # nothing can be made below a file
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", "/dev/null/cgroup")  # nothing can be made below a file
     with caplog.at_level(logging.DEBUG, logger="cmlcluster.resources"):
         for _ in range(2):
             with Session("local", echo=False) as s:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cmlcluster import logfile, resources
+from cmlcluster import cgroups, logfile, resources
 from cmlcluster.logfile import CappedLog, WorkerOutput, read_tail, start_process
 
 MARKER = re.compile(rb"\n?\[cmlcluster: ([\d,]+) bytes of output dropped here; [^\]]*\]\n")
@@ -222,11 +222,11 @@ def test_a_copy_whose_writer_outlives_the_drain_stops_and_lets_go(tmp_path):
 
 
 def test_missing_cpu_memory_limits_are_said_once_at_warning_with_why_and_what_to_do(monkeypatch, caplog):
-    monkeypatch.setattr(resources, "CGROUP_ROOT", "/dev/null/cgroup")  # nothing can be made below a file
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", "/dev/null/cgroup")  # nothing can be made below a file
     notice = resources.LimitsNotice()
     with caplog.at_level(logging.DEBUG, logger="cmlcluster"):
         for worker in ("w0", "w1", "w2"):
-            limits = resources.CgroupLimits(f"cmlcluster-test/{worker}", 1, 1)
+            limits = cgroups.CgroupLimits(f"cmlcluster-test/{worker}", 1, 1)
             limits.add(os.getpid())
             notice.check(limits)
             limits.remove()
