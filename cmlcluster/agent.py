@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from . import agent_files, ipyparallel_internals, wire
+from . import agent_files, engine_imports, ipyparallel_internals, wire
 from .agent_engine import AgentEngine, import_kernel_without_debugger, silence_seconds
 from .agent_files import leftovers, unpack_files
 from .agent_program import call, run_program
@@ -115,6 +115,7 @@ def main() -> None:
         print(f"cmlcluster agent: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     import_kernel_without_debugger()
+    engine_imports.replies_import_only_what_is_imported()
     agent_files.own_folder = os.getcwd() if os.environ.pop(wire.OWN_FOLDER_ENV, "") == "1" else ""
     agent_files.collected = tuple(json.loads(os.environ.pop(wire.COLLECT_ENV, "[]")))
     agent_files.started = time.time()

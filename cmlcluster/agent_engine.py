@@ -23,11 +23,13 @@ import time
 from typing import Any
 
 from ipykernel.iostream import OutStream
-from ipyparallel.engine.app import IPEngine
 from traitlets import default
 
-from . import agent_program, wire
+from . import agent_program, engine_imports, wire
 from ._proc import group_members
+
+engine_imports.engine_without_the_client()  # before the engine's import
+from ipyparallel.engine.app import IPEngine  # noqa: E402
 
 
 def silence_seconds(text: str) -> float:

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "results",  # what collect= may name, and which files are a worker's: both sides read it
             "resources",
             "cgroups",
+            "engine_imports",
             "events",
             "live",
             "shipping",
