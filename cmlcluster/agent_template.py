@@ -48,8 +48,8 @@ TEMPLATE_FLAG = "--template"
 AGENT_MODULE = "cmlcluster.agent"
 MAX_TEMPLATES = 4  # environments per session: each template is a process as long as the session lives
 # Imported by an engine as it starts (its shell's history database, completer and inspector, tornado's
-# asyncio loop, the IDNA codec of getaddrinfo), so imported once by the template too. Not numpy, which
-# the engine's serializer imports: its OpenBLAS starts threads as it loads.
+# asyncio loop, the IDNA codec of getaddrinfo), so imported once by the template too. Not numpy, which a
+# worker imports only if its program does (engine_imports.py): its OpenBLAS starts threads as it loads.
 WARM_MODULES = (
     "IPython.core.completerlib",
     "IPython.core.oinspect",

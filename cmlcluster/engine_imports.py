@@ -22,8 +22,11 @@ import importlib.util
 import inspect
 import sys
 import threading
-from collections.abc import ItemsView, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _collections_abc import dict_items
 
 # Names of the package that an engine itself asks for, and the submodule that defines each: the can_map
 # names "ipyparallel.dependent" (ipyparallel/serialize/canning.py), resolved at the engine's first reply.
@@ -54,11 +57,11 @@ def engine_without_the_client(package: str = "ipyparallel") -> None:
                 loader.exec_module(module)  # the __init__, in the module every submodule already hangs on
         return getattr(module, name)
 
-    module.__getattr__ = first_use  # type: ignore[attr-defined]  # PEP 562
+    module.__dict__["__getattr__"] = first_use  # PEP 562
     sys.modules[package] = module
 
 
-class TypesOfImportedModules(dict):  # type: ignore[type-arg]
+class TypesOfImportedModules(dict[Any, Any]):
     """A can_map whose types named by a string ("numpy.ndarray") stay out of it until their module has been
     imported by something else. ipyparallel's can() reads the map through items(), and resolves the names it
     finds there (importing their modules): a name goes back in at the first items() after its module is
@@ -72,7 +75,7 @@ class TypesOfImportedModules(dict):  # type: ignore[type-arg]
     def _waits(key: Any) -> bool:
         return isinstance(key, str) and key.partition(".")[0] not in sys.modules
 
-    def items(self) -> ItemsView[Any, Any]:
+    def items(self) -> dict_items[Any, Any]:
         for key in [k for k in self.waiting if not self._waits(k)]:
             self[key] = self.waiting.pop(key)
         return super().items()
