@@ -65,7 +65,6 @@ def test_each_step_leaves_an_imported_ipyparallel_as_it_is(step):
     code = f"""
 import ipyparallel, json, sys
 from ipyparallel.serialize import canning
-before = canning.can_map
 from cmlcluster import engine_imports
 engine_imports.{step}()
 engine_imports.{step}()  # twice: the second finds it done
