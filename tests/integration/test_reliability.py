@@ -200,11 +200,9 @@ def test_ports_to_listen_on_are_not_drawn_again_by_another_session_before_its_co
     assert listening == ["127.0.0.1"] * 6
     assert not set(first) & set(second)
     for port in first:
-        with socket.socket() as other:  # a server that does not know of the reservation
-            with pytest.raises(OSError, match="Address already in use"):
-                other.bind(("", port))
         with zmq.Context() as context, context.socket(zmq.ROUTER) as controller:
-            controller.bind(f"tcp://127.0.0.1:{port}")  # what the controller does: it gets its port
+            # What the controller does: it gets its port.
+            assert_reserved_for(port, lambda p: controller.bind(f"tcp://127.0.0.1:{p}"))
 
 
 def test_free_ports_stay_reserved_for_the_servers_they_are_drawn_for():
@@ -215,13 +213,17 @@ def test_free_ports_stay_reserved_for_the_servers_they_are_drawn_for():
     drawn = free_ports(3)
     assert len(set(drawn)) == 3 and not set(drawn) & set(free_ports(3))
     for port in drawn:
-        with socket.socket() as other:
-            with pytest.raises(OSError, match="Address already in use"):
-                other.bind(("", port))
         with socket.socket() as server:  # as gRPC, torch's TCPStore and sshd bind
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind(("", port))
-            server.listen()
+            assert_reserved_for(port, lambda p: (server.bind(("", p)), server.listen()))
+
+
+def assert_reserved_for(port, bind_its_server):
+    """A drawn port: a server that does not know of the reservation cannot bind it; its own server can."""
+    with socket.socket() as other:
+        with pytest.raises(OSError, match="Address already in use"):
+            other.bind(("", port))
+    bind_its_server(port)
 
 
 def test_a_worker_that_registers_while_the_session_connects_to_its_controller_is_not_missed(monkeypatch):
