@@ -70,11 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "logs",
         help="a session's worker logs, kept after it ended (without SESSION: the sessions kept)",
         description="Print the workers' logs of SESSION (an id, or the start of one), or of one of its "
-        "workers (its id, or its number). Kept: the last 50 sessions, 14 days, 2 GiB in all.",
+        "workers (its id, or its number). Kept: the last 50 sessions, 14 days, 2 GiB in all; none with "
+        "CMLCLUSTER_KEEP_LOGS=0.",
     )
     logs.add_argument("session", nargs="?")
     logs.add_argument("worker", nargs="?")
     logs.add_argument("--tail", type=int, metavar="N", help="only the last N lines of each log")
+    logs.add_argument("--delete", action="store_true", help="remove SESSION's kept logs instead (or --all)")
+    logs.add_argument("--all", action="store_true", help="with --delete: every session's that no longer runs")
     commands.add_parser("backends", help="where workers can run, and each backend's options (--backend-option)")
 
     cleanup = commands.add_parser(
@@ -103,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "logs":
             from . import worker_logs
 
+            if args.delete or args.all:
+                if not args.delete or args.worker is not None or args.tail is not None:
+                    parser.error("logs: --all goes with --delete, which takes a SESSION or --all and nothing else")
+                return worker_logs.delete(args.session, args.all)
             return worker_logs.show(args.session, args.worker, args.tail)
         if args.command == "backends":
             print(backends_help())

@@ -45,7 +45,7 @@ class CappedLog:
         self.tail = TAIL_BYTES if tail is None else tail
         self.dropped = 0
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._file = open(path, "w+b", buffering=0)  # read back as it rolls
+        self._file = _open_private(path)  # read back as it rolls
         self._head_size = 0  # bytes of the head in the file
         self._tail_start = 0  # where the tail begins in the file (after the head and the marker)
         self._tail_size = 0
@@ -86,7 +86,7 @@ class CappedLog:
         if last_head_byte != b"\n":
             marker = b"\n" + marker
         rolling = self.path + ".rolling"
-        new = open(rolling, "w+b", buffering=0)
+        new = _open_private(rolling)
         try:
             _copy_range(old, new, 0, self._head_size)
             _write_all(new, marker)
@@ -119,6 +119,18 @@ class CappedLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_private(path: str) -> Any:
+    """`path` made empty and the user's alone (0600, whatever the umask, and an existing file's mode too):
+    a log holds whatever a worker printed."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return open(fd, "w+b", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _copy_range(source: int, file: Any, offset: int, count: int) -> None:

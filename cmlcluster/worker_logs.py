@@ -6,7 +6,13 @@ straight into `<logs>/<session id>/<worker id>.log` rather than into the session
 has to be copied at close, so a SIGKILLed session leaves its logs as complete as they were. `<logs>`
 is $CMLCLUSTER_STATE_DIR/logs, else $XDG_STATE_HOME/cmlcluster/logs, else ~/.local/state/cmlcluster/logs:
 on a disk, not in the runtime folder (a tmpfs) where session records live, since a log is read after a
-reboot too. Its folders are the user's alone (0700), refused like the records' folder when they are not.
+reboot too. Its folders are the user's alone (0700) and its files 0600: a folder that others may write is
+refused like the records' folder; one that others may only read (an older cmlcluster's 0755) is made 0700,
+and that is said once.
+
+CMLCLUSTER_KEEP_LOGS=0 keeps nothing: the workers' logs then go into the session's own folder, which goes
+when the session ends (its controller's lifeline removes it even after a kill -9), so the session still
+shows and quotes them while it runs. `cmlcluster logs --delete SESSION` (or `--all`) removes kept logs.
 
 Retention, applied when a session makes its folder (its first launch), oldest first: at most
 KEEP_SESSIONS sessions, none whose newest file is older than KEEP_DAYS, KEEP_BYTES in all. Only
@@ -20,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -34,10 +41,16 @@ KEEP_SESSIONS = 50
 KEEP_DAYS = 14
 KEEP_BYTES = 2 << 30  # 2 GiB
 _SESSION_ID = re.compile(r"[0-9a-f]{16}")  # session.py's token_hex(8): nothing else in the folder is removed
+KEEP_ENV = "CMLCLUSTER_KEEP_LOGS"
+
+
+def keep() -> bool:
+    """Whether workers' logs are kept after their session: not when CMLCLUSTER_KEEP_LOGS is 0 (or false, no, off)."""
+    return os.environ.get(KEEP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def folder() -> str:
-    """The folder of every session's worker logs (made, and checked private)."""
+    """The folder of every session's worker logs (made, and checked private: made 0700 when others may read it)."""
     base = os.environ.get("CMLCLUSTER_STATE_DIR")
     if base:
         path = os.path.join(base, "logs")
@@ -48,16 +61,35 @@ def folder() -> str:
     # Its parent too: whoever may write there could put a folder of theirs in its place.
     for checked in (os.path.dirname(path), path):
         records.check_private(checked, "worker logs")
+    _make_private(path)
     return path
+
+
+def _make_private(path: str) -> None:
+    """Take the read and search bits of others off a folder of the user's own (checked by check_private):
+    an older cmlcluster, or a umask of 022 on a folder made by hand, left the logs readable by every user."""
+    if not hasattr(os, "geteuid"):
+        return
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        os.chmod(path, 0o700)
+        log.warning(
+            "cmlcluster: the worker logs folder %s was readable by other users (mode %#o); it is 0700 now", path, mode
+        )
 
 
 def session_folder(session_id: str) -> str:
     """The folder of this session's worker logs, made; older sessions' past the retention rules go first.
-    "" when it cannot be made (a read-only home): the logs then stay in the session's folder, and go with it."""
+    "" when it cannot be made (a read-only home), or when CMLCLUSTER_KEEP_LOGS=0: the logs then stay in the
+    session's folder, and go with it."""
+    if not keep():
+        log.info("cmlcluster: %s=0: the workers' logs go with the session's folder when it ends", KEEP_ENV)
+        return ""
     try:
         root = folder()
         path = os.path.join(root, session_id)
         os.makedirs(path, mode=0o700, exist_ok=True)
+        _make_private(path)
     except OSError as e:
         log.warning("cmlcluster: worker logs are not kept after this session: %s", e)
         return ""
@@ -174,6 +206,34 @@ def show(session: str | None, worker: str | None = None, tail: int | None = None
             print(f"{'' if i == 0 else chr(10)}==> {name} <==")
         sys.stdout.write(_read(kept.log(name), tail))
     sys.stdout.flush()
+    return 0
+
+
+def delete(session: str | None, everything: bool = False, running: Callable[[], set[str]] | None = None) -> int:
+    """`cmlcluster logs --delete`: remove the kept logs of `session` (an id, or the start of one), or with
+    `everything` those of every session kept; never those of a session that still runs (its record says
+    so), nor a folder that is not the user's own."""
+    if (session is None) == (not everything):
+        raise ConfigError("logs --delete: give a SESSION, or --all")
+    root = folder()
+    found = kept_sessions(root)
+    chosen = found if everything else [_find(found, session or "", root)]
+    live = (running or _running)()
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    for kept in chosen:
+        if kept.session_id in live:
+            if not everything:
+                raise ConfigError(f"session {kept.session_id} still runs: close it, then delete its logs")
+            print(f"session {kept.session_id}: left (it still runs)")
+            continue
+        owner = os.stat(kept.path, follow_symlinks=False).st_uid
+        if uid is not None and owner != uid:
+            print(f"session {kept.session_id}: left ({kept.path} belongs to uid {owner}, not to you)")
+            continue
+        shutil.rmtree(kept.path)
+        print(f"session {kept.session_id}: deleted its worker logs ({_size(kept.size)})")
+    if not chosen:
+        print(f"no worker logs kept in {root}")
     return 0
 
 

@@ -128,3 +128,43 @@ def test_cmlcluster_logs_prints_a_workers_log_its_last_lines_and_lists_the_sessi
     assert f"session {sid(7)}" in capsys.readouterr().out
     assert main(["logs", sid(7), "9"]) == 2
     assert f"kept no log of worker '9'; its workers: {sid(7)}-0, {sid(7)}-1" in capsys.readouterr().err
+
+
+def test_a_logs_folder_others_may_read_is_made_private_and_that_is_said_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CMLCLUSTER_STATE_DIR", str(tmp_path / "state"))
+    os.makedirs(tmp_path / "state" / "logs", mode=0o700)
+    os.chmod(tmp_path / "state" / "logs", 0o755)  # what an older cmlcluster, or a umask of 022, left
+    with caplog.at_level("INFO", logger="cmlcluster.worker_logs"):
+        root = worker_logs.folder()
+        worker_logs.folder()
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    said = [r.getMessage() for r in caplog.records if "readable by other users" in r.getMessage()]
+    assert len(said) == 1 and "mode 0o755" in said[0] and root in said[0]
+
+
+def test_keep_logs_0_keeps_nothing_after_the_session_yet_shows_its_logs_while_it_runs(root, monkeypatch):
+    monkeypatch.setenv("CMLCLUSTER_KEEP_LOGS", "0")
+    with Session(FakeBackend([FakeWorker()]), echo=False) as s:
+        [w] = s.launch_workers(1, cpu=1, memory=1)
+        folder = s.log_folder
+        assert not folder.startswith(root) and os.path.isdir(folder)  # the session's own folder's
+        assert s.worker_log_path(w).startswith(folder)
+    assert os.listdir(root) == []
+    assert not os.path.exists(folder)
+
+
+def test_logs_delete_removes_a_sessions_logs_or_all_but_a_running_ones(root, capsys):
+    for n in (1, 2, 3):
+        craft(root, n, age_days=0, now=time.time())
+    assert main(["logs", "--delete", sid(1)]) == 0
+    assert remaining(root) == {2, 3}
+    assert f"session {sid(1)}: deleted its worker logs" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="still runs"):
+        worker_logs.delete(sid(2), running=lambda: {sid(2)})
+    assert worker_logs.delete(None, everything=True, running=lambda: {sid(2)}) == 0
+    assert remaining(root) == {2}
+    assert f"session {sid(2)}: left (it still runs)" in capsys.readouterr().out
+    assert main(["logs", "--delete"]) == 2
+    assert "give a SESSION, or --all" in capsys.readouterr().err
+    assert main(["logs", "--all", "--delete"]) == 0
+    assert remaining(root) == set()

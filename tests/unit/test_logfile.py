@@ -235,3 +235,19 @@ def test_missing_cpu_memory_limits_are_said_once_at_warning_with_why_and_what_to
     assert "not applied to local workers" in said.getMessage()
     assert "/dev/null/cgroup" in said.getMessage() or "no cgroup" in said.getMessage()
     assert "apply_limits=False" in said.getMessage() and "docker backend" in said.getMessage()
+
+
+def test_a_log_is_the_users_alone_from_its_start_through_its_rolls_whatever_the_umask(tmp_path):
+    path = tmp_path / "w.log"
+    path.write_bytes(b"an older log, readable by all\n")
+    os.chmod(path, 0o644)
+    old = os.umask(0o022)
+    try:
+        with CappedLog(str(path), head=16, tail=64) as log:
+            assert os.stat(path).st_mode & 0o777 == 0o600
+            for _ in range(20):
+                log.write(b"a line of output\n")
+            assert log.dropped  # it rolled: the file is a new one
+            assert os.stat(path).st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
