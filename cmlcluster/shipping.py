@@ -7,6 +7,9 @@ the cap the error names the size and the ways out.
 
 What leaves the working folder: everything but DEFAULT_EXCLUDES and what its `.cmlclusterignore`
 (gitignore syntax, read with pathspec) names; a `!` line there takes a default back (`!.env.example`).
+The defaults keep home what may hold credentials (SECRET_EXCLUDES: the stores of the usual CLIs, keys,
+Jupyter's runtime files, histories; a CML project folder is the user's HOME), and one notice at
+WARNING per shipping names what they kept, so that a worker missing a file is never a mystery.
 A link that resolves inside the folder travels as a relative link; one that points outside it (a
 virtual environment's `bin/python`, `data -> /mnt/...`) would dangle or escape in the worker, so it
 stays behind, and one warning names every link left out.
@@ -18,6 +21,7 @@ folder: see `unpack`.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import posixpath
 import shutil
@@ -31,11 +35,44 @@ from typing import Any
 from .errors import ConfigError
 from .workers import Program
 
+log = logging.getLogger(__name__)
+
 DEFAULT_LIMIT_MB = 50.0  # per archive; CMLCLUSTER_SHIP_LIMIT_MB changes it
-# Secrets and what only this machine needs. First lines of the ignore spec, so a `!` line in
-# .cmlclusterignore takes one back, as in a .gitignore: the user's file is an explicit choice.
-DEFAULT_EXCLUDES = (".git", ".env*", "*.pem", "id_*", "__pycache__")
+# What may hold credentials, wherever it lies in the folder: a CML project folder is the user's HOME,
+# so the stores of the usual CLIs sit in it. Left out, and named in one notice per shipping. Names,
+# not contents (gitleaks and trufflehog read contents; a worker's copy must not need either): each
+# entry is where a tool keeps a token, a key or what was typed, by its documented default path.
+SECRET_EXCLUDES = (
+    # cloud and cluster CLIs
+    ".aws/", ".azure/", "**/.config/gcloud/", "application_default_credentials.json", ".kube/", ".oci/",
+    ".cdp/", ".databrickscfg", ".boto", ".s3cfg", "**/.docker/config.json", "**/.config/containers/auth.json",
+    ".vault-token", "**/.terraform.d/credentials.tfrc.json",
+    # git, package indexes, hosted services
+    ".netrc", "_netrc", ".git-credentials", "**/.config/git/credentials", "**/.config/gh/hosts.yml", ".pypirc",
+    ".npmrc", ".kaggle/", "**/.huggingface/token", "**/.cache/huggingface/token",
+    "**/.cache/huggingface/stored_tokens", "**/.streamlit/secrets.toml", ".pgpass", ".my.cnf",
+    # keys and keyrings: private key files by their extensions and ssh-keygen's names (their .pub
+    # twins are harmless; src/id_utils.py is code), then all of ~/.ssh (config and known_hosts name
+    # the user's hosts), after the `!`, so that nothing in it comes back
+    "*.pem", "*.key", "*.p12", "*.pfx", "*.ppk", "*.jks", "*.keystore",
+    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "!id_*.pub",
+    ".ssh/", ".gnupg/", "**/.local/share/keyrings/", "**/.local/share/python_keyring/", ".password-store/",
+    # Jupyter's runtime files: the server's token (jpserver-*.json, its -open.html) and each kernel's
+    # HMAC key; ipyparallel's connection files; hashed passwords in the server's config
+    "**/jupyter/runtime/", "**/Jupyter/runtime/", "jpserver-*.json", "jpserver-*.html", "nbserver-*.json",
+    "nbserver-*.html", "jupyter_cookie_secret", "notebook_cookie_secret", "**/.ipython/profile_*/security/",
+    "**/.jupyter/jupyter_server_config.json", "**/.jupyter/jupyter_notebook_config.json",
+    # environment files, and what was typed: shell and REPL histories (.bash_history, .Rhistory, ...)
+    ".env*", ".*history", ".*_history_*", "**/fish/fish_history", "**/.ipython/profile_*/history.sqlite",
+    ".lesshst", ".viminfo",
+)  # fmt: skip
+# What only this machine needs: left out quietly.
+LOCAL_EXCLUDES = (".git", "__pycache__")
+# The first lines of the ignore spec, so a `!` line in .cmlclusterignore takes one back, as in a
+# .gitignore: the user's file is an explicit choice.
+DEFAULT_EXCLUDES = LOCAL_EXCLUDES + SECRET_EXCLUDES
 IGNORE_FILE = ".cmlclusterignore"
+NOTICE_NAMES = 5  # the notice names this many of what it left out, then counts the rest
 
 
 @dataclass(frozen=True)
@@ -98,6 +135,7 @@ def pack(files: Mapping[str, str], folder: str | None = None) -> bytes:
     contents = _Contents(folder) if folder is not None else None
     if contents is not None:
         contents.check_size()
+        contents.notice_secrets()
         contents.warn_left_out()
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", dereference=True) as tar:
@@ -124,17 +162,36 @@ def pack_text(name: str, text: str) -> bytes:
     return buffer.getvalue()
 
 
-def _ignore_rules(folder: str) -> Callable[[str], bool]:
-    """Whether a name relative to `folder` is left out by itself (a folder's name ends in "/")."""
-    import pathspec  # only the session packs; workers never need it
+class _Rules:
+    """What a folder leaves behind: DEFAULT_EXCLUDES, then its .cmlclusterignore (whose `!` lines win).
 
-    lines = list(DEFAULT_EXCLUDES)
-    try:
-        with open(os.path.join(folder, IGNORE_FILE), encoding="utf-8") as f:
-            lines += f.read().splitlines()
-    except FileNotFoundError:
-        pass
-    return pathspec.GitIgnoreSpec.from_lines(lines).match_file
+    Called with a name relative to the folder (a folder's name ends in "/"): whether it is left out
+    by itself.
+    """
+
+    def __init__(self, folder: str):
+        import pathspec  # only the session packs; workers never need it
+
+        self.ignore_file = os.path.join(folder, IGNORE_FILE)
+        try:
+            with open(self.ignore_file, encoding="utf-8") as f:
+                own = f.read().splitlines()
+        except FileNotFoundError:
+            own = []
+        self._all = pathspec.GitIgnoreSpec.from_lines([*DEFAULT_EXCLUDES, *own]).match_file
+        self._secret = pathspec.GitIgnoreSpec.from_lines(SECRET_EXCLUDES).match_file
+        self._own = pathspec.GitIgnoreSpec.from_lines(own).match_file
+
+    def __call__(self, name: str) -> bool:
+        return self._all(name)
+
+    def secret(self, name: str) -> bool:
+        """Whether `name` is left out for what it may hold (SECRET_EXCLUDES), not by the user's own lines."""
+        return self._all(name) and self._secret(name) and not self._own(name)
+
+
+def _ignore_rules(folder: str) -> _Rules:
+    return _Rules(folder)
 
 
 def _is_left_out(rules: Callable[[str], bool], name: str, is_folder: bool = False) -> bool:
@@ -152,6 +209,7 @@ class _Contents:
     items: list[tuple[str, str]] = field(default_factory=list)  # (name in the archive, path): folders, files
     links: list[tuple[str, str]] = field(default_factory=list)  # (name, relative target)
     behind: list[str] = field(default_factory=list)  # links and special files left out, described
+    secrets: list[str] = field(default_factory=list)  # what SECRET_EXCLUDES left out ("/" after a folder)
     sizes: dict[str, int] = field(default_factory=dict)  # bytes under each top-level name
 
     def __post_init__(self) -> None:
@@ -164,19 +222,21 @@ class _Contents:
             entries = sorted(found, key=lambda e: e.name)
         for entry in entries:
             name = f"{under}{entry.name}"
-            if entry.is_symlink():
-                if not self.rules(name):
-                    self._link(name, entry.path)
+            # A link is judged by its own name too, as the folder it may point to (`.aws -> ...`).
+            as_named = name + "/" if entry.is_dir() else name
+            if self.rules(as_named) or (entry.is_symlink() and self.rules(name)):
+                if self.rules.secret(as_named) or self.rules.secret(name):
+                    self.secrets.append(as_named)
+            elif entry.is_symlink():
+                self._link(name, entry.path)
             elif entry.is_dir():
-                if not self.rules(name + "/"):
-                    self.items.append((name, entry.path))
-                    self._scan(name + "/")
+                self.items.append((name, entry.path))
+                self._scan(name + "/")
             elif entry.is_file():
-                if not self.rules(name):
-                    self.items.append((name, entry.path))
-                    top = name.split("/")[0]
-                    self.sizes[top] = self.sizes.get(top, 0) + entry.stat().st_size
-            elif not self.rules(name):
+                self.items.append((name, entry.path))
+                top = name.split("/")[0]
+                self.sizes[top] = self.sizes.get(top, 0) + entry.stat().st_size
+            else:
                 self.behind.append(f"{name} (not a file, folder or link)")
 
     def _link(self, name: str, path: str) -> None:
@@ -188,6 +248,17 @@ class _Contents:
             self.behind.append(f"{name} -> {os.readlink(path)} (left out)")
         else:  # relative to the link's own folder, which is a folder in the archive too
             self.links.append((name, posixpath.relpath("/" + inside, "/" + posixpath.dirname(name))))
+
+    def notice_secrets(self) -> None:
+        """Once per shipping, at WARNING: what the defaults kept home, and how to ship one anyway."""
+        if not self.secrets:
+            return
+        more = len(self.secrets) - NOTICE_NAMES
+        shown = ", ".join(self.secrets[:NOTICE_NAMES]) + (f" and {more} more" if more > 0 else "")
+        log.warning(
+            "cmlcluster: not shipped to workers (may hold credentials): %s; a !pattern in %s ships one, e.g. !%s",
+            shown, self.rules.ignore_file, self.secrets[0],
+        )  # fmt: skip
 
     def warn_left_out(self) -> None:
         if not self.behind:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -162,3 +163,105 @@ def test_the_size_cap_counts_what_ships_and_names_the_size_and_the_ways_out(tmp_
     message = str(refused.value)
     assert f"the working folder {tmp_path} holds more than 0.2 MB to ship: 0.4 MB, most in data (0.4 MB)" in message
     assert f"{tmp_path / '.cmlclusterignore'} (gitignore syntax)" in message and "CMLCLUSTER_SHIP_LIMIT_MB" in message
+
+
+# A CML project folder is the user's HOME: the stores of the usual CLIs lie in it beside the code.
+HOME_SECRETS = [
+    ".aws/credentials", ".aws/config", ".azure/msal_token_cache.json", ".config/gcloud/credentials.db",
+    ".config/gcloud/application_default_credentials.json", ".kube/config", ".oci/config", ".cdp/credentials",
+    ".databrickscfg", ".boto", ".s3cfg", ".docker/config.json", ".config/containers/auth.json", ".vault-token",
+    ".terraform.d/credentials.tfrc.json", ".netrc", ".git-credentials", ".config/git/credentials",
+    ".config/gh/hosts.yml", ".pypirc", ".npmrc", ".kaggle/kaggle.json", ".cache/huggingface/token",
+    ".cache/huggingface/stored_tokens", ".huggingface/token", "app/.streamlit/secrets.toml", ".pgpass", ".my.cnf",
+    ".ssh/config", ".ssh/known_hosts", ".ssh/authorized_keys", ".ssh/id_ed25519", ".ssh/id_ed25519.pub",
+    ".gnupg/pubring.kbx", ".local/share/keyrings/login.keyring", ".local/share/python_keyring/keyring_pass.cfg",
+    ".password-store/db.gpg", "deploy/server.pem", "deploy/server.key", "deploy/client.p12", "deploy/client.pfx",
+    "deploy/putty.ppk", "deploy/app.jks", "deploy/release.keystore", "keys/id_rsa", "keys/id_rsa_github",
+    "keys/id_dsa", "keys/id_ecdsa", "keys/id_ed25519_sk",
+    ".local/share/jupyter/runtime/jpserver-1234.json", ".local/share/jupyter/runtime/jpserver-1234-open.html",
+    ".local/share/jupyter/runtime/kernel-6c1f9c5e-1b7d-4a2f-9f1e-2d3c4b5a6978.json",
+    ".local/share/jupyter/runtime/kernel-v2-1234abcd.json", "jpserver-99.json", "nbserver-98.json",
+    ".ipython/profile_default/security/ipcontroller-client.json", ".ipython/profile_default/history.sqlite",
+    ".jupyter/jupyter_server_config.json", ".env", ".env.local", ".envrc", ".bash_history", ".zsh_history",
+    ".python_history", ".psql_history", ".mysql_history", ".sqlite_history", ".node_repl_history", ".Rhistory",
+    ".scala_history_jline3", ".local/share/fish/fish_history", ".lesshst", ".viminfo",
+]  # fmt: skip
+# What must travel: code and data, whatever their names start with, and what merely sits beside a secret.
+HOME_CODE = [
+    "train.py", "src/id_utils.py", "data/id_to_label.json", "data/keys.csv", "keys/id_ed25519.pub",
+    "notebooks/history.ipynb", "src/key_value.py", ".ipython/profile_default/startup/00-setup.py",
+    ".jupyter/lab/user-settings/theme.json", ".config/app/settings.toml", "app/.streamlit/config.toml",
+    "src/environment.py", "requirements.txt",
+]  # fmt: skip
+
+
+def home(tmp_path, extra: tuple[str, ...] = ()):
+    folder = tmp_path / "home"
+    for name in [*HOME_SECRETS, *HOME_CODE, ".git/config", "src/__pycache__/id_utils.cpython-311.pyc", *extra]:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("x")
+    return folder
+
+
+def shipped_files(folder, monkeypatch, caplog, to: str = "worker") -> tuple[list[str], list[str]]:
+    """The files a worker that does not see `folder` gets of it, and the notices shipping logged."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cmlcluster.shipping"):
+        names, _ = shipped(folder, monkeypatch, to)
+    out = folder.parent / to
+    files = [n for n in names if not (out / n).is_dir()]
+    return files, [r.getMessage() for r in caplog.records if r.name == "cmlcluster.shipping"]
+
+
+def test_a_home_folder_ships_its_code_and_keeps_every_credential_store_home(tmp_path, monkeypatch, caplog):
+    files, _ = shipped_files(home(tmp_path), monkeypatch, caplog)
+    assert sorted(set(files) & set(HOME_SECRETS)) == []
+    assert files == sorted(HOME_CODE)  # code named id_* or *key*, public keys, settings beside secrets
+
+
+def test_one_notice_names_what_the_defaults_kept_home_and_how_to_ship_one(tmp_path, monkeypatch, caplog):
+    folder = home(tmp_path)
+    _, [notice] = shipped_files(folder, monkeypatch, caplog)
+    assert notice.startswith(
+        "cmlcluster: not shipped to workers (may hold credentials): .Rhistory, .aws/, .azure/, .bash_history, "
+        ".boto and "
+    )  # in the order found: folders once, by their own name
+    more = int(notice.split(" and ")[1].split(" more")[0])
+    assert more == 59  # every other file or folder kept home, counted; nothing quiet (.git, __pycache__) is
+    assert notice.endswith(f"; a !pattern in {folder / '.cmlclusterignore'} ships one, e.g. !.Rhistory")
+    assert "\n" not in notice
+    # What the user's own file leaves out is their choice, and not named again; with nothing kept home
+    # by the defaults, nothing is said.
+    quiet = tmp_path / "quiet"
+    for name in [".git/config", "pkg/__pycache__/m.pyc", "pkg/m.py", "secrets/token.txt", ".netrc"]:
+        (quiet / name).parent.mkdir(parents=True, exist_ok=True)
+        (quiet / name).write_text("x")
+    (quiet / ".cmlclusterignore").write_text("secrets/\n.netrc\n")
+    files, notices = shipped_files(quiet, monkeypatch, caplog, to="quiet-worker")
+    assert (files, notices) == ([".cmlclusterignore", "pkg/m.py"], [])
+
+
+def test_a_negation_in_the_ignore_file_ships_a_default_and_the_notice_stops_naming_it(tmp_path, monkeypatch, caplog):
+    folder = home(tmp_path, extra=(".env.example",))
+    (folder / ".cmlclusterignore").write_text(
+        "# ours: the workers need them\n!.env.example\n!deploy/server.key\n!.kube/\n!.ssh/known_hosts\n"
+    )
+    files, [notice] = shipped_files(folder, monkeypatch, caplog)
+    taken_back = [".cmlclusterignore", ".env.example", ".kube/config", "deploy/server.key"]
+    assert sorted(set(files) - set(HOME_CODE)) == taken_back
+    assert ".ssh/known_hosts" not in files  # as in git: nothing inside a folder left out comes back...
+    assert " and 57 more;" in notice  # 64 kept home before, less .kube/ and deploy/server.key; .ssh/ still
+    (folder / ".cmlclusterignore").write_text("!.ssh/\n.ssh/*\n!.ssh/known_hosts\n")  # ...unless the folder does
+    files, _ = shipped_files(folder, monkeypatch, caplog, to="again")
+    assert sorted(set(files) - set(HOME_CODE)) == [".cmlclusterignore", ".ssh/known_hosts"]
+
+
+def test_a_link_named_like_a_credential_store_stays_home_and_is_named(tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "home"
+    (folder / "vault" / "aws").mkdir(parents=True)
+    (folder / "vault" / "aws" / "notes.txt").write_text("x")
+    (folder / ".aws").symlink_to("vault/aws")  # a folder's name, reached through a link
+    (folder / ".netrc").symlink_to(tmp_path)
+    files, [notice] = shipped_files(folder, monkeypatch, caplog)
+    assert files == ["vault/aws/notes.txt"]
+    assert "(may hold credentials): .aws/, .netrc/; " in notice
