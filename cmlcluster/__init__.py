@@ -28,7 +28,14 @@ _EXPORTS = {
         "use_backend",
     ),
     "blocking": ("StoppedFromWidget",),
-    "errors": ("BackendError", "CmlClusterError", "ConfigError", "ControllerError", "WorkerError"),
+    "errors": (
+        "BackendError",
+        "CmlClusterError",
+        "ConfigError",
+        "ControllerError",
+        "SharedMachineWarning",
+        "WorkerError",
+    ),
     "events": ("Event",),
     "horovod": ("HorovodError", "HorovodResult", "run_horovod"),
     "progress": ("keras_callback", "report"),
@@ -51,7 +58,7 @@ if TYPE_CHECKING:
         use_backend,
     )
     from .blocking import StoppedFromWidget
-    from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, WorkerError
+    from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, SharedMachineWarning, WorkerError
     from .events import Event
     from .horovod import HorovodError, HorovodResult, run_horovod
     from .progress import keras_callback, report
@@ -81,6 +88,7 @@ __all__ = [
     "HorovodResult",
     "Program",
     "Session",
+    "SharedMachineWarning",
     "StoppedFromWidget",
     "TFCluster",
     "TorchError",

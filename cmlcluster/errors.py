@@ -28,3 +28,11 @@ class WorkerError(CmlClusterError):
     def __init__(self, message: str, worker_id: str | None = None):
         super().__init__(message)
         self.worker_id = worker_id
+
+
+class SharedMachineWarning(UserWarning):
+    """A server that runs code for whoever connects starts where other users of this machine reach it.
+
+    Said once per session; ``warnings.simplefilter("ignore", SharedMachineWarning)`` silences it on a
+    machine nobody else uses.
+    """

@@ -19,7 +19,7 @@ from typing import Any
 from .. import origin
 from ..errors import BackendError, ConfigError
 from ..wire import CONNECTION_ENV
-from . import docker_ranges
+from . import docker_gateway, docker_ranges
 from .base import run_tag_labels
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,9 @@ def session_network(client: Any, session_id: str) -> str:
             ) from None
         raise ConfigError(f"could not create this session's network {name!r}: {explanation}") from None
     network.reload()
-    return _gateway(network)
+    gateway = _gateway(network)
+    docker_gateway.shut(name, gateway, docker_gateway.bridge_name(network.attrs))
+    return gateway
 
 
 def _create_with_range(client: Any, name: str, labels: Mapping[str, str]) -> Any:
@@ -209,11 +211,13 @@ def _gateway(network: Any) -> str:
 
 
 def remove_network(client: Any, name: str) -> None:
-    """Remove a session's network (its containers gone); one already gone is fine."""
+    """Remove a session's network (its containers gone), and its gateway's firewall rule; one already
+    gone is fine."""
     import docker.errors
 
     with contextlib.suppress(docker.errors.NotFound):
         client.networks.get(name).remove()
+    docker_gateway.reopen(name)
 
 
 def remove_session_network(client: Any, session_id: str) -> None:
@@ -327,6 +331,7 @@ def remove_orphan_networks(
                 level = logging.DEBUG if quiet else logging.WARNING
                 log.log(level, "cmlcluster cleanup: left network %s: %s", network.name, e.explanation or e)
                 continue
+            docker_gateway.reopen(network.name)
         removed.append(network.name)
     return removed
 

@@ -11,6 +11,8 @@ import logging
 import os
 import socket
 import time
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any
 
 from .. import results, wire
 from ..api import get_session
-from ..errors import CmlClusterError, ConfigError
+from ..errors import CmlClusterError, ConfigError, SharedMachineWarning
 from ..jobs import Job, JobFailed, JobFailure, Member, Restarts, Role, launch_job
 from ..ports import free_ports
 from ..session import Session
@@ -32,6 +34,7 @@ TASK = "cmlcluster.tensorflow.task"
 SERVER_READY_TIMEOUT = 30.0
 COORDINATOR_JOB = "chief"  # this process's job in a cluster it coordinates
 LOST_TASK_WAIT = 5.0  # seconds a TensorFlow error in the coordinator waits for the session to name a lost task
+_TOLD: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions warned that other users reach their servers
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,7 @@ def start_cluster(
     if session is None:
         session = get_session()  # the cluster outlives this call: never a session of its own
     layout.check_restarts(max_restarts, coordinator, session.backend.capabilities().stable_addresses)
+    _warn_other_users(session, coordinator)
     env = {**versions.legacy_keras_env(), **env}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
         env.setdefault(wire.PRELOAD_ENV, "tensorflow")
@@ -340,6 +344,29 @@ def run_cluster(
     with cluster:
         cluster.run_cml_script(worker_script)
     return None, None
+
+
+def _warn_other_users(session: Session, coordinator: bool) -> None:
+    """Once per session: TensorFlow's gRPC servers run the graphs anyone connecting sends (TensorFlow's
+    SECURITY.md) and listen on every interface, so every user of this machine reaches those that run here:
+    the workers' on a backend of this machine's processes, the notebook's own when it coordinates."""
+    workers_here = session.backend.capabilities().session_host  # processes of this machine
+    if not (workers_here or coordinator) or session in _TOLD:
+        return
+    _TOLD.add(session)
+    here = " and ".join(
+        ([f"the workers' ({session.backend.name} backend)"] if workers_here else [])
+        + (["the notebook's own, as coordinator"] if coordinator else [])
+    )
+    warnings.warn(
+        f"TensorFlow's servers run whatever a connection sends them, and every user of this machine can connect "
+        f"to those starting here: {here}. On a machine others use, run the workers on hosts only you reach "
+        "(the ssh or kubernetes backend: Docker's containers, too, are reachable from this machine) and leave the "
+        "coordinator off (run_cluster, or coordinator=False); docs/security.md. Alone on this machine: "
+        'warnings.simplefilter("ignore", cmlcluster.SharedMachineWarning)',
+        SharedMachineWarning,
+        stacklevel=3,
+    )
 
 
 def _assign_tasks(session: Session, members: Sequence[Member], port: int | None) -> list[TaskWorker]:

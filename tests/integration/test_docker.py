@@ -17,6 +17,7 @@ import pytest
 from conftest import DOCKER_TEST_IMAGE
 
 from cmlcluster import ConfigError, Session, origin
+from cmlcluster.backends import docker_engine, docker_gateway
 from cmlcluster.backends.base import SessionContext, run_tag_labels
 from cmlcluster.backends.docker import DockerBackend
 from cmlcluster.backends.docker_engine import remove_orphan_networks, remove_orphans
@@ -190,6 +191,11 @@ def test_killed_session_process_leaves_no_container_nor_network_within_10_second
         time.sleep(0.2)
     assert containers_of(client, session_id) == [], "containers outlived their session by 10 s"
     assert networks() == [], "its network outlived the session by 10 s"
+    # and its gateway's firewall rule (docker_gateway), which the reaper removes right after the network
+    network = docker_engine.session_network_name(session_id)
+    while docker_gateway.rules(network) and time.monotonic() - killed_at < 12:
+        time.sleep(0.2)
+    assert docker_gateway.rules(network) == []
 
 
 def test_cleanup_removes_containers_and_networks_of_dead_sessions_only(client):

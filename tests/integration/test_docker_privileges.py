@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import docker
@@ -18,7 +19,7 @@ from conftest import DOCKER_TEST_IMAGE
 from docker_window import refused_unless_in_dockers_window
 
 from cmlcluster import ConfigError, Session
-from cmlcluster.backends import docker_engine
+from cmlcluster.backends import docker_engine, docker_gateway
 from cmlcluster.backends.docker import DockerBackend
 from cmlcluster.wire import CONNECTION_ENV, CONNECTION_FILE_ENV
 
@@ -217,6 +218,48 @@ def test_each_session_has_its_own_network_that_others_cannot_reach_and_it_goes_w
     assert networks_of(client, a.id) == [] and networks_of(client, b.id) == []
 
 
+def test_no_container_of_another_network_reaches_what_listens_on_the_sessions_gateway(client):
+    """Docker keeps networks apart in FORWARD; the gateway is the host's own address, reached through
+    INPUT: the session shuts it to every interface but its bridge (as root, which the suite runs as)."""
+    assert docker_gateway.can_change_firewall(), "the suite runs as root with iptables (scripts/install.sh dev)"
+    with (
+        Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as a,
+        Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as b,
+    ):
+        network = docker_engine.session_network_name(a.id)
+        assert len(docker_gateway.rules(network)) == 1
+        # What the session's own servers would be: a listener of the test's on A's gateway only.
+        server = socket.create_server((a.controller_ip, 0))
+        server.settimeout(1)
+        port = server.getsockname()[1]
+        answered = []
+
+        def answer():
+            while not answered or answered[-1] != "stop":
+                try:
+                    connection, peer = server.accept()
+                except OSError:
+                    continue
+                answered.append(peer[0])
+                connection.sendall(b"hello")
+                connection.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        try:
+            [wa] = a.launch_workers(1, cpu=0.5, memory=0.5)
+            [wb] = b.launch_workers(1, cpu=0.5, memory=0.5)
+            a.await_workers([wa], wait_for_completion=False, timeout_seconds=60)
+            b.await_workers([wb], wait_for_completion=False, timeout_seconds=60)
+            assert b.client[wb["engine_id"]].apply_sync(dial, a.controller_ip, port).startswith("failed:")
+            assert a.client[wa["engine_id"]].apply_sync(dial, a.controller_ip, port) == "hello"  # its own: yes
+            with socket.create_connection((a.controller_ip, port), timeout=3) as here:  # the host: yes
+                assert here.recv(5) == b"hello"
+        finally:
+            answered.append("stop")
+            server.close()
+    assert docker_gateway.rules(network) == []  # the rule went with the network
+
+
 EXITING_SESSION = textwrap.dedent("""
     import cmlcluster as cdsw
     workers = cdsw.launch_workers(1, cpu=0.5, memory=0.5)
@@ -236,6 +279,7 @@ def test_a_session_closed_as_the_interpreter_exits_stops_its_workers_and_removes
     # and its network stayed.
     assert time.monotonic() - exiting < 15
     assert networks_of(client, session_id) == [] and containers_of(client, session_id) == []
+    assert docker_gateway.rules(docker_engine.session_network_name(session_id)) == []
 
 
 def test_a_shared_network_is_the_opt_out_and_is_kept(client):

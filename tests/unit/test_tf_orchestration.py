@@ -141,3 +141,23 @@ def test_stopping_a_clusters_workers_on_request_does_not_fail_it(caplog):
         assert cluster.failure is None and not cluster.job.failed.is_set()
         assert "failed" not in caplog.text
         assert statuses(s) == ["stopped", "stopped", "stopped"]
+
+
+def test_other_users_of_this_machine_are_warned_of_once_per_session_where_tensorflows_servers_run_here():
+    import warnings
+
+    from cmlcluster import SharedMachineWarning
+    from cmlcluster.backends.base import Capabilities
+
+    with fake_session() as s, warnings.catch_warnings():  # workers elsewhere, no coordinator: nothing to say
+        warnings.simplefilter("error", SharedMachineWarning)
+        start_cluster(n_workers=1, servers=False, session=s)
+
+    here = Capabilities(own_address=True, session_host=True, python="python3", shared_paths=("/",))
+    for _ in range(2):  # each session says it once
+        with Session(FakeBackend(capabilities=here), echo=False) as s:
+            with pytest.warns(SharedMachineWarning, match=r"every user of this machine.*the workers' \(fake backend\)"):
+                start_cluster(n_workers=1, servers=False, session=s)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", SharedMachineWarning)
+                start_cluster(n_workers=1, servers=False, session=s)

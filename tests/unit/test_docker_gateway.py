@@ -1,0 +1,39 @@
+"""The session network's gateway rule as data: what it drops, and finding it again in `iptables -S`."""
+
+from __future__ import annotations
+
+import shlex
+
+from cmlcluster.backends import docker_gateway
+
+
+def test_the_rule_drops_what_reaches_the_gateway_through_other_interfaces_from_other_hosts_only():
+    words = docker_gateway.rule("cmlcluster-ab12", "172.30.0.1", "br-0123456789ab")
+    text = shlex.join(words)
+    assert "-d 172.30.0.1/32" in text
+    assert "'!' -i br-0123456789ab" in text  # not its own bridge: its own containers still reach it
+    assert "-m addrtype '!' --src-type LOCAL" in text  # not the host's own addresses: its processes still do
+    assert words[-2:] == ["-j", "DROP"]
+
+
+def test_the_rules_of_a_network_are_found_in_the_listing_and_no_other():
+    ours = docker_gateway.rule("cmlcluster-ab12", "172.30.0.1", "br-0123456789ab")
+    theirs = docker_gateway.rule("cmlcluster-ab123", "172.31.0.1", "br-ba9876543210")  # a longer name, same start
+    listing = "\n".join(
+        [
+            "-P INPUT ACCEPT",
+            "-A INPUT -i lo -j ACCEPT",
+            shlex.join(["-A", "INPUT", *theirs]),
+            shlex.join(["-A", "INPUT", *ours]),
+            shlex.join(["-A", "FORWARD", *ours]),  # another chain: not the session's
+        ]
+    )
+    assert docker_gateway.rules_of(listing, "cmlcluster-ab12") == [ours]
+    assert docker_gateway.rules_of(listing, "cmlcluster-ab123") == [theirs]
+    assert docker_gateway.rules_of(listing, "cmlcluster-cd34") == []
+
+
+def test_the_bridge_is_dockers_br_and_the_networks_id_unless_named():
+    assert docker_gateway.bridge_name({"Id": "0123456789abcdef", "Options": {}}) == "br-0123456789ab"
+    named = {"Id": "0123456789abcdef", "Options": {"com.docker.network.bridge.name": "cml0"}}
+    assert docker_gateway.bridge_name(named) == "cml0"
