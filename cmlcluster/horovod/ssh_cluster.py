@@ -24,6 +24,7 @@ from ..jobs import Job, Member, Restarts, Role, launch_job
 from ..runs import send_files
 from ..session import Session
 from ..shipping import Shipment
+from ..ssh.config import sshd_answer
 from ..ssh.keys import SessionSSH
 from ..ssh.preflight import Login, check_logins
 from ..workers import Resources
@@ -75,14 +76,15 @@ class SSHCluster:
             send_files(self.session, workers, self.shipment)  # before sshd starts, the first time
         # sshd listens only on the address horovodrun and the session reach the worker at.
         calls = [(w, f"{SSHD_MODULE}:start", (self.ssh.public_key, self.port, a)) for a, w in new.items()]
-        started = self.session.call_each(calls)
+        # Checked before any of it reaches the session's known_hosts and ssh config (one line per host).
+        started = [sshd_answer(w, s) for w, s in zip(workers, self.session.call_each(calls), strict=True)]
         if self.rank_env is not None:  # a replacement's: the first hosts get it from run_horovod
             self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (self.rank_env,)) for w in workers])
         with self._lock:
-            self._pinned.update({a: (s["host_key"], s["user"]) for a, s in zip(new, started, strict=True)})
+            self._pinned.update({a: (s.host_key, s.user) for a, s in zip(new, started, strict=True)})
             keys, users = {a: k for a, (k, _) in self._pinned.items()}, {a: u for a, (_, u) in self._pinned.items()}
             self.ssh.pin(keys, self.port, users)
-        logins = [Login(a, self.port, s["user"]) for a, s in zip(new, started, strict=True)]
+        logins = [Login(a, self.port, s.user) for a, s in zip(new, started, strict=True)]
         check_logins(logins, self.ssh.identity_file, self.ssh.known_hosts, what="Horovod hosts")
         with self._lock:
             self._served.update(new)

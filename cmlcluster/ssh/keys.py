@@ -8,6 +8,7 @@ built on, and loaded back with paramiko to check them.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -61,16 +62,21 @@ class SessionSSH:
         return ssh
 
     def pin(self, host_keys: Mapping[str, str], port: int, users: Mapping[str, str]) -> None:
-        """Record the hosts' keys ({host: public key line}) and an ssh config logging in as {host: user}."""
+        """Record the hosts' keys ({host: public key line}) and an ssh config logging in as {host: user}.
+        Both texts are built (and so checked: one line per host, one word per value) before either
+        file is written: a bad key leaves the files as they were."""
+        known = known_hosts_text(host_keys, port)
+        config = ssh_config_text(users, port, self.identity_file, self.known_hosts)
         with open(self.known_hosts, "w") as f:
-            f.write(known_hosts_text(host_keys, port))
+            f.write(known)
         with open(self.config, "w") as f:
-            f.write(ssh_config_text(users, port, self.identity_file, self.known_hosts))
+            f.write(config)
 
     def _write_wrapper(self) -> None:
         # horovodrun runs `ssh -o StrictHostKeyChecking=no ...`, and options given on the command
         # line beat any config file. This ssh, first on horovodrun's PATH, turns that option
-        # back to "yes", so the pinned known_hosts file really decides.
+        # back to "yes", so the pinned known_hosts file really decides. Its paths are quoted: the
+        # session's folder is in TMPDIR, which may hold a space.
         real_ssh = shutil.which("ssh") or "/usr/bin/ssh"
         path = os.path.join(self.ssh_wrapper_dir, "ssh")
         with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o700), "w") as f:
@@ -79,7 +85,7 @@ class SessionSSH:
                 "# cmlcluster: host keys of this session's workers are pinned; never skip the check.\n"
                 'for a do shift; [ "$a" = StrictHostKeyChecking=no ] && a=StrictHostKeyChecking=yes; '
                 'set -- "$@" "$a"; done\n'
-                f'exec {real_ssh} -F {self.config} "$@"\n'
+                f'exec {shlex.quote(real_ssh)} -F {shlex.quote(self.config)} "$@"\n'
             )
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import pytest
 from cmlcluster.errors import ConfigError
 from cmlcluster.horovod import commands
 from cmlcluster.ssh.config import known_hosts_text, ssh_config_text
+from cmlcluster.ssh.keys import new_ed25519
 
 
 def test_horovodrun_argv_for_several_layouts():
@@ -70,9 +71,10 @@ def test_hostfile_ssh_config_and_known_hosts_text():
         "    PasswordAuthentication no",
         "    BatchMode yes",
     ]
-    known = known_hosts_text({"10.0.0.2": "ssh-ed25519 AAAAC3Nz worker-comment"}, 2222)
-    assert known == "[10.0.0.2]:2222 ssh-ed25519 AAAAC3Nz\n"
-    assert known_hosts_text({"h": "ssh-ed25519 AAAA"}, 22) == "h ssh-ed25519 AAAA\n"
+    key = new_ed25519()[1].split()[1]  # known_hosts takes real keys only (test_ssh_hardening)
+    known = known_hosts_text({"10.0.0.2": f"ssh-ed25519 {key} worker-comment"}, 2222)
+    assert known == f"[10.0.0.2]:2222 ssh-ed25519 {key}\n"
+    assert known_hosts_text({"h": f"ssh-ed25519 {key}"}, 22) == f"h ssh-ed25519 {key}\n"
 
 
 @pytest.mark.parametrize(
