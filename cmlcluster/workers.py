@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checks
+from . import checks, wire
 from .errors import ConfigError
 
 # The folder that holds this cmlcluster package: first on the PYTHONPATH of workers that see it,
@@ -216,8 +216,17 @@ def validate_launch(
     return Program(script=script, code=code)
 
 
+# cmlcluster's own variables in a worker (its connection, ids, folders) start with this: env= may
+# not set them. They are not secrets (Kubernetes passes them by value in the pod spec, where env=
+# goes by reference to a Secret), and one set by hand would change how the worker joins.
+RESERVED_ENV_PREFIX = "CMLCLUSTER_"
+# Those of them a launch may set: documented knobs, never a secret.
+SETTABLE_ENV = frozenset({wire.PRELOAD_ENV})  # modules the worker imports while it registers
+
+
 def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
-    """Refuse an env= whose names are not variable names or whose values are not strings; return it.
+    """Refuse an env= whose names are not variable names or cmlcluster's own, or whose values are
+    not strings; return it. The same on every backend, before anything starts.
 
     A name reaches a shell on some hosts (horovodrun's `env NAME=value ...`), so only what every
     shell reads as a name passes. Messages name the key, never a value: values may be secrets.
@@ -232,6 +241,12 @@ def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
             raise ConfigError(
                 f"env key {name!r} is not a variable name: use letters, digits and '_', not starting with a "
                 "digit (e.g. 'MY_TOKEN')"
+            )
+        if name.startswith(RESERVED_ENV_PREFIX) and name not in SETTABLE_ENV:
+            raise ConfigError(
+                f"env key {name!r} is reserved: names starting with {RESERVED_ENV_PREFIX!r} are cmlcluster's own "
+                "(set by it in every worker, and not kept secret); rename it, e.g. "
+                f"{'MY_' + name[len(RESERVED_ENV_PREFIX) :]!r}"
             )
         if not isinstance(value, str):
             raise ConfigError(

@@ -81,6 +81,25 @@ def test_env_names_that_are_not_variable_names_are_refused_before_anything_start
     assert not session.backend.control.started  # not even the controller
 
 
+@pytest.mark.parametrize("entry", ["launch_workers", "run_horovod", "run_torch", "start_cluster", "run_cluster"])
+def test_env_names_of_cmlclusters_own_are_refused_before_anything_starts(session, entry, tmp_path):
+    # On Kubernetes cmlcluster's own variables go by value in the pod spec (env= by reference to a
+    # Secret): a secret named CMLCLUSTER_* would be in every `kubectl get pod -o yaml`.
+    call = _entry_points(tmp_path)[entry]
+    for name in ["CMLCLUSTER_TOKEN", "CMLCLUSTER_CONNECTION_FILE", "CMLCLUSTER_ENGINE_ID", "CMLCLUSTER_"]:
+        with pytest.raises(ConfigError, match=rf"env key '{name}' is reserved: names starting with 'CMLCLUSTER_'") as e:
+            call(session, {"GOOD": "fine", name: "s3cret-value"})
+        assert f"rename it, e.g. 'MY_{name[len('CMLCLUSTER_') :]}'" in str(e.value)  # the fix
+        assert "s3cret-value" not in str(e.value)
+    assert session.list_workers() == []
+    assert not session.backend.control.started  # not even the controller
+
+
+def test_the_documented_preload_knob_may_still_be_set(session):
+    [worker] = session.launch_workers(1, cpu=1, memory=1, code="pass", env={"CMLCLUSTER_PRELOAD": "json"})
+    assert session.list_workers()[0]["id"] == worker["id"]
+
+
 def test_more_gpus_than_exist_is_refused_before_anything_starts(session):
     assert not session.backend.control.started
     with pytest.raises(
