@@ -10,10 +10,12 @@ killed session could not remove itself.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import os
 
-from . import _lifeline, ipyparallel_internals
+from . import _lifeline, _redact, ipyparallel_internals
 
 # Created in the session's folder once the controller listens: the session wrote the connection
 # files before the controller started (control.py), so their presence says nothing.
@@ -23,6 +25,7 @@ LISTENING_FILE = "controller.listening"
 def main() -> None:
     session_dir = os.environ.get("CMLCLUSTER_SESSION_DIR", "")
     _lifeline.hold(_lifeline.remove_folder(session_dir) if session_dir else None)
+    _redact.hide(*secrets(session_dir))  # at DEBUG, the hub logs its connection info, key and all
     from ipyparallel.controller.app import IPController
 
     ipyparallel_internals.announce_new_hearts_at_once()
@@ -36,6 +39,16 @@ def main() -> None:
     if session_dir:
         open(os.path.join(session_dir, LISTENING_FILE), "x").close()
     controller.start()
+
+
+def secrets(session_dir: str) -> list[str]:
+    """The session's signing key (from the connection file the session wrote for the controller to read)
+    and the controller's CurveZMQ secret key (from its environment): what its log must never hold."""
+    found = [os.environ.get("IPP_CURVE_SECRETKEY", "")]
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(session_dir, "ipython", "security", "ipcontroller-engine.json")) as f:
+            found.append(str(json.load(f).get("key", "")))
+    return found
 
 
 if __name__ == "__main__":

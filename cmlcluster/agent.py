@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from . import agent_files, engine_imports, ipyparallel_internals, wire
+from . import _redact, agent_files, engine_imports, ipyparallel_internals, wire
 from .agent_engine import AgentEngine, import_kernel_without_debugger, silence_seconds
 from .agent_files import leftovers, unpack_files
 from .agent_program import call, run_program
@@ -123,6 +123,8 @@ def main() -> None:
     if preload:
         threading.Thread(target=_preload, args=(preload.split(","),), name="preload", daemon=True).start()
     AgentEngine.controller_connection = session_connection()
+    # At DEBUG the engine logs its configuration, Session.key included, into the worker's kept log.
+    _redact.hide(str(json.loads(AgentEngine.controller_connection).get("key", "")))
     AgentEngine.silence_seconds = silence_seconds(os.environ.pop(wire.SILENCE_ENV, ""))
     engine_id = os.environ[wire.ENGINE_ID_ENV]
     master = os.environ["CDSW_MASTER_IP"]
@@ -143,6 +145,7 @@ def main() -> None:
             f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
         ]
     )
+    _redact.hide(engine.curve_secretkey)  # its own CurveZMQ key pair's secret half, made as it initialized
     try:
         engine.start()
     except RuntimeError:

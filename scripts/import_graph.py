@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_exit",
             "_lifeline",
             "_proc",
+            "_redact",  # secrets out of log records (the controller and the agent)
             "origin",
             "ports",
             "workers",
