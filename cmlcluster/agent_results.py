@@ -20,7 +20,7 @@ from . import agent_files
 from .backends import results_host
 
 
-def pack(worker_id: str, cap: int) -> dict[str, Any]:
+def pack(worker_id: str, cap: int, cap_files: int | None = None) -> dict[str, Any]:
     """Keep this worker's collect= files and write them into one tar file; the host's report (what came,
     what stayed behind) with the file's "size". {"kept": False, "why": ...} when there is nothing to keep."""
     folder, collect = agent_files.own_folder, agent_files.collected
@@ -29,7 +29,7 @@ def pack(worker_id: str, cap: int) -> dict[str, Any]:
     results_host.keep(folder, worker_id, collect, agent_files.started)
     said = io.StringIO()
     with open(_packed(worker_id), "wb") as out:
-        results_host.send(worker_id, cap, out, said)
+        results_host.send(worker_id, cap, out, said, cap_files)
     lines = [line for line in said.getvalue().splitlines() if line.startswith("{")]
     report: dict[str, Any] = json.loads(lines[-1]) if lines else {"kept": False, "why": said.getvalue().strip()}
     report["size"] = os.path.getsize(_packed(worker_id))

@@ -11,7 +11,9 @@ worker's agent over the control plane (agent_results.py) before it stops the wor
   SSH hosts keep them aside, Docker copies them out of the stopped container) have them even then.
 
 The files travel as one tar stream, CHUNK bytes per call, into results_home's Homecoming: the same
-rules (changed files only, no links, the cap, two workers' same file) as on every other backend.
+rules (only what collect= asks for, changed files only, no links, never over a file that was there, the
+caps, two workers' same file) as on every other backend. The agent's report is a worker's word: the
+session reads at most the caps' worth of it, whatever size it claims.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ PACK_TIMEOUT = 120.0  # seconds to move and write up to the cap (1 GiB) on the w
 CHUNK = 4 << 20  # bytes per call: a reply of this size is one message on the control plane
 CHUNK_TIMEOUT = 60.0
 INTERRUPTED_WAIT = 10.0  # seconds for an interrupted program to end (its finally blocks run)
+
+
+def _most(cap: int, cap_files: int) -> int:
+    """The most bytes an honest agent's tar file of at most these caps holds: the files, and per file a
+    header with PAX records (its name, times) and padding."""
+    return cap + cap_files * 8 * 1024 + 10 * 1024
 
 
 class CollectThroughAgents:
@@ -94,7 +102,8 @@ class CollectThroughAgents:
             log.warning("cmlcluster: %s", self._gone(worker, f"it was {worker.status} before they were asked for"))
             return
         try:
-            report = await supervisor.call(worker, f"{AGENT}:pack", (worker.id, results.cap_bytes()), PACK_TIMEOUT)
+            caps = (results.cap_bytes(), results.cap_files())
+            report = await supervisor.call(worker, f"{AGENT}:pack", (worker.id, *caps), PACK_TIMEOUT)
         except Exception as e:
             log.warning("cmlcluster: %s", self._gone(worker, str(e)))
             return
@@ -102,16 +111,17 @@ class CollectThroughAgents:
             why = report.get("why", "nothing was kept")
             log.warning("cmlcluster: worker %s's collect= files did not come home (%s)", worker.id, why)
             return
-        arrival = Arrival(worker.id, worker.spec.cwd)
+        arrival = Arrival(worker.id, worker.spec.cwd, worker.spec.collect)
         broke: list[Exception] = []
-        chunks = self._chunks(worker, int(report.get("size", 0)), asyncio.get_running_loop(), broke)
+        size = min(int(report.get("size", 0)), _most(results.cap_bytes(), results.cap_files()))
+        chunks = self._chunks(worker, size, asyncio.get_running_loop(), broke)
         await asyncio.to_thread(Homecoming.of(supervisor.backend.context).unpack, chunks, arrival)
         try:
             await supervisor.call(worker, f"{AGENT}:drop", (worker.id,), CHUNK_TIMEOUT)
         except Exception as e:  # it goes with the worker's temp folder anyway
             log.debug("cmlcluster: worker %s kept its packed files: %s", worker.id, e)
         if broke:
-            arrival.behind.append(f"the rest (the transfer broke off: {broke[0]})")
+            arrival.stay(f"the rest (the transfer broke off: {broke[0]})")
         arrival.say(report)
 
     def _chunks(

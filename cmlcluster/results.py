@@ -14,9 +14,13 @@ agent_results.py) that keeps the files before the folder goes, and the session's
 - A worker's files are those it wrote or changed: modified from CHANGED_MARGIN seconds before the worker
   started. The files shipped to it (ship_working_folder=True) keep their old times, so a worker that only
   read a shipped checkpoint does not bring its stale copy back over another worker's new one.
-- At most CAP_BYTES per worker; past it the rest stays behind, and a warning says so.
+- At most CAP_BYTES and CAP_FILES per worker; past either the rest stays behind, and a warning says so.
 - A collect= path that is a link is followed while it stays inside the working folder; links below it
   stay behind (a warning names them), so nothing is ever read or written through one out of a folder.
+
+The session's side trusts nothing the stream says (a worker's program, or whoever took its host, writes
+it): it writes only files that `asked_for` says the run named, never through a link, never over a file
+that was there before, never with set-id bits (results_home.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from .backends.base import Capabilities
 
 CAP_BYTES = 1 << 30  # per worker: 1 GiB (CMLCLUSTER_COLLECT_CAP_MB changes it)
+CAP_FILES = 10_000  # per worker (CMLCLUSTER_COLLECT_CAP_FILES changes it)
 # A file's time comes from the kernel's coarse clock, a tick behind time.time(): one written at once
 # after the start can look older than it. Shipped files are older than their launch by far more.
 CHANGED_MARGIN = 1.0
@@ -59,13 +64,22 @@ def check_collect(collect: object) -> tuple[str, ...]:
         if why:
             raise ConfigError(f"collect entry {path!r}: {why}")
         paths.append(posixpath.normpath(path))
-    # A path inside another named one comes with it.
-    return tuple(dict.fromkeys(p for p in paths if not covers([q for q in paths if q != p], p)))
+    # A path inside another named one comes with it (a hidden one under "." is asked for by its name).
+    return tuple(dict.fromkeys(p for p in paths if not asked_for([q for q in paths if q != p], p)))
 
 
 def covers(collect: Iterable[str], path: str) -> bool:
     """Whether `path` (relative to the working folder, "/"-separated) is one of the collect= paths or in one."""
     return any(c == "." or path == c or path.startswith(c + "/") for c in collect)
+
+
+def asked_for(collect: Iterable[str], name: str) -> bool:
+    """Whether a file `name` (relative, "/"-separated, normalized) that came from a worker is one the run's
+    collect= paths ask for. "." asks for the whole folder but its hidden top-level entries (.git,
+    .ipython, .bashrc, .local, ...): there live the settings and code that tools run by themselves (git
+    hooks, IPython's startup files, a shell's rc); a collect= path that names one asks for it."""
+    hidden = name.startswith(".")
+    return any(path == name or name.startswith(path + "/") or (path == "." and not hidden) for path in collect)
 
 
 def _refused(path: str) -> str:
@@ -102,6 +116,14 @@ def cap_bytes() -> int:
         return int(float(raw) * 2**20) if raw else CAP_BYTES
     except ValueError:
         raise ConfigError(f"CMLCLUSTER_COLLECT_CAP_MB={raw!r}: give a number of megabytes, e.g. 4096") from None
+
+
+def cap_files() -> int:
+    raw = os.environ.get("CMLCLUSTER_COLLECT_CAP_FILES", "")
+    try:
+        return int(raw) if raw else CAP_FILES
+    except ValueError:
+        raise ConfigError(f"CMLCLUSTER_COLLECT_CAP_FILES={raw!r}: give a number of files, e.g. 50000") from None
 
 
 def changed(mtime: float, since: float) -> bool:

@@ -50,8 +50,8 @@ async def over_ssh(backend: SSHBackend, handle: SSHHandle) -> None:
     if spec is None or not results.brought_home(spec.collect, backend.capabilities(), spec.cwd):
         return
     home = Homecoming.of(backend.context)
-    cap = str(results.cap_bytes())
-    argv = backend.ssh_argv(handle.host.address, backend.python, "-m", HOST_MODULE, "send", spec.worker_id, cap)
+    caps = (str(results.cap_bytes()), str(results.cap_files()))
+    argv = backend.ssh_argv(handle.host.address, backend.python, "-m", HOST_MODULE, "send", spec.worker_id, *caps)
     await home.once(spec.worker_id, lambda: asyncio.to_thread(_fetch, home, argv, spec, handle.host.address))
 
 
@@ -63,7 +63,7 @@ def _fetch(home: Homecoming, argv: list[str], spec: WorkerSpec, host: str) -> No
     reader.start()
     timer = threading.Timer(BRING_TIMEOUT, process.kill)
     timer.start()
-    arrival = Arrival(spec.worker_id, spec.cwd)
+    arrival = Arrival(spec.worker_id, spec.cwd, spec.collect)
     try:
         home.unpack(iter(lambda: process.stdout.read(1 << 20), b""), arrival)  # type: ignore[union-attr]
     finally:
@@ -137,7 +137,7 @@ def _from_container(home: Homecoming, container: Any, spec: WorkerSpec) -> None:
 
     since = _started(container.attrs.get("State", {}).get("StartedAt", ""))
     work = docker_worker.work_folder(spec)
-    arrival, missing = Arrival(spec.worker_id, spec.cwd), []
+    arrival, missing = Arrival(spec.worker_id, spec.cwd, spec.collect), []
     deadline = time.monotonic() + BRING_TIMEOUT
     for path in spec.collect:
         try:
@@ -147,7 +147,7 @@ def _from_container(home: Homecoming, container: Any, spec: WorkerSpec) -> None:
             continue
         # The archive names its top by its base name ("run1/..." for "results/run1"): as the path, then.
         home.unpack(_until(chunks, deadline), arrival, rename=functools.partial(_under, path), since=since)
-        if arrival.stopped_at_cap:
+        if arrival.stopped_at_cap or arrival.stopped_at_files_cap:
             break
     arrival.say({"missing": missing})
 

