@@ -96,7 +96,7 @@ def plan(scripts: Iterable[str], working_folder: bool, sees: Callable[[str], boo
     """
     in_cwd = not sees(cwd)  # then the worker's working folder is its own
     folder = cwd if working_folder and in_cwd else None
-    left_out = _ignore_rules(cwd) if folder is not None else None
+    left_out = _Rules(cwd) if folder is not None else None
     names: dict[str, str] = {}
     files: dict[str, str] = {}
     for script in scripts:
@@ -190,10 +190,6 @@ class _Rules:
         return self._all(name) and self._secret(name) and not self._own(name)
 
 
-def _ignore_rules(folder: str) -> _Rules:
-    return _Rules(folder)
-
-
 def _is_left_out(rules: Callable[[str], bool], name: str, is_folder: bool = False) -> bool:
     """Whether `name` is left out, itself or through one of its folders."""
     parts = name.split("/")
@@ -214,7 +210,7 @@ class _Contents:
 
     def __post_init__(self) -> None:
         self.root = os.path.realpath(self.folder)
-        self.rules = _ignore_rules(self.folder)
+        self.rules = _Rules(self.folder)
         self._scan("")
 
     def _scan(self, under: str) -> None:
