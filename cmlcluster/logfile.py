@@ -163,23 +163,6 @@ def read_tail(path: str, limit: int) -> str:
         return ""
 
 
-def excerpt(path: str, limit: int, head: int) -> bytes:
-    """The log at `path` whole when it holds at most `limit` bytes; else its first `head` bytes and its
-    last `limit - head`, with one line between that says how much was left out. b"" when there is none."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size <= limit:
-                return f.read()
-            first = f.read(head)
-            f.seek(size - (limit - head))
-            last = f.read()
-    except OSError:
-        return b""
-    left_out = size - len(first) - len(last)
-    return first + f"\n[... {left_out:,} bytes left out here ...]\n".encode() + last
-
-
 def _size(n: int) -> str:
     for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:

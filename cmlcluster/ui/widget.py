@@ -9,9 +9,9 @@ works in JupyterLab 4 and Notebook 7) whose traits update in place, one point at
 
 from __future__ import annotations
 
-import base64
 import bisect
 import html
+import os
 import threading
 import time
 import traceback
@@ -42,11 +42,14 @@ if TYPE_CHECKING:
 
 RENDER_HZ = 10  # at most this many widget updates a second
 OUTPUT_LINES = 200  # lines kept per source for the output panel
-# A log's link carries it whole up to this size, else its first LOG_LINK_HEAD bytes and its end: a click
-# sends it through the widget's comm (`cmlcluster logs` shows a log whole whatever its size).
-LOG_LINK_BYTES = 2 << 20
-LOG_LINK_HEAD = 256 << 10
+# The part of a worker's log that the "show log" button loads into the widget, read at the click: the
+# widget's state (saved in the notebook) holds no log until then, and none again once hidden or another
+# worker is selected (`cmlcluster logs` shows a log whole whatever its size).
+LOG_TAIL_BYTES = 64 << 10
 CURVE_POINTS = 500  # points kept per loss curve (older ones thinned out)
+SHOW_LOG, HIDE_LOG = "show log", "hide log"
+SHOW_LOG_TIP = "Show the end of the selected worker's log here (the saved notebook holds it while it is shown)"
+HIDE_LOG_TIP = "Hide the log (the saved notebook then holds none of it)"
 STOPS_THE_CELL = "Stops these workers, and the cmlcluster call a running cell waits in"
 STOPS_BETWEEN_CELLS = "Stops these workers between cells; a running cell stops with Interrupt (■)"
 COLOURS = {
@@ -89,11 +92,11 @@ class WidgetView:
         self.source.observe(self._guarded(lambda _: self._dirty.set()), names="value")
         self.output = w.HTML()
         self.log_hint = w.HTML()  # where the selected worker's whole log is, also after the session
-        # Its link: made on a click (the log read then), for the worker selected at that moment.
-        self.log_button = w.Button(description="log", icon="download", tooltip="A link to the selected worker's log")
+        # Its tail, read on a click for the worker selected then; a second click hides it again.
+        self.log_button = w.Button(description=SHOW_LOG, icon="file-text", tooltip=SHOW_LOG_TIP)
         self.log_button.on_click(self._guarded(self._on_log_click))
-        self.log_link = w.HTML()
-        self._linked: str | None = None  # the worker whose log the link holds
+        self.log_view = w.HTML()
+        self._shown_log: str | None = None  # the worker whose log's tail log_view holds
         self.errors = w.Output()  # exceptions in callbacks land here, shown under the widget
         self.training = w.VBox()
         self.task_bars: dict[str, w.FloatProgress] = {}
@@ -110,7 +113,8 @@ class WidgetView:
                 self.plot_area,
                 self.source,
                 self.output,
-                w.HBox([self.log_hint, self.log_button, self.log_link]),
+                w.HBox([self.log_hint, self.log_button]),
+                self.log_view,
                 self.errors,
             ],
             layout=w.Layout(width="100%"),
@@ -232,10 +236,17 @@ class WidgetView:
         return f"stopped from the widget: {names} stopped"
 
     def _on_log_click(self, _button: Any) -> None:
-        """The selected worker's log as a link that downloads it (its state now; click again for later)."""
+        """The selected worker's log's tail into the widget, read now; or, when it is shown, hidden again."""
         worker = self.source.value
-        if worker in self._rows:  # a worker's output is selected (the button shows only then)
-            self._linked, self.log_link.value = worker, _log_link(self.session, worker)
+        if self._shown_log is not None:
+            self._hide_log()
+        elif worker in self._rows:  # a worker's output is selected (the button shows only then)
+            self._shown_log, self.log_view.value = worker, _log_tail(self.session, worker)
+            self.log_button.description, self.log_button.tooltip = HIDE_LOG, HIDE_LOG_TIP
+
+    def _hide_log(self) -> None:
+        self._shown_log, self.log_view.value = None, ""
+        self.log_button.description, self.log_button.tooltip = SHOW_LOG, SHOW_LOG_TIP
 
     # ---------------------------------------------------------------- rendering
 
@@ -297,8 +308,8 @@ class WidgetView:
         self.output.value = f'<pre class="cmlcluster-output">{html.escape(chr(10).join(output))}</pre>'
         self.log_hint.value = _log_hint(session, selected_worker) if selected_worker else ""
         self.log_button.layout.display = "" if selected_worker else "none"
-        if self._linked is not None and self._linked != selected_worker:
-            self._linked, self.log_link.value = None, ""  # another worker's: gone with its selection
+        if self._shown_log is not None and self._shown_log != selected_worker:
+            self._hide_log()  # another worker's: gone with its selection
         self.updates += 1
 
     def _render_curves(self, curves: dict[str, tuple[list[float], list[float]]]) -> None:
@@ -343,14 +354,25 @@ def _log_hint(session: Session, worker_id: str) -> str:
     )
 
 
-def _log_link(session: Session, worker_id: str) -> str:
-    """A link whose data is the worker's log (LOG_LINK_BYTES at most), saved as <worker id>.log."""
-    data = logfile.excerpt(session.worker_log_path(worker_id), LOG_LINK_BYTES, LOG_LINK_HEAD)
-    name = html.escape(f"{worker_id}.log")  # a worker id holds its session's
-    href = "data:text/plain;charset=utf-8;base64," + base64.b64encode(data).decode()
+def _log_tail(session: Session, worker_id: str) -> str:
+    """The last LOG_TAIL_BYTES of the worker's log (from a line's start), and how much of it that is."""
+    path = session.worker_log_path(worker_id)
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0
+    text = logfile.read_tail(path, LOG_TAIL_BYTES)
+    if size > LOG_TAIL_BYTES and "\n" in text:
+        text = text.partition("\n")[2]  # the first line is cut
+    shown = len(text.encode())
+    what = (
+        f"the whole log ({results.size_text(shown)})"
+        if shown >= size
+        else (f"its last {results.size_text(shown)} of {results.size_text(size)}")
+    )
     return (
-        f'<a class="cmlcluster-log-link" download="{name}" href="{href}" style="text-decoration:underline">'
-        f"{name} ({results.size_text(len(data))})</a>"
+        f'<div class="cmlcluster-log-tail">{html.escape(worker_id)}.log, {what}:</div>'
+        f'<pre class="cmlcluster-log-tail">{html.escape(text)}</pre>'
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import re
 import time
 
@@ -13,7 +12,7 @@ from cmlcluster.backends.fake import FakeBackend, FakeWorker
 from cmlcluster.events import JobChanged, Progress
 from cmlcluster.jobs import Member
 from cmlcluster.ui.terminal import TerminalView
-from cmlcluster.ui.widget import LOG_LINK_BYTES, RENDER_HZ, WidgetView
+from cmlcluster.ui.widget import LOG_TAIL_BYTES, RENDER_HZ, WidgetView
 
 
 def fake_session(*plan: FakeWorker) -> Session:
@@ -163,24 +162,36 @@ def test_terminal_view_prints_status_output_and_throttled_progress(capsys):
     assert len(progress) <= 3  # throttled: first, last, perhaps one between
 
 
-def test_the_log_button_links_the_selected_workers_log_capped_and_only_while_it_is_selected():
+def widget_state(view: WidgetView) -> str:
+    """Every trait value of the widget and its children, as a notebook saves the widget state."""
+    from ipywidgets import Widget
+
+    return repr([dict(widget.get_state()) for widget in Widget.widgets.values()])
+
+
+def test_no_log_is_in_the_widget_until_the_button_is_pressed_and_none_once_hidden_or_another_is_selected():
     with fake_session(FakeWorker(output=("hello",)), FakeWorker(output=("hello",))) as s:
         view = WidgetView(s)
         first, second = s.launch_workers(2, cpu=1, memory=1, code="pass")
         s.await_workers([first, second], timeout_seconds=10)
         settled(view, lambda: view.source.value == first["id"] and view.log_button.layout.display == "")
-        lines = [f"line {i:07d} {'x' * 40}\n" for i in range(60_000)]  # 3.1 MB: more than a link carries
+        lines = [f"line {i:07d} {'x' * 40}\n" for i in range(60_000)]  # 3.1 MB
+        lines[0] = "a secret printed first\n"
         with open(s.worker_log_path(first), "w") as f:
             f.writelines(lines)
+        settled(view, lambda: view.updates > 2)
+        assert "line 0059999" not in widget_state(view) and "secret" not in widget_state(view)
+        view.log_button.click()  # its tail, read now
+        assert view.log_button.description == "hide log"
+        shown = re.search(r'<pre class="cmlcluster-log-tail">(.*)</pre>', view.log_view.value, re.S).group(1)
+        assert shown.endswith(lines[-1]) and shown.startswith("line ")  # from a line's start
+        assert LOG_TAIL_BYTES - 50 <= len(shown) <= LOG_TAIL_BYTES
+        assert re.search(rf"{first['id']}\.log, its last 6\d\.\d kB of 3\.\d MB", view.log_view.value)
+        assert "secret" not in widget_state(view)
+        view.log_button.click()  # hidden: the state holds none of it again
+        assert view.log_view.value == "" and view.log_button.description == "show log"
+        assert "line 0059999" not in widget_state(view)
         view.log_button.click()
-        link = re.search(
-            r'<a class="cmlcluster-log-link" download="([^"]+)" href="data:text/plain;[^,]*,([^"]+)"',
-            view.log_link.value,
-        )
-        assert link.group(1) == f"{first['id']}.log"
-        text = base64.b64decode(link.group(2)).decode()
-        assert text.startswith(lines[0]) and text.endswith(lines[-1])
-        assert re.search(r"\n\[\.\.\. [\d,]+ bytes left out here \.\.\.\]\n", text)
-        assert len(text) == LOG_LINK_BYTES + len(re.search(r"\n\[.*\]\n", text).group(0))
         view.source.value = second["id"]
-        settled(view, lambda: view.log_link.value == "")  # another worker selected: the link was the first's
+        settled(view, lambda: view.log_view.value == "")  # another worker selected: the tail was the first's
+        assert "line 0059999" not in widget_state(view)
