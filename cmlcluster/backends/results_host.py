@@ -80,8 +80,10 @@ def keep(work: str, worker_id: str, collect: Iterable[str], since: float) -> Non
             mover.move(path)
     except Exception as e:  # a report, so the session says it; the worker's folder goes next
         report["errors"].append(f"{type(e).__name__}: {e}")
-    with open(os.path.join(kept, "report.json"), "w") as f:
+    # Whole or not at all: `send` reads it as soon as it is there.
+    with open(os.path.join(kept, "report.json.part"), "w") as f:
         json.dump(report, f)
+    os.replace(os.path.join(kept, "report.json.part"), os.path.join(kept, "report.json"))
 
 
 class _Mover:

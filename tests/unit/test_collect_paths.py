@@ -400,3 +400,26 @@ def test_a_flood_of_entries_is_read_no_further_than_the_cap_allows(session_folde
     Homecoming().unpack(chunks(), arrival)
     assert arrival.not_asked_count == 40 and len(read) < 200  # of 8000 blocks
     assert arrival.behind == ["the rest (the stream held more than 40 entries)"]
+
+
+def test_a_hostile_hosts_send_writes_only_what_collect_asks_for(session_folder, tmp_path, caplog):
+    """The SSH backend's end (collect._fetch) against a "host" whose send is a crafted program."""
+    import sys
+
+    from cmlcluster.backends.collect import _fetch
+    from cmlcluster.workers import Resources, WorkerSpec
+
+    crafted = tmp_path / "crafted.tar"
+    crafted.write_bytes(stream(*HOSTILE, ("outputs/model.txt", b"trained", 0o644)))
+    code = (
+        "import shutil, sys\n"
+        f"shutil.copyfileobj(open({str(crafted)!r}, 'rb'), sys.stdout.buffer)\n"
+        'print(\'{"kept": true, "files": 5, "bytes": 9}\', file=sys.stderr)\n'
+    )
+    spec = WorkerSpec("s9-5", 0, (), {}, Resources(1, 1), str(session_folder), collect=("outputs",))
+    with caplog.at_level(logging.WARNING, logger="cmlcluster"):
+        _fetch(Homecoming(), [sys.executable, "-c", code], spec, "host")
+    assert files_in(session_folder) == ["outputs/model.txt", "train.py"]
+    assert (session_folder / "train.py").read_text() == "print('train')"
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "it sent 4 files that collect=['outputs'] does not ask for, dropped: .ipython/" in said

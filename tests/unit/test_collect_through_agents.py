@@ -5,8 +5,10 @@ The same on real pods: tests/integration/test_collect.py."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
+from test_collect_paths import HOSTILE, stream
 
 from cmlcluster import Session, agent_files
 from cmlcluster.agent_program import call
@@ -92,3 +94,53 @@ def test_workers_that_see_the_session_folder_are_never_asked(worker_folder):
         session.await_workers([w], wait_for_completion=False, timeout_seconds=10)
         session.stop_workers(w)
     assert targets(backend) == []
+
+
+def hostile_agent(backend: FakeBackend, data: bytes, claimed: int | None = None) -> None:
+    """The fake workers' agents answer pack with a crafted tar file (as an agent whose worker's program
+    took it could): the session's end alone decides what of it is written."""
+
+    def answer(engine_id, target, args):
+        if target.endswith(":pack"):
+            return {"kept": True, "files": 1, "bytes": 1, "size": len(data) if claimed is None else claimed}
+        if target.endswith(":chunk"):
+            _, offset, size = args
+            return data[offset : offset + size]
+        return None
+
+    backend.control.responder = answer
+
+
+def test_a_hostile_agents_stream_writes_only_what_collect_asks_for(worker_folder, tmp_path, caplog):
+    session = tmp_path / "session"
+    (session / "train.py").write_text("print('train')")
+    (tmp_path / "outside").mkdir()
+    (session / "outputs").mkdir()
+    (session / "outputs" / "data").symlink_to(tmp_path / "outside")  # the user's own link, out of the folder
+    members = (*HOSTILE, ("outputs/model.txt", b"trained", 0o644), ("outputs/data/x.py", b"x", 0o644))
+    backend = FakeBackend([FakeWorker(run_time=0.1)])
+    hostile_agent(backend, stream(*members, ("outputs/train.py", b"x", 0o755)))
+    with caplog.at_level(logging.WARNING, logger="cmlcluster"), Session(backend, echo=False) as session_:
+        [w] = session_.launch_workers(1, cpu=1, memory=1, code="train()", collect="outputs")
+        session_.await_workers([w], timeout_seconds=10)
+    found = sorted(str(p.relative_to(session)) for p in session.rglob("*"))
+    assert found == ["outputs", "outputs/data", "outputs/model.txt", "outputs/train.py", "train.py"]
+    assert (session / "train.py").read_text() == "print('train')" and list((tmp_path / "outside").iterdir()) == []
+    assert os.stat(session / "outputs" / "train.py").st_mode & 0o777 == 0o755  # the worker's, under collect=
+    [said] = [r.getMessage() for r in caplog.records if "collect= files" in r.getMessage()]
+    assert f"of worker {w['id']}'s collect= files, 2 files" in said
+    assert "outputs/data/x.py (outputs/data is a link here, and nothing is written through one)" in said
+    assert "it sent 4 files that collect=['outputs'] does not ask for, dropped: .ipython/profile_default" in said
+
+
+def test_an_agent_that_claims_a_huge_size_is_read_no_further_than_the_caps(worker_folder, monkeypatch):
+    monkeypatch.setenv("CMLCLUSTER_COLLECT_CAP_MB", "1")
+    monkeypatch.setenv("CMLCLUSTER_COLLECT_CAP_FILES", "10")
+    backend = FakeBackend([FakeWorker(run_time=0.1)])
+    # 20 MiB outside collect=: dropped, but read through unless the read stops at what the caps allow.
+    hostile_agent(backend, stream(("x/big", bytes(20 << 20), 0o644)), claimed=1 << 40)
+    with Session(backend, echo=False) as session:
+        [w] = session.launch_workers(1, cpu=1, memory=1, code="train()", collect="outputs")
+        session.await_workers([w], timeout_seconds=30)
+    chunks = [args for _, target, args in backend.control.calls if target.endswith(":chunk")]
+    assert len(chunks) == 1  # 4 MiB a call; the caps allow 1 MiB and 10 files' headers
