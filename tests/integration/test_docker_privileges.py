@@ -218,6 +218,17 @@ def test_each_session_has_its_own_network_that_others_cannot_reach_and_it_goes_w
     assert networks_of(client, a.id) == [] and networks_of(client, b.id) == []
 
 
+def answer_hello(server):
+    """Answer "hello" to each connection until the server is shut down."""
+    while True:
+        try:
+            connection, _ = server.accept()
+        except OSError:
+            return
+        connection.sendall(b"hello")
+        connection.close()
+
+
 def test_no_container_of_another_network_reaches_what_listens_on_the_sessions_gateway(client):
     """Docker keeps networks apart in FORWARD; the gateway is the host's own address, reached through
     INPUT: the session shuts it to every interface but its bridge (as root, which the suite runs as)."""
@@ -226,37 +237,25 @@ def test_no_container_of_another_network_reaches_what_listens_on_the_sessions_ga
         Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as a,
         Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as b,
     ):
+        [wa] = a.launch_workers(1, cpu=0.5, memory=0.5)
+        [wb] = b.launch_workers(1, cpu=0.5, memory=0.5)
+        a.await_workers([wa], wait_for_completion=False, timeout_seconds=60)
+        b.await_workers([wb], wait_for_completion=False, timeout_seconds=60)
         network = docker_engine.session_network_name(a.id)
         assert len(docker_gateway.rules(network)) == 1
         # What the session's own servers would be: a listener of the test's on A's gateway only.
-        server = socket.create_server((a.controller_ip, 0))
-        server.settimeout(1)
-        port = server.getsockname()[1]
-        answered = []
-
-        def answer():
-            while not answered or answered[-1] != "stop":
-                try:
-                    connection, peer = server.accept()
-                except OSError:
-                    continue
-                answered.append(peer[0])
-                connection.sendall(b"hello")
-                connection.close()
-
-        threading.Thread(target=answer, daemon=True).start()
-        try:
-            [wa] = a.launch_workers(1, cpu=0.5, memory=0.5)
-            [wb] = b.launch_workers(1, cpu=0.5, memory=0.5)
-            a.await_workers([wa], wait_for_completion=False, timeout_seconds=60)
-            b.await_workers([wb], wait_for_completion=False, timeout_seconds=60)
-            assert b.client[wb["engine_id"]].apply_sync(dial, a.controller_ip, port).startswith("failed:")
-            assert a.client[wa["engine_id"]].apply_sync(dial, a.controller_ip, port) == "hello"  # its own: yes
-            with socket.create_connection((a.controller_ip, port), timeout=3) as here:  # the host: yes
-                assert here.recv(5) == b"hello"
-        finally:
-            answered.append("stop")
-            server.close()
+        with socket.create_server((a.controller_ip, 0)) as server:
+            port = server.getsockname()[1]
+            answering = threading.Thread(target=answer_hello, args=(server,), daemon=True)
+            answering.start()
+            try:
+                assert b.client[wb["engine_id"]].apply_sync(dial, a.controller_ip, port).startswith("failed:")
+                assert a.client[wa["engine_id"]].apply_sync(dial, a.controller_ip, port) == "hello"  # its own: yes
+                with socket.create_connection((a.controller_ip, port), timeout=3) as here:  # the host: yes
+                    assert here.recv(5) == b"hello"
+            finally:
+                server.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+                answering.join(timeout=5)
     assert docker_gateway.rules(network) == []  # the rule went with the network
 
 
