@@ -10,27 +10,63 @@ before the run: an upgrade that renamed one fails with their names, not with a r
 the network. An elastic run (launch_gloo_elastic) starts its rendezvous before it picks the address:
 that address is worked out first here, the way horovod then does (the first of the interfaces
 horovodrun was given, or found on the hosts discovered at start).
+
+The rendezvous also admits connections only from the job's hosts and, from this machine, from
+processes of the session's user; in an elastic run, where it unpickles what ranks register, it
+takes that only signed with the run's key, read from the 0600 file CMLCLUSTER_RENDEZVOUS_KEY_FILE
+names (cmlcluster.horovod.rendezvous). The variable is taken out of the environment before
+horovodrun copies it onto the ranks' command lines.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import socketserver
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from .. import probes
+from . import rendezvous
 
 ELASTIC_ARGUMENTS = ("settings", "get_common_interfaces", "rendezvous")
 
 
 def _checks() -> list[probes.Check]:
     from horovod.runner import gloo_run
+    from horovod.runner.common.util import settings
     from horovod.runner.driver import driver_service
+    from horovod.runner.elastic import discovery
+    from horovod.runner.elastic import rendezvous as elastic_rendezvous
     from horovod.runner.http import http_server
     from horovod.runner.util import network
 
+    handler = http_server.RendezvousHandler
     return [
+        (
+            "horovod.runner.http.http_server.RendezvousHTTPServer, a socketserver (verify_request)",
+            lambda: issubclass(http_server.RendezvousHTTPServer, socketserver.BaseServer),
+        ),
+        (
+            "horovod.runner.http.http_server.RendezvousHandler.do_PUT/do_GET/do_DELETE/_put_value/send_status_code",
+            lambda: all(
+                callable(getattr(handler, n, None))
+                for n in ("do_PUT", "do_GET", "do_DELETE", "_put_value", "send_status_code")
+            ),
+        ),
+        (
+            f"horovod.runner.elastic.rendezvous.PUT_WORKER_ADDRESSES == {rendezvous.SIGNED_SCOPE!r}",
+            lambda: elastic_rendezvous.PUT_WORKER_ADDRESSES == rendezvous.SIGNED_SCOPE,
+        ),
+        (
+            "horovod.runner.elastic.discovery.HostDiscovery.find_available_hosts_and_slots",
+            lambda: callable(discovery.HostDiscovery.find_available_hosts_and_slots),
+        ),
+        (
+            "horovod.runner.common.util.settings.Settings(hosts)",
+            lambda: "hosts" in inspect.signature(settings.Settings).parameters,
+        ),
         ("horovod.runner.http.http_server.find_port", lambda: callable(http_server.find_port)),
         (
             "horovod.runner.gloo_run.launch_gloo(..., server_ip)",
@@ -48,19 +84,23 @@ def _checks() -> list[probes.Check]:
     ]
 
 
-def find_port_on(address: str) -> Callable[[Callable[[tuple[str, int]], Any]], tuple[Any, int]]:
+def find_port_on(
+    address: str, guard: rendezvous.Guard | None = None
+) -> Callable[[Callable[[tuple[str, int]], Any]], tuple[Any, int]]:
     """horovod's find_port(server_factory), binding `address` (a port the kernel picks) instead of
-    every interface."""
+    every interface, with `guard` installed on the server before it serves."""
 
     def find_port(server_factory: Callable[[tuple[str, int]], Any]) -> tuple[Any, int]:
         server = server_factory((address, 0))  # a socketserver: server_address is what it bound
+        if guard is not None:
+            guard.install(server)
         return server, server.server_address[1]
 
     return find_port
 
 
-def bind_rendezvous_to_server_ip() -> None:
-    """Make horovodrun's rendezvous server listen on the server_ip it tells the ranks."""
+def bind_rendezvous_to_server_ip(guard: rendezvous.Guard | None = None) -> None:
+    """Make horovodrun's rendezvous server listen on the server_ip it tells the ranks, behind `guard`."""
     missing = probes.missing(_checks())
     if missing:
         import horovod
@@ -75,33 +115,66 @@ def bind_rendezvous_to_server_ip() -> None:
     launch_gloo = gloo_run.launch_gloo
 
     def launch_gloo_on_server_ip(*args: Any, **kwargs: Any) -> Any:
-        server_ip = inspect.signature(launch_gloo).bind(*args, **kwargs).arguments["server_ip"]
-        http_server.find_port = find_port_on(server_ip)
+        arguments = inspect.signature(launch_gloo).bind(*args, **kwargs).arguments
+        if guard is not None:
+            guard.set_hosts(host_names(arguments["settings"].hosts))
+        http_server.find_port = find_port_on(arguments["server_ip"], guard)
         return launch_gloo(*args, **kwargs)
 
     gloo_run.launch_gloo = launch_gloo_on_server_ip
-    gloo_run.launch_gloo_elastic = _elastic_on_server_ip(gloo_run.launch_gloo_elastic)
+    gloo_run.launch_gloo_elastic = _elastic_on_server_ip(gloo_run.launch_gloo_elastic, guard)
 
 
-def _elastic_on_server_ip(launch_gloo_elastic: Callable[..., Any]) -> Callable[..., Any]:
+def host_names(hosts: str) -> list[str]:
+    """The names in horovodrun's -H ('a:2,b:1')."""
+    return [item.strip().rsplit(":", 1)[0] for item in hosts.split(",") if item.strip()]
+
+
+def _elastic_on_server_ip(
+    launch_gloo_elastic: Callable[..., Any], guard: rendezvous.Guard | None = None
+) -> Callable[..., Any]:
     from horovod.runner.driver import driver_service
     from horovod.runner.http import http_server
     from horovod.runner.util import network
 
     def launch_gloo_elastic_on_server_ip(*args: Any, **kwargs: Any) -> Any:
         settings = inspect.signature(launch_gloo_elastic).bind(*args, **kwargs).arguments["settings"]
+        if guard is not None:
+            if guard.key is None:
+                raise RuntimeError(
+                    f"an elastic run's rendezvous unpickles what ranks send it: give the run's key in a 0600 file "
+                    f"named by {rendezvous.KEY_FILE_ENV} (run_horovod does)"
+                )
+            record_hosts(settings.discovery, guard)
         if not settings.nics:
             # As horovod finds them once hosts are up; given back as if passed (--network-interfaces).
             hosts = list(settings.discovery.find_available_hosts_and_slots())
             settings.nics = driver_service.get_common_interfaces(settings, hosts)
-        http_server.find_port = find_port_on(network.get_driver_ip(settings.nics))
+        http_server.find_port = find_port_on(network.get_driver_ip(settings.nics), guard)
         return launch_gloo_elastic(*args, **kwargs)
 
     return launch_gloo_elastic_on_server_ip
 
 
+def record_hosts(discovery: Any, guard: rendezvous.Guard) -> None:
+    """Each time horovod's driver asks `discovery` for the hosts (every second), `guard` admits those."""
+    find = discovery.find_available_hosts_and_slots
+
+    def find_available_hosts_and_slots() -> Any:
+        found = find()
+        guard.set_hosts(found)
+        return found
+
+    discovery.find_available_hosts_and_slots = find_available_hosts_and_slots
+
+
 def main() -> None:
-    bind_rendezvous_to_server_ip()
+    path = os.environ.pop(rendezvous.KEY_FILE_ENV, None)  # before horovodrun copies the environment
+    try:
+        key = rendezvous.read_key_file(path) if path else None
+    except (OSError, ValueError) as e:
+        sys.exit(f"cmlcluster: the run's rendezvous key file {path} cannot be read ({e}); run the job again")
+    bind_rendezvous_to_server_ip(rendezvous.Guard(key))
     from horovod.runner.launch import run_commandline
 
     sys.argv[0] = "horovodrun"  # what its usage and errors name

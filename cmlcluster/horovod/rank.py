@@ -12,6 +12,10 @@ CMLCLUSTER_RANK_ENV names (cmlcluster.ssh.sshd:set_rank_env; on the local backen
 session's folder that also holds the notebook's environment). The rank starts again with it in
 its environment, so that variables read as Python starts (PYTHONPATH, LD_PRELOAD, PYTHONHASHSEED)
 work as they would from a shell.
+
+In an elastic run that file also holds the run's rendezvous key: the rank takes it out of its
+environment (the script and what it starts never see it) and signs with it the registration
+horovod's hvd.elastic.run sends the rendezvous (cmlcluster.horovod.rendezvous).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import NoReturn
 
 from .._exit import exit_now, status_of
 from ..wire import RANK_ENV_FILE_ENV
+from . import rendezvous
 
 RANK_MODULE = "cmlcluster.horovod.rank"
 
@@ -46,6 +51,17 @@ def with_run_env(argv: list[str]) -> None:
         os.execve(sys.executable, [sys.executable, "-m", RANK_MODULE, *argv], {**os.environ, **env})  # noqa: S606
 
 
+def sign_registration() -> None:
+    """With the run's rendezvous key in the environment (an elastic run), sign this rank's registration."""
+    text = os.environ.pop(rendezvous.KEY_ENV, None)
+    if text is None:
+        return
+    try:
+        rendezvous.sign_worker_registration(rendezvous.parse_key(text))
+    except (ValueError, RuntimeError, ImportError) as e:
+        sys.exit(f"cmlcluster: this rank cannot sign its elastic registration ({e}); the rendezvous would refuse it")
+
+
 def run_script(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m cmlcluster.horovod.rank SCRIPT [ARGS...]")
@@ -63,6 +79,7 @@ def run_script(argv: list[str]) -> None:
 def main(argv: list[str]) -> NoReturn:
     with_run_env(argv)
     try:
+        sign_registration()
         run_script(argv)
         status = 0
     except SystemExit as e:

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
 from .. import _lifeline, checks
-from .._proc import descendants, end_group
+from .._proc import descendants, end_group, python_module
 from ..api import get_session, stop_session, use_backend
 from ..backends import Backend
 from ..errors import ConfigError
@@ -50,6 +50,7 @@ from ..wire import RANK_ENV_FILE_ENV
 from ..workers import Resources, check_env
 from . import commands
 from .elastic import DiscoveryFile
+from .rendezvous import run_key
 from .result import HorovodError, HorovodResult
 from .ssh_cluster import SSHCluster, ssh_cluster
 
@@ -131,7 +132,7 @@ def run_horovod(
     horovodrun = _horovodrun()
     if session is None and backend is not None and reuse:
         session, backend = _default_session_on(backend), None  # what is kept for reuse lives there
-    with session_for(session, backend, echo) as session:
+    with session_for(session, backend, echo) as session, contextlib.ExitStack() as stack:
         cluster: SSHCluster | None = None
         view = session if echo else None
         try:
@@ -139,7 +140,12 @@ def run_horovod(
             if capabilities.session_host and not capabilities.own_address:
                 # Workers would be processes on this machine anyway: horovodrun starts the ranks here.
                 hosts = commands.local_pseudo_hosts(np) if max_restarts else [("localhost", np)]
-                with _local_env_file(session, env) as driver_env, _discovery(session, hosts, max_restarts) as found:
+                with (
+                    run_key(session.session_dir, elastic=bool(max_restarts)) as key,
+                    _local_env_file(session, {**env, **key.rank_env}) as driver_env,
+                    _discovery(session, hosts, max_restarts) as found,
+                ):
+                    driver_env.update(key.driver_env)  # the key's file: the key itself only in the ranks' file
                     argv = commands.horovodrun_argv(
                         np,
                         hosts,
@@ -160,7 +166,9 @@ def run_horovod(
             )
             if max_restarts and len(cluster.hosts) < 2:
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
-            cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
+            key = stack.enter_context(run_key(session.session_dir, elastic=bool(max_restarts)))
+            # A file on each host, never a command line (cmlcluster.horovod.rank); the key signs ranks' registrations.
+            cluster.set_rank_env({**env, **key.rank_env})
             # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
             command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
             argv = commands.horovodrun_argv(
@@ -174,7 +182,8 @@ def run_horovod(
                 horovodrun=horovodrun,
                 elastic=_elastic(cluster.discovery.script, np, cluster.hosts) if cluster.discovery else None,
             )
-            return _execute(argv, cluster.hosts, _remote_driver_env(cluster.ssh), view, check, cluster.job)
+            driver_env = {**_remote_driver_env(cluster.ssh), **key.driver_env}
+            return _execute(argv, cluster.hosts, driver_env, view, check, cluster.job)
         except KeyboardInterrupt:
             kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
             log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
@@ -284,7 +293,7 @@ def _horovodrun() -> list[str]:
             f"Horovod is not installed in this Python ({sys.executable}); build it with scripts/build_horovod.sh "
             "(or pip install horovod against your TensorFlow)"
         )
-    return [sys.executable, "-m", DRIVER]
+    return python_module(DRIVER)  # the notebook's folder not on its sys.path
 
 
 def _execute(

@@ -1,0 +1,246 @@
+"""The elastic rendezvous' guard, pure parts and a stdlib server: the per-run key's signature, the rows of
+/proc/net/tcp and tcp6 read as identd does, who is admitted, and a handler that unpickles what it is sent
+(as horovod's elastic one does) refusing an unsigned payload without running it, and taking a signed one."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import ipaddress
+import os
+import pickle
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from socketserver import ThreadingMixIn
+
+import pytest
+
+from cmlcluster.horovod import rendezvous
+from cmlcluster.horovod.rendezvous import SIGNATURE_HEADER, Guard, TcpSocket
+
+KEY = bytes(range(32))
+IP = ipaddress.ip_address
+
+# /proc/net/tcp: a listener on 127.0.0.1:8080, a client 127.0.0.1:40000 -> 127.0.0.1:8080 of uid 1000, the
+# server's end, and the same client after it closed (a timewait row: uid 0, inode 0).
+TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 111 1 0 100 0 0 10 0
+   1: 0100007F:9C40 0100007F:1F90 01 00000000:00000000 00:00000000 00000000  1000        0 222 1 0 20 4 30 10 -1
+   2: 0100007F:1F90 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 333 1 0 20 4 30 10 -1
+   3: 0100007F:9C41 0100007F:1F90 06 00000000:00000000 03:000008B1 00000000     0        0 0 3 0
+   4: garbage
+"""
+# /proc/net/tcp6: an IPv4-mapped client of uid 65534 (127.0.0.1:40002 -> 127.0.0.1:8080), and 10.1.2.3's.
+TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0000000000000000FFFF00000100007F:9C42 0000000000000000FFFF00000100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 444 1 0
+   1: 00000000000000000000000001000000:0016 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 555 1 0
+"""  # noqa: E501 - the kernel's own lines
+
+SERVER = (IP("127.0.0.1"), 8080)
+
+
+def test_a_signature_covers_the_method_path_and_body_under_the_runs_key():
+    sig = rendezvous.signature(KEY, "PUT", "/worker_addresses/h:0", b"body")
+    assert rendezvous.verify(KEY, "PUT", "/worker_addresses/h:0", b"body", sig)
+    assert not rendezvous.verify(bytes(32), "PUT", "/worker_addresses/h:0", b"body", sig)  # another key
+    assert not rendezvous.verify(KEY, "PUT", "/worker_addresses/h:0", b"bodx", sig)
+    assert not rendezvous.verify(KEY, "PUT", "/worker_addresses/h:1", b"body", sig)
+    assert not rendezvous.verify(KEY, "GET", "/worker_addresses/h:0", b"body", sig)
+    for given in (None, "", "00" * 32, sig[:-1], "é" * 64):
+        assert not rendezvous.verify(KEY, "PUT", "/worker_addresses/h:0", b"body", given)
+
+
+def test_a_key_is_32_random_bytes_in_a_0600_file_that_goes_with_the_run(tmp_path):
+    assert rendezvous.parse_key(KEY.hex()) == KEY
+    with pytest.raises(ValueError):
+        rendezvous.parse_key("ab" * 16)
+    with pytest.raises(ValueError):
+        rendezvous.parse_key("not hex")
+    with rendezvous.run_key(str(tmp_path), elastic=False) as static:
+        assert static.rank_env == {} and static.driver_env == {}
+    with rendezvous.run_key(str(tmp_path), elastic=True) as run:
+        path = run.driver_env[rendezvous.KEY_FILE_ENV]
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert rendezvous.read_key_file(path) == run.key
+        assert run.rank_env == {rendezvous.KEY_ENV: run.key.hex()}
+        assert run.key.hex() not in path
+    assert not os.path.exists(path)
+    with rendezvous.run_key(str(tmp_path), elastic=True) as other:
+        assert other.key != run.key
+
+
+def test_proc_net_tcp_rows_are_read_in_the_kernels_byte_order():
+    rows = rendezvous.parse_tcp_table(TCP) + rendezvous.parse_tcp_table(TCP6)
+    assert len(rows) == 6  # the header and the garbage line skipped
+    assert rows[0] == TcpSocket((IP("127.0.0.1"), 8080), (IP("0.0.0.0"), 0), 0x0A, 1000, 111)
+    assert rows[1].local == (IP("127.0.0.1"), 40000) and rows[1].remote == SERVER
+    assert rows[4].local == (IP("127.0.0.1"), 40002) and rows[4].uid == 65534  # IPv4-mapped, unmapped
+    assert rows[5].local == (IP("::1"), 22)
+
+
+def test_the_owner_of_a_peer_socket_is_the_uid_of_its_row_while_a_process_holds_it():
+    rows = rendezvous.parse_tcp_table(TCP) + rendezvous.parse_tcp_table(TCP6)
+    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40000), SERVER) == 1000
+    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40002), SERVER) == 65534
+    assert rendezvous.socket_owner(rows, (IP("::ffff:127.0.0.1"), 40002), SERVER) == 65534
+    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40001), SERVER) is None  # timewait: uid 0 proves nothing
+    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40000), (IP("127.0.0.1"), 8081)) is None
+
+
+def test_only_the_jobs_hosts_and_this_users_local_sockets_are_admitted():
+    rows = rendezvous.parse_tcp_table(TCP) + rendezvous.parse_tcp_table(TCP6)
+    own = frozenset({IP("192.168.1.5")})
+    hosts = frozenset({IP("10.0.0.2")})
+
+    def admits(peer, uid=1000, server=SERVER):
+        return rendezvous.admits(peer, server, uid=uid, own_addresses=own, host_addresses=hosts, sockets=lambda: rows)
+
+    assert admits((IP("127.0.0.1"), 40000))
+    assert not admits((IP("127.0.0.1"), 40000), uid=0)  # root is not this session's user either
+    assert not admits((IP("127.0.0.1"), 40002))  # uid 65534
+    assert not admits((IP("127.0.0.1"), 40001))  # no live socket
+    assert not admits((IP("192.168.1.5"), 40000))  # this machine's own address: no row, refused
+    assert admits((IP("10.0.0.2"), 5555))
+    assert not admits((IP("10.0.0.3"), 5555))
+    # A job host that is this machine is still checked by uid.
+    assert not rendezvous.admits(
+        (IP("127.0.0.1"), 40002), SERVER, uid=1000, own_addresses=own,
+        host_addresses=frozenset({IP("127.0.0.1")}), sockets=lambda: rows,
+    )  # fmt: skip
+
+
+def test_the_guard_resolves_the_jobs_hosts_as_they_change():
+    guard = Guard(None, uid=os.getuid(), own=frozenset())
+    guard.set_hosts(["10.0.0.2", "localhost", "no-such-host.invalid"])
+    assert IP("10.0.0.2") in guard.hosts and IP("127.0.0.1") in guard.hosts
+    guard.set_hosts({"10.0.0.3": 1})
+    assert guard.hosts == frozenset({IP("10.0.0.3")})
+
+
+# -- a server that unpickles what it is sent, as horovod's elastic rendezvous does ------------------
+
+
+class UnpicklingHandler(BaseHTTPRequestHandler):
+    """horovod's KVStoreHandler and ElasticRendezvousHandler, reduced: do_PUT reads the body and
+    passes it to _put_value, which unpickles worker_addresses."""
+
+    timeout = 3
+
+    def do_PUT(self):
+        _, scope, key = self.path.split("/")
+        value = self.rfile.read(int(self.headers["Content-Length"]))
+        self._put_value(scope, key, value)
+        self.send_status_code(200)
+
+    def do_GET(self):
+        _, scope, key = self.path.split("/")
+        value = self.server.cache.get(scope, {}).get(key)
+        if value is None:
+            return self.send_status_code(404)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(value)))
+        self.end_headers()
+        self.wfile.write(value)
+
+    def do_DELETE(self):
+        self.send_status_code(200)
+
+    def _put_value(self, scope, key, value):
+        if scope == "worker_addresses":
+            self.server.decoded.append(pickle.loads(value))  # what horovod does
+        self.server.cache.setdefault(scope, {})[key] = value
+
+    def send_status_code(self, code):
+        self.send_response(code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+class Server(ThreadingMixIn, HTTPServer):
+    daemon_threads = True
+
+    def __init__(self, guard):
+        super().__init__(("127.0.0.1", 0), UnpicklingHandler)
+        self.cache, self.decoded, self.handled = {}, [], 0
+        guard.install(self)
+
+
+class Marker:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@contextlib.contextmanager
+def serving(guard):
+    server = Server(guard)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def request(port, method, path, body=b"", headers=None):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_an_unsigned_pickle_is_refused_before_it_is_decoded_and_a_signed_one_is_taken(tmp_path):
+    marker = tmp_path / "marker"
+    payload = pickle.dumps(Marker(str(marker)))
+    with serving(Guard(KEY, uid=os.getuid(), own=frozenset())) as (port, server):
+        path = "/worker_addresses/localhost:0"
+        assert request(port, "PUT", path, payload)[0] == 403
+        forged = rendezvous.signature(bytes(32), "PUT", path, payload)
+        assert request(port, "PUT", path, payload, {SIGNATURE_HEADER: forged})[0] == 403
+        other_path = rendezvous.signature(KEY, "PUT", "/worker_addresses/localhost:1", payload)
+        assert request(port, "PUT", path, payload, {SIGNATURE_HEADER: other_path})[0] == 403
+        assert not marker.exists() and server.decoded == []
+        # Nothing reads the scope back (it holds each rank's service key), nor deletes from it.
+        assert request(port, "GET", path)[0] == 403
+        assert request(port, "DELETE", path)[0] == 403
+        # A rank's registration, signed by the rank's side.
+        put = rendezvous.signed_put(KEY, pickle.dumps)
+        put("127.0.0.1", port, "worker_addresses", "localhost:0", ({"lo": [("127.0.0.1", 1)]}, b"k"))
+        assert server.decoded == [({"lo": [("127.0.0.1", 1)]}, b"k")]
+        # Gloo's own scopes pass as before (bytes, never decoded).
+        assert request(port, "PUT", "/global/0", b"gloo")[0] == 200
+        assert request(port, "GET", "/global/0") == (200, b"gloo")
+    assert not marker.exists()
+
+
+def test_a_rank_whose_key_differs_is_told_403():
+    with serving(Guard(KEY, uid=os.getuid(), own=frozenset())) as (port, server):
+        put = rendezvous.signed_put(bytes(32), pickle.dumps)
+        with pytest.raises(RuntimeError, match="KVStore server failed"):
+            put("127.0.0.1", port, "worker_addresses", "localhost:0", "x")
+        assert server.decoded == []
+
+
+def test_a_connection_from_another_users_socket_is_closed_unread(tmp_path):
+    marker = tmp_path / "marker"
+    # The guard takes this test's own sockets for another user's: the connection is closed before a byte is read.
+    with serving(Guard(None, uid=os.getuid() + 1, own=frozenset())) as (port, server):
+        with pytest.raises((ConnectionError, http.client.HTTPException, socket.timeout)):
+            request(port, "PUT", "/worker_addresses/localhost:0", pickle.dumps(Marker(str(marker))))
+        with pytest.raises((ConnectionError, http.client.HTTPException, socket.timeout)):
+            request(port, "GET", "/global/0")
+        assert server.cache == {} and server.decoded == []
+    assert not marker.exists()
