@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -115,12 +114,9 @@ def private(tmp_path):
 
 
 def test_another_user_cannot_run_code_through_the_elastic_rendezvous_and_the_run_ends_ok(tmp_path, private):
-    if os.getuid() == 0:
-        become = ["setpriv", f"--reuid={STRANGER}", f"--regid={STRANGER}", "--clear-groups"]
-    else:
+    if os.getuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv (util-linux) to become another uid")
-    if not shutil.which("setpriv"):
-        pytest.skip("needs setpriv (util-linux) to become another uid")
+    become = ["setpriv", f"--reuid={STRANGER}", f"--regid={STRANGER}", "--clear-groups"]
     pytest.importorskip("horovod.tensorflow")
     script = tmp_path / "elastic_train.py"
     script.write_text(TRAIN)
@@ -149,7 +145,7 @@ def test_another_user_cannot_run_code_through_the_elastic_rendezvous_and_the_run
     assert attack.returncode == 0, attack.stderr
     report = json.loads(attack.stdout)
     assert report["found"], "the attacker did not find the rendezvous on any rank's command line"
-    addr, port, key = report["found"]
+    addr, _port, key = report["found"]
     assert addr == "127.0.0.1" and key is None, report  # the run's key is on no command line
     assert not marker.exists(), f"the stranger's pickle ran as this user: {report}"
     assert all(answer != 200 for answer in report["answers"]), report
