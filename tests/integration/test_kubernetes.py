@@ -174,6 +174,9 @@ def pods_created(kube):
     [
         ({"namespace": "nowhere"}, None, ["namespace='nowhere' does not exist", "kubectl create namespace nowhere"]),
         ({}, ("deny", "create", "pods"), ["may not create pods in namespace 'default'", "kubectl auth can-i"]),
+        ({}, ("deny", "patch", "secrets"), ["may not patch secrets", "add each worker's env= values"]),
+        ({}, ("deny", "list", "secrets"), ["may not list secrets", "kubectl auth can-i list secrets -n default"]),
+        ({}, ("deny", "list", "networkpolicies"), ["may not list networkpolicies.networking.k8s.io"]),
         ({"image_pull_secrets": ["registry-login"]}, None, ["Secret 'registry-login' does not exist"]),
         ({"controller_ip": None}, None, ["controller_ip=None", "CMLCLUSTER_KUBERNETES_CONTROLLER_IP"]),
         ({"image": None}, None, ["image=None"]),
@@ -272,12 +275,12 @@ def test_cleanup_ends_what_a_killed_session_left_on_the_cluster(kube):
     assert delete_orphans(backend) == []
 
 
-def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
-    # The notebook's own pod, as JupyterHub would run it.
-    notebook = {
+def notebook_pod(name: str, labels: dict[str, str]) -> dict:
+    """The notebook's own pod, as JupyterHub or a Deployment would run it."""
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "jupyter-alice", "labels": {"app": "jupyterhub", "hub.jupyter.org/username": "alice"}},
+        "metadata": {"name": name, "labels": labels},
         "spec": {
             "restartPolicy": "Never",
             # The stand-in's namespace enforces Pod Security "restricted", as a hardened cluster's would.
@@ -292,8 +295,12 @@ def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
             ],
         },
     }
+
+
+def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
+    labels = {"app": "jupyterhub", "hub.jupyter.org/username": "alice"}
     core = CoreV1Api(ApiClient(kube.configuration()))
-    created = core.create_namespaced_pod("default", notebook)
+    created = core.create_namespaced_pod("default", notebook_pod("jupyter-alice", labels))
     with Session(kube_backend(kube, notebook_pod="jupyter-alice"), echo=False) as session:
         workers = session.launch_workers(2, cpu=0.5, memory=1)
         session.await_workers(workers, wait_for_completion=False, timeout_seconds=90)
@@ -301,10 +308,16 @@ def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
         assert [(o["kind"], o["name"], o["uid"]) for o in secret["metadata"]["ownerReferences"]] == [
             ("Pod", "jupyter-alice", created.metadata.uid)
         ]
-        # The session's NetworkPolicy lets the notebook's pod in by its labels (a plugin may not match its IP).
+        # The session's NetworkPolicy lets the notebook's pod in by a label it alone has (a plugin may
+        # not match its IP): its uid, which the session put on it.
         pods = {p["metadata"]["name"]: p for p in kube.pods()}
+        assert pods["jupyter-alice"]["metadata"]["labels"] == {**labels, names.POD_UID_LABEL: created.metadata.uid}
         worker_pod = pods[names.pod_name(workers[0]["id"])]
         assert kube.connection_allowed(worker_pod, source_pod=pods["jupyter-alice"])
+        assert kube.connection_allowed(worker_pod, source_pod={**pods["jupyter-alice"], "status": {}})
+        # Not another replica with the same labels (a Deployment's), nor a colleague's notebook.
+        replica = {"metadata": {"namespace": "default", "labels": labels}, "status": {"podIP": "10.250.0.250"}}
+        assert not kube.connection_allowed(worker_pod, source_pod=replica)
         bob = {"metadata": {"namespace": "default", "labels": {"app": "jupyterhub", "hub.jupyter.org/username": "bob"}}}
         assert not kube.connection_allowed(worker_pod, source_pod=bob)
         # The notebook's pod goes (its kernel with it): the garbage collector takes the Secret, then the workers.
@@ -312,6 +325,30 @@ def test_workers_go_with_the_notebook_pod_that_owns_the_session(kube):
         wait_until(lambda: not kube.pods(), timeout=30, what="the workers to go with the notebook's pod")
         wait_until(lambda: [w["status"] for w in session.list_workers()] == ["failed"] * 2, timeout=30, what="failures")
     assert not [s for s in kube.secrets() if s["metadata"]["name"].startswith("cmlcluster-")]
+
+
+def test_a_notebook_pod_that_may_not_be_labelled_is_admitted_by_its_address_with_a_warning(kube, caplog):
+    labels = {"app": "notebook", "pod-template-hash": "5d8f7c9b4"}
+    core = CoreV1Api(ApiClient(kube.configuration()))
+    core.create_namespaced_pod("default", notebook_pod("notebook-5d8f7c9b4-x2x9z", labels))
+    kube.deny("patch", "pods")
+    try:
+        with Session(kube_backend(kube, notebook_pod="notebook-5d8f7c9b4-x2x9z"), echo=False) as session:
+            (worker,) = session.launch_workers(1, cpu=0.5, memory=1)
+            session.await_workers([worker], wait_for_completion=False, timeout_seconds=90)
+            pods = {p["metadata"]["name"]: p for p in kube.pods()}
+            notebook, worker_pod = pods["notebook-5d8f7c9b4-x2x9z"], pods[names.pod_name(worker["id"])]
+            assert notebook["metadata"]["labels"] == labels
+            assert kube.connection_allowed(worker_pod, source_pod=notebook)  # by its address
+            replica = {"metadata": {"namespace": "default", "labels": labels}, "status": {"podIP": "10.250.0.250"}}
+            assert not kube.connection_allowed(worker_pod, source_pod=replica)
+            session.stop_workers()
+    finally:
+        kube.allow("patch", "pods")
+        kube.delete_pod("notebook-5d8f7c9b4-x2x9z", grace_period_seconds=0)
+    said = [r.getMessage() for r in caplog.records if "has no label of its own" in r.getMessage()]
+    assert len(said) == 1 and "'notebook-5d8f7c9b4-x2x9z'" in said[0], said
+    wait_until(lambda: not kube.pods(), timeout=30, what="the pods to go")
 
 
 def test_a_pod_deleted_while_the_watch_is_down_is_noticed_by_the_next_list(kube, kube_session):

@@ -435,14 +435,24 @@ def test_working_folder_size_and_local_disk_are_options():
 
 def make_policy(**kwargs) -> dict:
     settings = dict(
-        namespace=NAMESPACE, secret_name=n.secret_name(SESSION), secret_uid=SECRET_UID, notebook_ip="10.1.2.3"
+        namespace=NAMESPACE, secret_name=n.secret_name(SESSION), secret_uid=SECRET_UID, notebook_ips=["10.1.2.3"]
     )
     return m.network_policy(SESSION, **(settings | kwargs))
 
 
+# The notebook's pod as a Deployment runs it: its replicas share every label, pod-template-hash too.
+DEPLOYMENT_LABELS = {"app": "jupyter", "user": "alice", "pod-template-hash": "5d8f7c9b4"}
+
+
+def notebook_pod(name: str, uid: str, ip: str, **labels: str) -> dict:
+    meta = {"name": name, "uid": uid, "namespace": NAMESPACE, "labels": {**DEPLOYMENT_LABELS, **labels}}
+    return {"metadata": meta, "status": {"podIP": ip}}
+
+
 def test_network_policy_is_valid_and_owned_by_the_session_secret():
     options = o.PodOptions(allow_from=[{"ipBlock": {"cidr": "192.0.2.0/24"}}])
-    for policy in (make_policy(), make_policy(notebook_labels={"app": "jupyter", "user": "alice"}, options=options)):
+    selector = {n.POD_UID_LABEL: NOTEBOOK_POD["uid"]}
+    for policy in (make_policy(), make_policy(notebook_selector=selector, options=options)):
         assert_valid(policy)
         assert policy["metadata"]["ownerReferences"][0]["uid"] == SECRET_UID
         assert policy["metadata"]["labels"]["cmlcluster.io/session"] == SESSION
@@ -455,14 +465,19 @@ def test_network_policy_selects_the_sessions_pods_and_admits_them_and_the_notebo
     pod = make_pod()
     other_session = make_pod(make_spec(worker_id="ffffff-0"))
     other_session["metadata"]["labels"] = n.worker_labels("ffffff", "ffffff-0")
-    notebook = {"metadata": {"namespace": NAMESPACE, "labels": {"app": "jupyter", "user": "alice"}}}
+    uid = NOTEBOOK_POD["uid"]
+    notebook = notebook_pod("jupyter-alice-5d8f7c9b4-x2x9z", uid, "10.244.0.7", **{n.POD_UID_LABEL: uid})
+    # Another replica of the notebook's Deployment (every label the same but the one cmlcluster adds).
+    replica = notebook_pod("jupyter-alice-5d8f7c9b4-q8k2m", "3e0a", "10.244.0.8")
     colleague = {"metadata": {"namespace": NAMESPACE, "labels": {"app": "jupyter", "user": "bob"}}}
-    policy = make_policy(notebook_labels=notebook["metadata"]["labels"])
+    policy = make_policy(notebook_ips=["10.1.2.3", "10.244.0.7"], notebook_selector={n.POD_UID_LABEL: uid})
     namespaces = {NAMESPACE: {"kubernetes.io/metadata.name": NAMESPACE}}
     assert selects(policy, pod) and not selects(policy, other_session)
     assert admits(policy, namespaces, source_pod=pod)
     assert admits(policy, namespaces, source_pod=notebook)
+    assert admits(policy, namespaces, source_pod={**notebook, "status": {}})  # by its label alone (Cilium)
     assert admits(policy, namespaces, source_ip="10.1.2.3")
+    assert not admits(policy, namespaces, source_pod=replica)
     assert not admits(policy, namespaces, source_pod=other_session)
     assert not admits(policy, namespaces, source_pod=colleague)
     assert not admits(policy, namespaces, source_ip="10.1.2.4")
@@ -473,9 +488,119 @@ def test_network_policy_selects_the_sessions_pods_and_admits_them_and_the_notebo
 
 
 def test_a_notebook_pod_without_labels_never_opens_the_policy_to_every_pod():
-    peers = make_policy(notebook_labels={})["spec"]["ingress"][0]["from"]
+    peers = make_policy(notebook_selector={})["spec"]["ingress"][0]["from"]
     session_pods = {**n.session_labels(SESSION), "app.kubernetes.io/component": "worker"}
     assert [peer for peer in peers if "podSelector" in peer] == [{"podSelector": {"matchLabels": session_pods}}]
+
+
+class FakeCore:
+    """The CoreV1Api calls SessionObjects makes, on a namespace holding `pods` (dicts as the API has them)."""
+
+    def __init__(self, pods: list[dict], may_patch_pods: bool = True):
+        self.pods = {p["metadata"]["name"]: p for p in pods}
+        self.may_patch_pods = may_patch_pods
+        self.patched: list[tuple[str, dict]] = []
+
+    def read_namespaced_pod(self, name, namespace, **_):
+        from kubernetes.client import ApiClient
+
+        return ApiClient()._ApiClient__deserialize(self.pods[name], "V1Pod")
+
+    def patch_namespaced_pod(self, name, namespace, body, **_):
+        from kubernetes.client.rest import ApiException
+
+        if not self.may_patch_pods:
+            raise ApiException(status=403, reason="Forbidden")
+        self.patched.append((name, body))
+        self.pods[name]["metadata"]["labels"].update(body["metadata"]["labels"])
+
+    def patch_namespaced_secret(self, name, namespace, body, **_):
+        pass  # a worker's env= values
+
+    def create_namespaced_secret(self, namespace, body):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(metadata=SimpleNamespace(name=body["metadata"]["name"], uid=SECRET_UID))
+
+
+class FakeNetworking:
+    def __init__(self):
+        self.policies: list[dict] = []
+
+    def create_namespaced_network_policy(self, namespace, body):
+        self.policies.append(body)
+
+
+def session_policy(core: FakeCore, notebook: str, session: str = SESSION) -> dict:
+    """The NetworkPolicy a session in the notebook pod `notebook` makes with its first worker."""
+    from cmlcluster.backends.kubernetes.session_objects import SessionObjects
+
+    networking = FakeNetworking()
+    objects = SessionObjects(
+        lambda: core, lambda: networking, NAMESPACE, session, o.PodOptions(), notebook, lambda: "10.244.0.7"
+    )
+    objects.secret(CONNECTION, make_spec())
+    (policy,) = networking.policies
+    return policy
+
+
+def admitted(policy: dict, pod: dict) -> bool:
+    from kubestandin.netpol import admits
+
+    return admits(policy, {NAMESPACE: {}}, source_pod=pod)
+
+
+def test_the_notebook_pod_gets_a_label_of_its_own_and_its_replicas_are_not_admitted():
+    uid = NOTEBOOK_POD["uid"]
+    alice = notebook_pod("jupyter-alice-5d8f7c9b4-x2x9z", uid, "10.244.0.7")
+    replica = notebook_pod("jupyter-alice-5d8f7c9b4-q8k2m", "3e0a", "10.244.0.8")
+    core = FakeCore([alice, replica])
+    policy = session_policy(core, "jupyter-alice-5d8f7c9b4-x2x9z")
+    assert core.patched == [("jupyter-alice-5d8f7c9b4-x2x9z", {"metadata": {"labels": {n.POD_UID_LABEL: uid}}})]
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {n.POD_UID_LABEL: uid}}} in peers
+    assert {"ipBlock": {"cidr": "10.244.0.7/32"}} in peers
+    assert admitted(policy, core.pods["jupyter-alice-5d8f7c9b4-x2x9z"])
+    assert admitted(policy, {**core.pods["jupyter-alice-5d8f7c9b4-x2x9z"], "status": {}})  # by its label alone
+    assert not admitted(policy, replica) and not admitted(policy, {**replica, "status": {}})
+    # A second session in the same pod finds the label there already.
+    second = session_policy(core, "jupyter-alice-5d8f7c9b4-x2x9z", "b2c3d4")
+    assert second["spec"]["ingress"][0]["from"][1:] == peers[1:]
+    assert len(core.patched) == 1
+
+
+def test_a_statefulset_notebook_pod_is_selected_by_its_own_name_without_a_patch():
+    name = "jupyter-alice-0"
+    pod = notebook_pod(name, NOTEBOOK_POD["uid"], "10.244.0.7", **{n.STATEFULSET_POD_NAME_LABEL: name})
+    sibling = notebook_pod("jupyter-alice-1", "3e0a", "10.244.0.8", **{n.STATEFULSET_POD_NAME_LABEL: "jupyter-alice-1"})
+    core = FakeCore([pod, sibling], may_patch_pods=False)
+    policy = session_policy(core, name)
+    assert core.patched == []
+    assert {"podSelector": {"matchLabels": {n.STATEFULSET_POD_NAME_LABEL: name}}} in policy["spec"]["ingress"][0][
+        "from"
+    ]
+    assert admitted(policy, {**pod, "status": {}}) and not admitted(policy, sibling)
+
+
+def test_without_a_label_of_its_own_the_notebook_is_admitted_by_address_alone_with_one_warning(caplog):
+    from cmlcluster.backends.kubernetes import session_objects
+
+    session_objects._warned_unlabelled.discard("jupyter-carol-5d8f7c9b4-x2x9z")
+    carol = notebook_pod("jupyter-carol-5d8f7c9b4-x2x9z", NOTEBOOK_POD["uid"], "10.244.0.9")
+    replica = notebook_pod("jupyter-carol-5d8f7c9b4-q8k2m", "3e0a", "10.244.0.8")
+    core = FakeCore([carol, replica], may_patch_pods=False)
+    with caplog.at_level("WARNING", logger=session_objects.__name__):
+        first = session_policy(core, "jupyter-carol-5d8f7c9b4-x2x9z")
+        second = session_policy(core, "jupyter-carol-5d8f7c9b4-x2x9z", "b2c3d4")
+    peers = first["spec"]["ingress"][0]["from"]
+    assert [p for p in peers if "podSelector" in p and n.SESSION_LABEL not in p["podSelector"]["matchLabels"]] == []
+    assert {"ipBlock": {"cidr": "10.244.0.9/32"}} in peers and {"ipBlock": {"cidr": "10.244.0.7/32"}} in peers
+    assert admitted(first, carol) and not admitted(first, replica)
+    assert second["spec"]["ingress"][0]["from"][1:] == peers[1:]
+    warnings = [r.getMessage() for r in caplog.records if "has no label of its own" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, not once per session
+    assert "'jupyter-carol-5d8f7c9b4-x2x9z'" in warnings[0] and "kubectl auth can-i patch pods" in warnings[0]
+    assert "allow_from=" in warnings[0]
 
 
 def test_without_options_workers_get_no_api_token_and_no_extras():
@@ -595,3 +720,140 @@ def test_names_made_valid_stay_distinct():
     assert n.pod_name("x" * 70 + "1") != n.pod_name("x" * 70 + "2")
     assert n.label_value("y" * 70 + "1") != n.label_value("y" * 70 + "2")
     assert n.pod_name("Session-1") == n.pod_name("Session-1")  # and are the same every time
+
+
+# ---------------------------------------------------------------- the preflight asks for what the backend does
+
+# A client method's resource, as RBAC names it. A method on a kind not named here fails the test
+# below: say which resource it is (and add it to preflight.BACKEND_ACCESS).
+RESOURCES = {"pod": "pods", "secret": "secrets", "network_policy": "networkpolicies", "namespace": "namespaces"}
+RESOURCES |= {"node": "nodes"}
+NOT_RESOURCES = {"self_subject_access_review"}  # always allowed
+API_METHOD = re.compile(r"(create|read|list|patch|delete|replace|deletecollection)_(namespaced_)?([a-z_]+?)(_log)?")
+VERBS = {"read": "get", "replace": "update"}
+
+
+def backend_api_calls() -> set[tuple[str, str]]:
+    """(verb, resource) of every Kubernetes API call in the backend's package, read from its source:
+    each client method it names (core.read_namespaced_pod_log: get pods/log), and each watch of a
+    list method (Watch().stream(core.list_namespaced_pod): watch pods)."""
+    import ast
+    from pathlib import Path
+
+    from kubernetes import client
+
+    from cmlcluster.backends import kubernetes as package
+
+    trees = {path.name: ast.parse(path.read_text()) for path in Path(package.__file__).parent.glob("*.py")}
+    # Every method of the client's API classes the package names (client.CoreV1Api...): what a call may be.
+    classes = {
+        name
+        for tree in trees.values()
+        for node in ast.walk(tree)
+        for name in [getattr(node, "attr", None) or getattr(node, "id", None) or ""]
+        if name.endswith("Api") and hasattr(client, name)
+    }
+    assert {"CoreV1Api", "NetworkingV1Api", "AuthorizationV1Api"} <= classes
+    api_methods = {name for api in classes for name in vars(getattr(client, api)) if not name.startswith("_")}
+    calls, unknown = set(), set()
+    for filename, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "stream":
+                method = node.args[0] if node.args else None
+                if isinstance(method, ast.Attribute) and (match := API_METHOD.fullmatch(method.attr)):
+                    calls.add(("watch", RESOURCES.get(match[3], match[3])))
+            if not isinstance(node, ast.Attribute) or node.attr not in api_methods:
+                continue
+            if not (match := API_METHOD.fullmatch(node.attr)):
+                unknown.add(f"{filename}: {node.attr}")
+                continue
+            verb, kind, sub = VERBS.get(match[1], match[1]), match[3], match[4]
+            if kind in NOT_RESOURCES:
+                continue
+            if kind not in RESOURCES:
+                unknown.add(f"{filename}: {node.attr}")
+                continue
+            calls.add((verb, RESOURCES[kind] + ("/log" if sub else "")))
+    assert not unknown, f"API calls on kinds this test cannot name: {sorted(unknown)}"
+    return calls
+
+
+def test_the_preflights_list_is_exactly_what_the_backend_calls():
+    from cmlcluster.backends.kubernetes import preflight
+
+    listed = [(a.verb, a.resource) for a in preflight.BACKEND_ACCESS]
+    assert len(listed) == len(set(listed))  # each once
+    calls = backend_api_calls()
+    assert {("patch", "secrets"), ("list", "secrets"), ("watch", "pods"), ("get", "pods/log")} <= calls  # it reads
+    assert set(listed) == calls, f"called, not listed: {calls - set(listed)}; listed, not called: {set(listed) - calls}"
+    for access in preflight.BACKEND_ACCESS:
+        assert access.group == ("networking.k8s.io" if access.resource == "networkpolicies" else ""), access
+        assert access.why and access.when in (preflight.ALWAYS, preflight.WITH_POLICY, preflight.OPTIONAL)
+
+
+def _review_api(monkeypatch, denied: tuple[str, str] | None) -> list[tuple[str, str, str]]:
+    """kubernetes.client's CoreV1Api and AuthorizationV1Api as check_access uses them, on a namespace
+    where this user may do everything but `denied` (verb, resource[/subresource]). Returns the
+    reviews asked for, (verb, resource, group)."""
+    from types import SimpleNamespace
+
+    from kubernetes import client
+
+    asked: list[tuple[str, str, str]] = []
+
+    class Core:
+        def __init__(self, api):
+            pass
+
+        def read_namespace(self, name, **_):
+            return None
+
+    class Authorization:
+        def __init__(self, api):
+            pass
+
+        def create_self_subject_access_review(self, body, **_):
+            a = body.spec.resource_attributes
+            what = a.resource + (f"/{a.subresource}" if a.subresource else "")
+            asked.append((a.verb, what, a.group))
+            return SimpleNamespace(status=SimpleNamespace(allowed=(a.verb, what) != denied, reason="RBAC: no Role"))
+
+    monkeypatch.setattr(client, "CoreV1Api", Core)
+    monkeypatch.setattr(client, "AuthorizationV1Api", Authorization)
+    return asked
+
+
+def _check_access(network_policy: bool = True) -> None:
+    from types import SimpleNamespace
+
+    from cmlcluster.backends.kubernetes import preflight
+
+    api = SimpleNamespace(configuration=SimpleNamespace(host="https://k8s.example:6443"))
+    preflight.check_access(api, NAMESPACE, notebook_pod=None, image_pull_secrets=(), network_policy=network_policy)
+
+
+def _needed() -> list:
+    from cmlcluster.backends.kubernetes import preflight
+
+    return [a for a in preflight.BACKEND_ACCESS if a.when != preflight.OPTIONAL]
+
+
+@pytest.mark.parametrize("access", _needed(), ids=lambda a: f"{a.verb} {a.resource}")
+def test_each_thing_the_backend_does_is_checked_before_anything_starts(monkeypatch, access):
+    _review_api(monkeypatch, (access.verb, access.resource))
+    what = f"{access.resource}.{access.group}" if access.group else access.resource
+    with pytest.raises(ConfigError, match=rf"may not {access.verb} {re.escape(what)} in namespace 'ml-team'") as e:
+        _check_access()
+    assert f"kubectl auth can-i {access.verb} {what} -n ml-team" in str(e.value)
+    assert access.why in str(e.value)  # why the backend needs it
+
+
+def test_what_is_optional_or_off_is_not_asked_for(monkeypatch):
+    from cmlcluster.backends.kubernetes import preflight
+
+    asked = _review_api(monkeypatch, ("patch", "pods"))  # refused: the notebook is admitted by address
+    _check_access()
+    assert asked == [(a.verb, a.resource, a.group) for a in _needed()]
+    asked.clear()
+    _check_access(network_policy=False)
+    assert asked == [(a.verb, a.resource, a.group) for a in _needed() if a.when == preflight.ALWAYS]

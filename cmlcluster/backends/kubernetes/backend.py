@@ -61,8 +61,10 @@ class KubernetesBackend(Backend[PodHandle]):
         ephemeral_storage (local disk requested; default work_size): pods pass Pod Security
         "restricted" (see options.PodOptions).
     network_policy: a NetworkPolicy per session admitting to its pods only the session's own pods
-        and the notebook (its pod's labels in a cluster, and controller_ip); default True. Turn it
-        off where no network plugin enforces policies or the namespace's own policies decide.
+        and the notebook (controller_ip and its pod's address; in a cluster also its pod by a label
+        that pod alone has, cmlcluster.io/pod-uid, which the session adds where it may patch pods);
+        default True. Turn it off where no network plugin enforces policies or the namespace's
+        own policies decide.
     allow_from: NetworkPolicyPeer dicts also admitted, e.g. [{"ipBlock": {"cidr": "192.0.2.0/24"}}]
         where the notebook reaches the pods through a NAT or VPN that changes its address.
     wait_for_nodes: seconds a pod the scheduler cannot place may wait (for a cluster autoscaler to

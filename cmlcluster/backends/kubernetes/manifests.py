@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import posixpath
 from base64 import b64encode
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ... import checks
@@ -241,8 +241,8 @@ def network_policy(
     namespace: str,
     secret_name: str,
     secret_uid: str,
-    notebook_ip: str | None,
-    notebook_labels: Mapping[str, str] | None = None,
+    notebook_ips: Sequence[str] = (),
+    notebook_selector: Mapping[str, str] | None = None,
     options: PodOptions | None = None,
 ) -> dict[str, Any]:
     """The session's NetworkPolicy: connections to its worker pods only from its own pods (TF,
@@ -250,19 +250,21 @@ def network_policy(
     ssh, rendezvous), and from options.allow_from. Egress is left alone: workers connect out to
     the session's controller. Owned by the Secret, so it goes with the session.
 
-    The notebook is admitted by its address (notebook_ip, the controller's) and, when it runs in
-    a pod of this namespace, by that pod's labels (notebook_labels): some network plugins (Cilium)
-    match ipBlock only to addresses outside the cluster. A policy's podSelector peer without a
-    namespaceSelector means this namespace's pods only.
+    The notebook is admitted by its addresses (notebook_ips: the controller's, and its pod's) and,
+    when it runs in a pod of this namespace, by notebook_selector: labels that select that pod
+    alone (names.POD_UID_LABEL, or a StatefulSet pod's own name), never all of the pod's labels,
+    which every replica of its Deployment shares. Some network plugins (Cilium) match ipBlock
+    only to addresses outside the cluster, so the selector is what admits a notebook in a pod
+    there. A policy's podSelector peer without a namespaceSelector means this namespace's pods only.
     """
     options = options or PodOptions()
     pods = {"matchLabels": {**session_labels(session_id), COMPONENT_LABEL: "worker"}}
     peers: list[dict[str, Any]] = [{"podSelector": pods}]
-    if notebook_labels:  # never empty: an empty selector admits every pod of the namespace
-        peers.append({"podSelector": {"matchLabels": dict(notebook_labels)}})
-    if notebook_ip:
-        prefix = 128 if ":" in notebook_ip else 32
-        peers.append({"ipBlock": {"cidr": f"{notebook_ip}/{prefix}"}})
+    if notebook_selector:  # never empty: an empty selector admits every pod of the namespace
+        peers.append({"podSelector": {"matchLabels": dict(notebook_selector)}})
+    for ip in dict.fromkeys(notebook_ips):
+        prefix = 128 if ":" in ip else 32
+        peers.append({"ipBlock": {"cidr": f"{ip}/{prefix}"}})
     peers += [dict(peer) for peer in options.allow_from]
     return {
         "apiVersion": NETWORK_POLICY_API,

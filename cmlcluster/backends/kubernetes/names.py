@@ -17,6 +17,12 @@ from ...origin import Origin
 SESSION_LABEL = "cmlcluster.io/session"
 WORKER_LABEL = "cmlcluster.io/worker"
 COMPONENT_LABEL = "app.kubernetes.io/component"  # "session" (the Secret) or "worker" (a pod)
+# On the notebook's own pod, its uid: a label no other pod has (replicas of a Deployment share all
+# of theirs), that the session's NetworkPolicy admits the notebook by (network_policy). Added by
+# the session where this user may patch pods.
+POD_UID_LABEL = "cmlcluster.io/pod-uid"
+# A StatefulSet's pods carry their own name under this label: unique in the namespace already.
+STATEFULSET_POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGER = "cmlcluster"
 # Where the session runs, on its Secret: `cmlcluster cleanup` on that host ends sessions that are gone.

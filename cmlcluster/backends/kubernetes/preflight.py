@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError
@@ -15,20 +16,50 @@ from .manifests import GPU_RESOURCE
 from .pods import api_message, quantity_int
 
 IN_CLUSTER_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-# What the backend does to pods and Secrets, checked before anything starts (SelfSubjectAccessReview).
-NEEDED_ACCESS = (
-    ("create", "pods", ""),
-    ("get", "pods", ""),
-    ("list", "pods", ""),
-    ("watch", "pods", ""),
-    ("delete", "pods", ""),
-    ("get", "pods", "log"),
-    ("create", "secrets", ""),
-    ("delete", "secrets", ""),
-)
-# The session's NetworkPolicy (unless network_policy=False), in its API group.
 NETWORK_POLICY_GROUP = "networking.k8s.io"
-NETWORK_POLICY_ACCESS = (("create", "networkpolicies", ""), ("delete", "networkpolicies", ""))
+ALWAYS, WITH_POLICY, OPTIONAL = "always", "network_policy", "optional"
+
+
+@dataclass(frozen=True)
+class Access:
+    """One thing the backend asks the API to do in its namespace (a SelfSubjectAccessReview's terms)."""
+
+    verb: str
+    resource: str  # "pods", or "pods/log" for a subresource
+    why: str  # what the backend does with it, for the refusal
+    group: str = ""  # the API group: "" is the core one
+    when: str = ALWAYS  # ALWAYS checked; WITH_POLICY unless network_policy=False; OPTIONAL never (a 403 is handled)
+
+
+# Every call the backend makes to the API, once each (tests/unit/test_kubernetes_manifests.py reads
+# the package's calls and checks that this list and they say the same). check_access asks for all
+# but the OPTIONAL ones before anything starts.
+BACKEND_ACCESS = (
+    Access("create", "pods", "start workers"),
+    Access("get", "pods", "read the notebook's own pod, which owns the session's Secret"),
+    Access("list", "pods", "find the session's pods again after a watch ends, and a gone session's in cleanup"),
+    Access("watch", "pods", "follow the session's pods"),
+    Access("delete", "pods", "stop workers"),
+    Access("get", "pods/log", "quote a failed worker's last lines"),
+    Access("create", "secrets", "hold the session's connection info and env= values"),
+    Access("patch", "secrets", "add each worker's env= values to the session's Secret"),
+    Access("delete", "secrets", "remove the session's Secret when it ends"),
+    Access("list", "secrets", "let `cmlcluster cleanup` find the Secrets of sessions that are gone"),
+    Access("create", "networkpolicies", "admit only the session to its pods", NETWORK_POLICY_GROUP, WITH_POLICY),
+    Access("delete", "networkpolicies", "remove the session's NetworkPolicy", NETWORK_POLICY_GROUP, WITH_POLICY),
+    Access("list", "networkpolicies", "let `cmlcluster cleanup` find them", NETWORK_POLICY_GROUP, WITH_POLICY),
+    # Handled when refused: the notebook is then admitted by its address alone (with a warning).
+    Access("patch", "pods", "label the notebook's own pod for the NetworkPolicy", when=OPTIONAL),
+    Access("get", "secrets", "check that image_pull_secrets exist", when=OPTIONAL),  # the kubelet says
+    Access("get", "namespaces", "check that the namespace exists", when=OPTIONAL),  # the reviews say
+    Access("list", "nodes", "check that a node has the GPUs asked for", when=OPTIONAL),  # the scheduler says
+)
+
+
+def needed_access(network_policy: bool) -> list[Access]:
+    """What check_access asks for: every ALWAYS entry, and the WITH_POLICY ones with network_policy."""
+    wanted = {ALWAYS, WITH_POLICY} if network_policy else {ALWAYS}
+    return [access for access in BACKEND_ACCESS if access.when in wanted]
 
 
 def load_configuration(configuration: Any) -> tuple[Any, bool]:
@@ -88,8 +119,8 @@ def check_access(
     network_policy: bool = True,
 ) -> None:
     """That the API at `api` (an ApiClient) answers, `namespace` exists, this user may do what the
-    backend does there (NEEDED_ACCESS, and NETWORK_POLICY_ACCESS with network_policy), and the
-    named notebook pod and pull Secrets exist."""
+    backend does there (needed_access: BACKEND_ACCESS but what is optional), and the named
+    notebook pod and pull Secrets exist."""
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
@@ -111,30 +142,33 @@ def check_access(
             "context (kubectl cluster-info)"
         ) from None
     review = client.AuthorizationV1Api(api)
-    needed = [(access, "") for access in NEEDED_ACCESS]
-    if network_policy:
-        needed += [(access, NETWORK_POLICY_GROUP) for access in NETWORK_POLICY_ACCESS]
-    for (verb, resource, subresource), group in needed:
+    for access in needed_access(network_policy):
+        resource, _, subresource = access.resource.partition("/")
         body = client.V1SelfSubjectAccessReview(
             spec=client.V1SelfSubjectAccessReviewSpec(
                 resource_attributes=client.V1ResourceAttributes(
-                    namespace=namespace, verb=verb, resource=resource, subresource=subresource or None, group=group
+                    namespace=namespace,
+                    verb=access.verb,
+                    resource=resource,
+                    subresource=subresource or None,
+                    group=access.group,
                 )
             )
         )
         try:
             answer = review.create_self_subject_access_review(body, _request_timeout=10)
         except ApiException as e:
-            raise unexpected(f"asking whether this user may {verb} {resource}", e) from None
+            raise unexpected(f"asking whether this user may {access.verb} {access.resource}", e) from None
         verdict = answer.status
         if verdict is None or not verdict.allowed:
-            what = f"{resource}/{subresource}" if subresource else resource
             why = f": {verdict.reason}" if verdict is not None and verdict.reason else ""
-            hint = "; or pass network_policy=False where the namespace's own policies isolate it" if group else ""
-            what = f"{what}.{group}" if group else what
+            policy = access.when == WITH_POLICY
+            hint = "; or pass network_policy=False where the namespace's own policies isolate it" if policy else ""
+            what = f"{access.resource}.{access.group}" if access.group else access.resource
             raise ConfigError(
-                f"this Kubernetes user may not {verb} {what} in namespace {namespace!r}{why}; ask the "
-                f"cluster's admin for a Role that allows it (kubectl auth can-i {verb} {what} -n {namespace}){hint}"
+                f"this Kubernetes user may not {access.verb} {what} in namespace {namespace!r}{why} (the backend does, "
+                f"to {access.why}); ask the cluster's admin for a Role that allows it (kubectl auth can-i "
+                f"{access.verb} {what} -n {namespace}){hint}"
             )
     if notebook_pod:
         try:

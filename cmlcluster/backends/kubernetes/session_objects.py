@@ -3,8 +3,9 @@
 The Secret carries the controller's connection info and the workers' env= values, and owns every
 worker pod (the garbage collector removes what a dead session left once it goes; it is owned in
 turn by the notebook's pod when the notebook runs in the cluster). The NetworkPolicy admits to the
-session's pods only its own pods and the notebook. Both are made with the first pod, before it,
-so that no pod is ever unprotected, and deleted when the session closes.
+session's pods only its own pods and the notebook: its addresses, and its pod by a label that pod
+alone has (names.POD_UID_LABEL, put there by the session where it may patch pods). Both are made
+with the first pod, before it, so that no pod is ever unprotected, and deleted when the session closes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .pods import api_message
 MERGE_PATCH = "application/merge-patch+json"  # adds keys to a Secret, leaving the others as they are
 
 log = logging.getLogger(__name__)
+_warned_unlabelled: set[str] = set()  # notebook pods warned about already (no label of their own): once each
 
 
 class SessionObjects:
@@ -76,13 +78,14 @@ class SessionObjects:
     def _create_policy(self, secret: dict[str, Any], notebook: dict[str, Any] | None) -> None:
         from kubernetes.client.rest import ApiException
 
+        ips = [self._controller_ip()] + ([notebook["ip"]] if notebook is not None and notebook["ip"] else [])
         body = manifests.network_policy(
             self.session_id,
             namespace=self.namespace,
             secret_name=secret["name"],
             secret_uid=secret["uid"],
-            notebook_ip=self._controller_ip(),
-            notebook_labels=None if notebook is None else notebook["labels"],
+            notebook_ips=ips,
+            notebook_selector=None if notebook is None else self._notebook_selector(notebook, ips),
             options=self.options,
         )
         try:
@@ -94,9 +97,44 @@ class SessionObjects:
             ) from e
         self._policy = body["metadata"]["name"]
 
+    def _notebook_selector(self, notebook: dict[str, Any], ips: list[str]) -> dict[str, str] | None:
+        """Labels that select the notebook's pod and no other, for the NetworkPolicy to admit it by:
+        a StatefulSet pod's own name, else its uid under names.POD_UID_LABEL (added here, where this
+        user may patch pods). Never all of its labels: every replica of its Deployment has them
+        too. None (and a warning, once per pod) when there is none: the policy then admits the
+        notebook by its address alone, which some network plugins do not match for pods."""
+        from kubernetes.client.rest import ApiException
+
+        name, uid, labels = notebook["name"], notebook["uid"], notebook["labels"]
+        if labels.get(names.STATEFULSET_POD_NAME_LABEL) == name:
+            return {names.STATEFULSET_POD_NAME_LABEL: name}
+        if labels.get(names.POD_UID_LABEL) != uid:
+            patch = {"metadata": {"labels": {names.POD_UID_LABEL: uid}}}
+            try:
+                self._core().patch_namespaced_pod(
+                    name, self.namespace, patch, _content_type=MERGE_PATCH, _request_timeout=10
+                )
+            except ApiException as e:
+                if name not in _warned_unlabelled:
+                    _warned_unlabelled.add(name)
+                    log.warning(
+                        "cmlcluster: this notebook's pod %r has no label of its own (every replica of its Deployment "
+                        "has the same ones) and could not be given one (%s: %s): the session's NetworkPolicy admits "
+                        "it by its address alone (%s), which some network plugins (Cilium) do not match for pods. "
+                        "Let this user patch pods (kubectl auth can-i patch pods -n %s), or admit the notebook with "
+                        "allow_from=",
+                        name,
+                        e.status,
+                        e.reason,
+                        ", ".join(ips),
+                        self.namespace,
+                    )
+                return None
+        return {names.POD_UID_LABEL: uid}
+
     def _notebook_pod(self) -> dict[str, Any] | None:
-        """{"name", "uid", "labels"} of the pod this notebook runs in, to own the session's Secret
-        and be let in by its NetworkPolicy; None outside one."""
+        """{"name", "uid", "labels", "ip"} of the pod this notebook runs in, to own the session's
+        Secret and be let in by its NetworkPolicy; None outside one."""
         if not self._notebook_pod_name:
             return None
         from kubernetes.client.rest import ApiException
@@ -110,7 +148,12 @@ class SessionObjects:
                 e.reason,
             )
             return None
-        return {"name": pod.metadata.name, "uid": pod.metadata.uid, "labels": dict(pod.metadata.labels or {})}
+        return {
+            "name": pod.metadata.name,
+            "uid": pod.metadata.uid,
+            "labels": dict(pod.metadata.labels or {}),
+            "ip": (pod.status.pod_ip if pod.status is not None else None) or "",
+        }
 
     def delete(self) -> None:
         """Delete the NetworkPolicy, then the Secret, and with it (the garbage collector) any pod left."""
