@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import checks
 from ..errors import ConfigError
+from . import rendezvous
 
 DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")  # what torch.distributed.init_process_group accepts
 DEFAULT_JOIN_TIMEOUT = 120  # seconds for every node to reach the rendezvous
@@ -91,7 +92,6 @@ def elastic_torchrun_args(
     nnodes: int,
     nproc_per_node: int,
     endpoint: str,
-    run_id: str,
     local_addr: str,
     max_restarts: int,
     join_timeout: float,
@@ -104,7 +104,10 @@ def elastic_torchrun_args(
     node leaves it. Always nnodes nodes (N:N): the run waits for a lost node's replacement rather
     than going on smaller, so the world size, and the loss, are those of an undisturbed run. Each
     node restarts its processes up to max_restarts times (once per lost peer). local_addr is the
-    address peers dial (the process group's MASTER_ADDR when this node is rank 0's).
+    address peers dial (the process group's MASTER_ADDR when this node is rank 0's). The run id and
+    the run's signing key are not here: they go in the environment (elastic_env), where no other user
+    of the host reads them, as every process's command line is read (ps). The backend is torch's c10d
+    one with its state signed (rendezvous.py).
     """
     conf = {
         "is_host": "false",
@@ -115,9 +118,8 @@ def elastic_torchrun_args(
     return [
         "--nnodes", f"{nnodes}:{nnodes}",
         "--nproc-per-node", str(nproc_per_node),
-        "--rdzv-backend", "c10d",
+        "--rdzv-backend", rendezvous.BACKEND,
         "--rdzv-endpoint", endpoint,
-        "--rdzv-id", run_id,
         "--rdzv-conf", ",".join(f"{key}={value}" for key, value in conf.items()),
         "--max-restarts", str(max_restarts),
         "--local-addr", local_addr,
@@ -125,6 +127,12 @@ def elastic_torchrun_args(
         "--log-dir", log_dir,
         *entry,
     ]  # fmt: skip
+
+
+def elastic_env(run_id: str, key: str) -> dict[str, str]:
+    """The environment that carries an elastic node's secrets to torchrun: its run id (torchrun's own
+    PET_RDZV_ID, for --rdzv-id) and the key that signs the rendezvous state (hex)."""
+    return {rendezvous.RUN_ID_ENV: run_id, rendezvous.KEY_ENV: key}
 
 
 class TeedLines:

@@ -9,7 +9,8 @@ Python traceback. Given HOST:PORT (on every node but node 0 of a static run), it
 until the rendezvous there accepts connections, after importing torch, so that the wait and the
 import overlap; one it cannot reach within TIMEOUT seconds is written to REPORT as {"error": ...}.
 Node 0 of a static run hosts the rendezvous store, on its master address only (store.py); an
-elastic run's is the session's.
+elastic run's is the session's, and its state is signed with the run's key (rendezvous.py), which this
+process takes out of its environment before torchrun starts any process.
 """
 
 from __future__ import annotations
@@ -46,22 +47,27 @@ def failures_of(error: Any) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> None:
     split = argv.index("--")
-    report, rendezvous, arguments = argv[0], argv[1:split], argv[split + 1 :]
+    report, wait_for, arguments = argv[0], argv[1:split], argv[split + 1 :]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     from cmlcluster.ports import wait_until_accepting
+    from cmlcluster.pytorch import rendezvous
     from cmlcluster.pytorch.store import listening_store
 
-    if rendezvous:
-        host, _, port = rendezvous[0].rpartition(":")
+    key = rendezvous.take_key()  # out of the environment that the ranks inherit
+    if key is not None:
+        rendezvous.register(key)
+    if wait_for:
+        host, _, port = wait_for[0].rpartition(":")
         try:
-            wait_until_accepting(host, int(port), float(rendezvous[1]))
+            wait_until_accepting(host, int(port), float(wait_for[1]))
         except TimeoutError as e:
             _write(report, {"error": f"the rendezvous was not reached: {e}"})
             sys.exit(1)
     os.environ["CMLCLUSTER_TORCHRUN_PID"] = str(os.getpid())  # each process dies with this one (rank.py)
     args = parse_args(arguments)
+    os.environ.pop(rendezvous.RUN_ID_ENV, None)  # read (args.rdzv_id); the ranks have TORCHELASTIC_RUN_ID
     static_host = args.rdzv_backend == "static" and args.node_rank == 0
     store = listening_store(args.master_addr, args.master_port) if static_host else None
     try:

@@ -36,7 +36,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     not reached), "value" (rank 0's, pickled)}.
 
     plan: nnodes, nproc_per_node, join_timeout, threads, dist_backend, rank0_only; either node_rank,
-    master_addr and master_port (static), or endpoint, run_id, local_addr and max_restarts (elastic);
+    master_addr and master_port (static), or endpoint, run_id, rdzv_key, local_addr and max_restarts (elastic);
     and either script and args, or call (a pickled (fn, args, kwargs)).
     """
     if importlib.util.find_spec("torch") is None:
@@ -65,6 +65,9 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             # Each round's process-group store at that round's rank 0, not at the first round's
             # (a node that may be gone): pytorch/pytorch#135712, #167302.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            # The run id and the state's signing key: in torchrun's environment, readable by this user
+            # alone, never on a command line (launch.py takes the key out before the ranks start).
+            env.update(commands.elastic_env(plan["run_id"], plan["rdzv_key"]))
         torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *_torchrun_args(plan, folder, entry)]
         process = subprocess.Popen(
             [sys.executable, _lifeline.__file__, "--", *torchrun],
@@ -108,7 +111,6 @@ def _torchrun_args(plan: dict[str, Any], folder: str, entry: list[str]) -> list[
                 nnodes=plan["nnodes"],
                 nproc_per_node=plan["nproc_per_node"],
                 endpoint=plan["endpoint"],
-                run_id=plan["run_id"],
                 local_addr=plan["local_addr"],
                 max_restarts=plan["max_restarts"],
                 join_timeout=plan["join_timeout"],

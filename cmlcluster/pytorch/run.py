@@ -28,10 +28,10 @@ import os
 import pickle
 import queue
 import re
+import secrets
 import sys
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -335,7 +335,14 @@ def _run_job(
             # Where workers reach the session (known once its first workers run): no worker's loss ends it.
             store = SessionStore(session.controller_ip)
             result.master = store.endpoint
-            plan = {**plan, "endpoint": store.endpoint, "run_id": f"cmlcluster-{uuid.uuid4().hex[:12]}"}
+            # The run id (128 random bits) and the key that signs the rendezvous state travel in the plan,
+            # over the encrypted control plane, to each node's environment (node.py): never a command line.
+            plan = {
+                **plan,
+                "endpoint": store.endpoint,
+                "run_id": f"cmlcluster-{secrets.token_hex(16)}",
+                "rdzv_key": secrets.token_hex(32),
+            }
             for member in list(job.members):  # a replacement that came meanwhile is started once
                 run.start(member, {**plan, "local_addr": member.address})
         else:
