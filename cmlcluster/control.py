@@ -18,13 +18,13 @@ import json
 import math
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import ipyparallel_internals
 from ._controller import LISTENING_FILE
+from ._proc import python_module
 from .connection import CLIENT_CHANNELS, CLIENT_IP, ENGINE_CHANNELS, Keys, connection_files, write_private
 from .errors import ControllerError
 from .lines import OutputRelay
@@ -158,9 +158,7 @@ class IPyParallelControl(ControlPlane):
         write_private(self._client_file, client)
         self._connection = json.dumps(engine)
         argv = [
-            sys.executable,
-            "-m",
-            "cmlcluster._controller",
+            *python_module("cmlcluster._controller"),  # the notebook's folder not on its sys.path
             f"--profile-dir={profile_dir}",
             "--IPController.reuse_files=True",
             # As in the files; the hub reads its registration addresses from these (a second

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .._aio import settle_on_this_thread
+from .._proc import python_module
 from ..errors import BackendError
 from ..logfile import CappedLog
 from ..resources import GpuPool, visible_gpus
@@ -154,7 +155,7 @@ class DockerBackend(Backend[DockerHandle]):
         if self.network is None:
             # First the reaper, which removes what the session made should its process die unclosed.
             self._reaper = subprocess.Popen(
-                [sys.executable, "-m", "cmlcluster.backends.docker_reaper", context.session_id],
+                python_module("cmlcluster.backends.docker_reaper", context.session_id),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C to the notebook's process group is not its end

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from .. import _lifeline
+from .._proc import python_module
 
 START_TIMEOUT = 60.0  # seconds for torch's import and the store's start
 STOP_WAIT = 10.0
@@ -60,7 +61,7 @@ class SessionStore:
         self.address = address
         self._log = tempfile.TemporaryFile()  # what it says when it fails to start
         self._process = subprocess.Popen(
-            [sys.executable, "-m", __name__, address],
+            python_module(__name__, address),  # the notebook's folder not on its sys.path
             stdin=subprocess.PIPE,  # the lifeline: this process holds its only write end
             stdout=subprocess.PIPE,
             stderr=self._log,
