@@ -2,17 +2,21 @@
 
 It is launched in a process group of its own under a lifeline (_lifeline.py), so that
 the group is killed when this process ends, however it ends; it listens on 127.0.0.1
-only; it counts as ready once its log says it holds the port and it answers HTTP; it
-is ended by TERM to the lifeline, then KILL to what is left of the group. The helpers
-here also pick ports and quote its log in errors.
+only, under a path of a random token (--path_prefix, read from a 0600 flag file, never
+from its command line, which every user may read); it counts as ready once its log says
+it holds the port and it answers HTTP there; it is ended by TERM to the lifeline, then
+KILL to what is left of the group. The helpers here also pick ports and quote its log in
+errors.
 """
 
 from __future__ import annotations
 
 import http.client
+import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 
 from . import _lifeline, _proc
 from ._proc import descendants
@@ -23,20 +27,34 @@ STOP_GRACE = 5.0  # seconds between TERM and KILL
 LOG_LINES = 20  # quoted in errors
 
 # TensorBoard prints these (tensorboard/program.py); the first only once it holds the port.
-SERVING = "at http://{host}:{port}/"
+SERVING = "at http://{host}:{port}{prefix}/"
 PORT_IN_USE = "could not bind to port"
 
 
-def launch(logdir: str, port: int, log_fd: int) -> subprocess.Popen[bytes]:
-    """TensorBoard on `logdir` at HOST:port, its output into log_fd; the process returned is its lifeline."""
+def new_prefix() -> str:
+    """A path that TensorBoard serves under, and nothing else: who does not know it gets 404 (128 random bits)."""
+    return "/" + secrets.token_urlsafe(16)
+
+
+def write_flags(directory: str | None, prefix: str) -> str:
+    """A new flag file (0600, in `directory` or the temp folder) that gives TensorBoard its path prefix
+    (absl reads `--flagfile` as TensorBoard starts); its path."""
+    fd, path = tempfile.mkstemp(prefix="cmlcluster-tensorboard-", suffix=".flags", dir=directory)
+    with open(fd, "w") as f:
+        f.write(f"--path_prefix={prefix}\n")
+    return path
+
+
+def launch(logdir: str, port: int, log_fd: int, flagfile: str) -> subprocess.Popen[bytes]:
+    """TensorBoard on `logdir` at HOST:port, with the flags in `flagfile` (write_flags), its output into
+    log_fd; the process returned is its lifeline."""
     argv = [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
+        *_proc.python_module("tensorboard.main"),  # the notebook's folder not on its sys.path
         f"--logdir={logdir}",
         f"--host={HOST}",
         f"--port={port}",
         f"--reload_interval={RELOAD_INTERVAL}",
+        f"--flagfile={flagfile}",
     ]
     # Its own process group under a lifeline: stdin is a pipe whose only write end
     # this process holds (non-inheritable), so when this process ends, the group is killed.
@@ -88,11 +106,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def answers(port: int, timeout: float) -> bool:
-    """GET / on 127.0.0.1:port returns 200 and a TensorBoard page (http.client: no proxy from the environment)."""
+def answers(port: int, timeout: float, prefix: str = "") -> bool:
+    """GET prefix/ on 127.0.0.1:port returns 200 and a TensorBoard page (http.client: no proxy from the environment)."""
     connection = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
-        connection.request("GET", "/")
+        connection.request("GET", prefix + "/")
         response = connection.getresponse()
         return response.status == 200 and b"tensorboard" in response.read().lower()
     except (OSError, http.client.HTTPException):

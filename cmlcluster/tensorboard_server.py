@@ -7,6 +7,12 @@ notebook as a link.
 - It listens on 127.0.0.1 only (never ``--bind_all``): whoever reaches it can
   read every log under `logdir`, so it is reached through this machine, or
   through the notebook server's jupyter-server-proxy (see `browser_url`).
+- It serves only under a path of a random token, new at each start
+  (``http://127.0.0.1:PORT/TOKEN/``): every user of this machine reaches
+  127.0.0.1, and without the token gets 404. A link shown before a stop leads
+  nowhere after it, whatever binds the port next (another TensorBoard has
+  another token). The token reaches TensorBoard in a 0600 flag file, removed
+  once it answers, never on its command line.
 - It runs in a process group of its own under a lifeline (_lifeline.py): when
   this process ends, however it ends (kill -9 included), the group is killed.
 - Its output goes to a log file, never to the notebook: in `session_dir` when
@@ -46,9 +52,11 @@ from .tensorboard_process import (
     free_port,
     hint,
     launch,
+    new_prefix,
     port_free,
     quote_log,
     read_from,
+    write_flags,
 )
 
 __all__ = ["DEFAULT_PORT", "TensorBoard"]
@@ -63,16 +71,26 @@ _atexit_registered = False
 
 
 class TensorBoard:
-    """A TensorBoard server on `logdir`, reached at `url` (http://127.0.0.1:PORT/).
+    """A TensorBoard server on `logdir`, reached at `url` (http://127.0.0.1:PORT/TOKEN/).
 
     Made by `TensorBoard.start`, never directly. `poll()` is None while the server
     runs and its exit code after (the lifeline's: 0 after a clean TERM, -9 after a
     KILL); `stop()` is idempotent.
     """
 
-    def __init__(self, *, logdir: str, port: int, process: subprocess.Popen[bytes], log_path: str, own_log: bool):
+    def __init__(
+        self,
+        *,
+        logdir: str,
+        port: int,
+        process: subprocess.Popen[bytes],
+        log_path: str,
+        own_log: bool,
+        prefix: str = "",
+    ):
         self._logdir = logdir
         self._port = port
+        self._prefix = prefix  # the path it serves under: "/" and the token
         self._process = process  # the lifeline; its pid is the process group's id
         self._log_path = log_path
         self._own_log = own_log  # a private temp file: removed by stop()
@@ -128,9 +146,12 @@ class TensorBoard:
         else:
             # The cmlcluster- prefix puts it among the temp folders the test suite checks for leaks.
             fd, log_path = tempfile.mkstemp(prefix="cmlcluster-tensorboard-", suffix=".log")
+        prefix = new_prefix()
+        flagfile = ""
         deadline = time.monotonic() + timeout
         chosen = port
         try:
+            flagfile = write_flags(session_dir, prefix)
             for attempt in range(1, BIND_ATTEMPTS + 1):
                 if chosen is None:
                     chosen = DEFAULT_PORT if attempt == 1 and port_free(DEFAULT_PORT) else free_port()
@@ -138,9 +159,10 @@ class TensorBoard:
                 board = cls(
                     logdir=logdir,
                     port=chosen,
-                    process=launch(logdir, chosen, fd),
+                    process=launch(logdir, chosen, fd, flagfile),
                     log_path=log_path,
                     own_log=session_dir is None,
+                    prefix=prefix,
                 )
                 _keep(board)
                 try:
@@ -168,6 +190,9 @@ class TensorBoard:
             raise
         finally:
             os.close(fd)
+            if flagfile:  # read as TensorBoard started: it answers, or is gone
+                with contextlib.suppress(OSError):
+                    os.remove(flagfile)
 
     def _wait_ready(self, deadline: float, log_from: int) -> bool:
         """True once TensorBoard holds the port and answers GET / (False: the port was taken first).
@@ -176,7 +201,7 @@ class TensorBoard:
         server answering on a port it failed to bind (a TensorBoard started at the
         same moment, both finding 6006 free) must not pass for it.
         """
-        serving = SERVING.format(host=HOST, port=self._port)
+        serving = SERVING.format(host=HOST, port=self._port, prefix=self._prefix)
         while True:
             code = self._process.poll()
             text = read_from(self._log_path, log_from)
@@ -188,7 +213,8 @@ class TensorBoard:
                     + quote_log(self._log_path, log_from, shown=not self._own_log)
                     + hint(text)
                 )
-            if serving in text and answers(self._port, timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            wait = max(0.1, min(2.0, deadline - time.monotonic()))
+            if serving in text and answers(self._port, timeout=wait, prefix=self._prefix):
                 self._pid = child_pid(self._process.pid) or self._process.pid
                 return True
             if time.monotonic() > deadline:
@@ -203,8 +229,8 @@ class TensorBoard:
 
     @property
     def url(self) -> str:
-        """http://127.0.0.1:PORT/: reachable from this machine only."""
-        return f"http://{HOST}:{self._port}/"
+        """http://127.0.0.1:PORT/TOKEN/: reachable from this machine only, by whoever knows the token."""
+        return f"http://{HOST}:{self._port}{self._prefix}/"
 
     @property
     def port(self) -> int:
@@ -230,21 +256,22 @@ class TensorBoard:
         """The URL a browser opens: through the notebook server when it can proxy, else `url`.
 
         - $TENSORBOARD_PROXY_URL, TensorBoard's own setting (its %PORT% replaced),
-          as Jupyter's docker-stacks images set it;
-        - else, where jupyter-server-proxy is installed, ``{prefix}proxy/{port}/``
+          as Jupyter's docker-stacks images set it, then the token;
+        - else, where jupyter-server-proxy is installed, ``{prefix}proxy/{port}/{token}/``
           with the prefix from $JUPYTERHUB_SERVICE_PREFIX ("/" without JupyterHub).
-          That form strips the prefix before TensorBoard sees the request, and
-          TensorBoard's page loads everything by relative URL, so it works with no
-          --path_prefix; the trailing slash is needed for those relative URLs.
+          That form strips ``{prefix}proxy/{port}`` before TensorBoard sees the
+          request, which then begins with the token TensorBoard serves under; its
+          page loads everything by relative URL, and the trailing slash is needed
+          for those.
         """
         template = os.environ.get("TENSORBOARD_PROXY_URL")
         if template:
-            return template.replace("%PORT%", str(self._port))
+            return template.replace("%PORT%", str(self._port)).rstrip("/") + self._prefix + "/"
         if importlib.util.find_spec("jupyter_server_proxy") is not None:
             prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX") or "/"
             if not prefix.endswith("/"):
                 prefix += "/"
-            return f"{prefix}proxy/{self._port}/"
+            return f"{prefix}proxy/{self._port}{self._prefix}/"
         return self.url
 
     # ------------------------------------------------------------- lifecycle

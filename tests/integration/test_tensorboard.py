@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import psutil
@@ -32,6 +34,20 @@ def get(url: str, timeout: float = 10) -> tuple[int, bytes]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through $http_proxy
     with opener.open(url, timeout=timeout) as response:
         return response.status, response.read()
+
+
+def status_of(url: str) -> int:
+    """The HTTP status `url` answers with (an error status included)."""
+    try:
+        return get(url)[0]
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def token_of(board: TensorBoard) -> str:
+    match = re.fullmatch(rf"http://127\.0\.0\.1:{board.port}/([A-Za-z0-9_-]{{22}})/", board.url)
+    assert match, board.url
+    return match.group(1)
 
 
 def refused(host: str, port: int) -> bool:
@@ -92,7 +108,7 @@ def board(tmp_path_factory):
 
 def test_it_answers_http_on_127_0_0_1_with_its_logdir(board):
     print(f"TensorBoard answered {board.startup_seconds:.1f} s after start()")
-    assert board.url == f"http://127.0.0.1:{board.port}/"
+    assert board.url == f"http://127.0.0.1:{board.port}/{token_of(board)}/"
     status, page = get(board.url)
     assert status == 200
     assert b"tb-relative-root" in page  # TensorBoard's index page, which loads everything by relative URL
@@ -100,7 +116,7 @@ def test_it_answers_http_on_127_0_0_1_with_its_logdir(board):
     assert json.loads(environment)["data_location"] == board.logdir
     assert board.logdir.endswith("not-written-yet") and os.path.isabs(board.logdir)
     assert not os.path.exists(board.logdir)  # not created: TensorBoard shows it once training writes it
-    assert psutil.Process(board.pid).cmdline()[1:3] == ["-m", "tensorboard.main"]
+    assert "tensorboard.main" in psutil.Process(board.pid).cmdline()
     assert board.poll() is None
     assert "running" in repr(board) and board.url in repr(board)
 
@@ -122,6 +138,17 @@ def test_it_is_not_reachable_on_the_machines_other_addresses(board):
     if socket.has_ipv6:  # ...and not on IPv6 loopback either
         with pytest.raises(OSError):
             socket.create_connection(("::1", board.port), timeout=3).close()
+
+
+def test_without_its_token_every_request_is_refused_and_no_command_line_holds_the_token(board):
+    root = f"http://127.0.0.1:{board.port}"
+    wrong = "x" * 22
+    for path in ("/", "/data/environment", "/data/runs", f"/{wrong}/", f"/{wrong}/data/environment"):
+        assert status_of(root + path) == 404, path
+    assert status_of(board.url) == status_of(board.url + "data/environment") == 200
+    group = group_members(os.getpgid(board.pid))
+    assert group and not [pid for pid in group if token_of(board) in command_line(psutil.Process(pid))]
+    assert not [name for name in os.listdir(os.path.dirname(board.log_path)) if name.endswith(".flags")]
 
 
 def test_its_log_is_a_file_in_the_session_folder_not_the_notebook(board, capfd):
@@ -149,12 +176,13 @@ def test_the_notebook_link_goes_through_jupyter_server_proxy_when_there_is_one(b
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "jupyter_server_proxy" else None
     )
-    assert board.browser_url == f"/proxy/{board.port}/"
+    token = token_of(board)
+    assert board.browser_url == f"/proxy/{board.port}/{token}/"
     monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/alice/")
-    assert board.browser_url == f"/user/alice/proxy/{board.port}/"
-    assert f'href="/user/alice/proxy/{board.port}/"' in board._repr_html_()
+    assert board.browser_url == f"/user/alice/proxy/{board.port}/{token}/"
+    assert f'href="/user/alice/proxy/{board.port}/{token}/"' in board._repr_html_()
     monkeypatch.setenv("TENSORBOARD_PROXY_URL", "/lab/proxy/%PORT%/")  # TensorBoard's own setting wins
-    assert board.browser_url == f"/lab/proxy/{board.port}/"
+    assert board.browser_url == f"/lab/proxy/{board.port}/{token}/"
 
 
 def test_stop_ends_its_process_group_closes_the_port_and_removes_its_temp_log(tmp_path, wait_gone):
@@ -173,6 +201,10 @@ def test_stop_ends_its_process_group_closes_the_port_and_removes_its_temp_log(tm
     assert tb.poll() == 0  # the lifeline passed TERM on and TensorBoard exited cleanly
     tb.stop()  # idempotent
     assert "stopped" in repr(tb) and "stopped" in tb._repr_html_()
+    # A TensorBoard started next on the same port has another token: the old link leads nowhere.
+    with TensorBoard.start(str(tmp_path / "logs"), port=port) as again:
+        assert again.url != tb.url
+        assert status_of(tb.url) == 404 and status_of(again.url) == 200
 
 
 def test_it_takes_another_free_port_when_6006_is_taken(tmp_path):
