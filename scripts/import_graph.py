@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "horovod.commands",
             "pytorch.commands",
             "pytorch.store",  # torch's TCPStore on one address: in workers, and as the session's process
+            "pytorch.rendezvous",  # torchrun's c10d rendezvous with signed state: in each node's torchrun
             "tensorflow.layout",
             "tensorflow.versions",
             "tensorflow.coordinator",
