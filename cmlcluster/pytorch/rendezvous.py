@@ -95,17 +95,16 @@ def signed_backend(store: Any, run_id: str, key: bytes) -> Any:
                 if state is not None:
                     self._last_signed = value
                     return state, value
-                log.warning(
-                    "cmlcluster: the rendezvous store held a value this run did not sign (%d bytes under %s): "
-                    "someone else reached the store. It was not read; the last signed state is put back",
+                log.warning(  # the key's name is not said: it holds the run id, which stays out of logs
+                    "cmlcluster: the rendezvous store held a state this run did not sign (%d bytes): someone "
+                    "else reached the store. It was not read; the last signed state is put back",
                     len(value),
-                    self._name,
                 )
                 # Only if the forgery is still there: a node that put one back first wins, the others read it.
                 value = self._call("compare_set", self._name, value, self._last_signed)
             raise RendezvousStateError(
-                f"the rendezvous state under {self._name} was overwritten {RESTORE_ATTEMPTS} times in a row by "
-                "someone who does not hold this run's key"
+                f"the rendezvous state was overwritten {RESTORE_ATTEMPTS} times in a row by someone who does "
+                "not hold this run's key"
             )
 
         def _call(self, op: str, *args: Any) -> Any:

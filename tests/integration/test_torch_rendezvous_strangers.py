@@ -185,6 +185,9 @@ def test_a_stranger_who_writes_a_pickle_under_the_rendezvous_key_runs_nothing_an
     assert report.get("written"), (report, attacker.stderr.read() if attacker.stderr else "")
     assert not marker.exists()  # torch's state holder never unpickled the stranger's bytes
     assert report["run_id_on_a_command_line"] is None  # the run id is on no command line (ps)
+    run_id = report["key"].removeprefix("/torch.rendezvous.")
+    assert len(run_id) == len("cmlcluster-") + 32
+    assert [text for text in said if run_id in text] == []  # nor in the output
     assert result.ok, result.message
     assert result.restarts == 0
     assert any("did not sign" in text for text in said)  # a node saw the forgery, and put its state back
