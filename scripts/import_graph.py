@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ssh.keys",
             "ssh.preflight",
             "horovod.commands",
+            "horovod.rendezvous",  # the elastic rendezvous' key and peer check: in horovodrun's driver and each rank
             "pytorch.commands",
             "pytorch.store",  # torch's TCPStore on one address: in workers, and as the session's process
             "pytorch.rendezvous",  # torchrun's c10d rendezvous with signed state: in each node's torchrun

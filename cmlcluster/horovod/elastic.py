@@ -9,11 +9,13 @@ the script only prints the file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 
 from . import commands
 
@@ -54,3 +56,17 @@ class DiscoveryFile:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def discovery(parent: str | None, hosts: commands.Hosts, max_restarts: int) -> Iterator[DiscoveryFile | None]:
+    """An elastic local run's host list, in `parent` (None for a static run); removed when the run ends."""
+    if not max_restarts:
+        yield None
+        return
+    found = DiscoveryFile(parent=parent)
+    try:
+        found.set(hosts)
+        yield found
+    finally:
+        found.close()

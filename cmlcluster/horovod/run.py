@@ -49,7 +49,7 @@ from ..ssh.sshd import write_env_file
 from ..wire import RANK_ENV_FILE_ENV
 from ..workers import Resources, check_env
 from . import commands
-from .elastic import DiscoveryFile
+from .elastic import discovery
 from .rendezvous import run_key
 from .result import HorovodError, HorovodResult
 from .ssh_cluster import SSHCluster, ssh_cluster
@@ -132,20 +132,19 @@ def run_horovod(
     horovodrun = _horovodrun()
     if session is None and backend is not None and reuse:
         session, backend = _default_session_on(backend), None  # what is kept for reuse lives there
-    with session_for(session, backend, echo) as session, contextlib.ExitStack() as stack:
+    with session_for(session, backend, echo) as session, run_key(session.session_dir, bool(max_restarts)) as key:
         cluster: SSHCluster | None = None
         view = session if echo else None
+        env = {**env, **key.rank_env}  # an elastic run's key: in the ranks' 0600 files, never a command line
         try:
             capabilities = session.backend.capabilities()
             if capabilities.session_host and not capabilities.own_address:
                 # Workers would be processes on this machine anyway: horovodrun starts the ranks here.
                 hosts = commands.local_pseudo_hosts(np) if max_restarts else [("localhost", np)]
                 with (
-                    run_key(session.session_dir, elastic=bool(max_restarts)) as key,
-                    _local_env_file(session, {**env, **key.rank_env}) as driver_env,
-                    _discovery(session, hosts, max_restarts) as found,
+                    _local_env_file(session, env) as driver_env,
+                    discovery(session.session_dir, hosts, max_restarts) as found,
                 ):
-                    driver_env.update(key.driver_env)  # the key's file: the key itself only in the ranks' file
                     argv = commands.horovodrun_argv(
                         np,
                         hosts,
@@ -156,7 +155,7 @@ def run_horovod(
                         horovodrun=horovodrun,
                         elastic=_elastic(found.script, np, hosts, max_restarts) if found else None,
                     )
-                    return _execute(argv, hosts, driver_env, view, check, elastic=found is not None)
+                    return _execute(argv, hosts, driver_env | key.driver_env, view, check, elastic=found is not None)
             if max_restarts and workers < 2:
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
             shipment = session.ship([script], working_folder=ship_working_folder)
@@ -166,9 +165,7 @@ def run_horovod(
             )
             if max_restarts and len(cluster.hosts) < 2:
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
-            key = stack.enter_context(run_key(session.session_dir, elastic=bool(max_restarts)))
-            # A file on each host, never a command line (cmlcluster.horovod.rank); the key signs ranks' registrations.
-            cluster.set_rank_env({**env, **key.rank_env})
+            cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
             # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
             command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
             argv = commands.horovodrun_argv(
@@ -205,20 +202,6 @@ def _elastic(script: str, np: int, hosts: list[tuple[str, int]], max_restarts: i
     host, then with it again), which it counts on this machine, where no job replaces workers."""
     reset_limit = 2 * max_restarts if max_restarts else None
     return commands.ElasticArgs(script, commands.elastic_min_np(np, hosts), np, reset_limit=reset_limit)
-
-
-@contextlib.contextmanager
-def _discovery(session: Session, hosts: list[tuple[str, int]], max_restarts: int) -> Iterator[DiscoveryFile | None]:
-    """An elastic local run's host list (None for a static run); removed when the run ends."""
-    if not max_restarts:
-        yield None
-        return
-    found = DiscoveryFile(parent=session.session_dir)
-    try:
-        found.set(hosts)
-        yield found
-    finally:
-        found.close()
 
 
 def _loopback() -> tuple[str, ...]:
