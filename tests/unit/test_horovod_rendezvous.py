@@ -244,3 +244,56 @@ def test_a_connection_from_another_users_socket_is_closed_unread(tmp_path):
             request(port, "GET", "/global/0")
         assert server.cache == {} and server.decoded == []
     assert not marker.exists()
+
+
+# -- what is wired into horovod --------------------------------------------------------------------
+
+
+def test_a_rank_finds_what_it_wraps_in_this_horovod_and_signs_its_registration(monkeypatch):
+    worker = pytest.importorskip("horovod.runner.elastic.worker")
+    from cmlcluster import probes
+
+    assert probes.missing(rendezvous.rank_checks()) == []
+    monkeypatch.setattr(worker, "put_data_into_kvstore", worker.put_data_into_kvstore)  # restored after
+    rendezvous.sign_worker_registration(KEY)
+    assert worker.put_data_into_kvstore.__module__ == rendezvous.__name__
+
+
+def test_a_horovod_without_a_name_a_rank_wraps_fails_naming_it(monkeypatch):
+    worker = pytest.importorskip("horovod.runner.elastic.worker")
+    monkeypatch.delattr(worker, "put_data_into_kvstore")
+    with pytest.raises(RuntimeError, match=r"no longer has horovod\.runner\.elastic\.worker\.put_data_into_kvstore"):
+        rendezvous.sign_worker_registration(KEY)
+
+
+def test_an_elastic_run_without_a_key_does_not_start():
+    pytest.importorskip("horovod.runner.gloo_run")
+    from cmlcluster.horovod import driver
+
+    def launch_gloo_elastic(
+        command_or_func, exec_command, settings, env, get_common_interfaces, rendezvous, executable
+    ):
+        raise AssertionError("started")
+
+    launch = driver._elastic_on_server_ip(launch_gloo_elastic, Guard(None, own=frozenset()))
+    with pytest.raises(RuntimeError, match=rendezvous.KEY_FILE_ENV):
+        launch(["train.py"], None, object(), {}, None, None, "python")
+
+
+def test_the_driver_admits_the_hosts_horovods_discovery_lists_each_time_it_asks():
+    from cmlcluster.horovod import driver
+
+    class Discovery:
+        hosts = {"10.0.0.2": 1, "10.0.0.3": 1}
+
+        def find_available_hosts_and_slots(self):
+            return dict(self.hosts)
+
+    discovery, guard = Discovery(), Guard(KEY, own=frozenset())
+    driver.record_hosts(discovery, guard)
+    assert discovery.find_available_hosts_and_slots() == {"10.0.0.2": 1, "10.0.0.3": 1}
+    assert guard.hosts == {IP("10.0.0.2"), IP("10.0.0.3")}
+    Discovery.hosts = {"10.0.0.2": 1, "10.0.0.4": 1}  # one lost, one replacement
+    discovery.find_available_hosts_and_slots()
+    assert guard.hosts == {IP("10.0.0.2"), IP("10.0.0.4")}
+    assert driver.host_names("localhost:2, 10.0.0.5:1") == ["localhost", "10.0.0.5"]
