@@ -175,8 +175,8 @@ def pods_created(kube):
         ({"namespace": "nowhere"}, None, ["namespace='nowhere' does not exist", "kubectl create namespace nowhere"]),
         ({}, ("deny", "create", "pods"), ["may not create pods in namespace 'default'", "kubectl auth can-i"]),
         ({}, ("deny", "patch", "secrets"), ["may not patch secrets", "add each worker's env= values"]),
-        ({}, ("deny", "list", "secrets"), ["may not list secrets", "kubectl auth can-i list secrets -n default"]),
-        ({}, ("deny", "list", "networkpolicies"), ["may not list networkpolicies.networking.k8s.io"]),
+        ({}, ("deny", "delete", "secrets"), ["may not delete secrets", "kubectl auth can-i delete secrets -n default"]),
+        ({}, ("deny", "create", "networkpolicies"), ["may not create networkpolicies.networking.k8s.io"]),
         ({"image_pull_secrets": ["registry-login"]}, None, ["Secret 'registry-login' does not exist"]),
         ({"controller_ip": None}, None, ["controller_ip=None", "CMLCLUSTER_KUBERNETES_CONTROLLER_IP"]),
         ({"image": None}, None, ["image=None"]),
@@ -198,6 +198,21 @@ def test_bad_settings_are_refused_before_any_pod_starts(kube, monkeypatch, optio
     for words in says:
         assert words in str(refused.value)
     assert len(pods_created(kube)) == before
+
+
+def test_what_only_cleanup_lists_is_not_asked_of_a_session_and_cleanup_names_it(kube):
+    kube.deny("list", "secrets")
+    kube.deny("list", "networkpolicies")
+    try:
+        with Session(kube_backend(kube), echo=False) as session:  # a session never lists them
+            [worker] = session.launch_workers(1, cpu=0.5, memory=1, code="print('ok')")
+            [done] = session.await_workers([worker], timeout_seconds=60)["workers"]
+            assert done["status"] == "succeeded"
+        with pytest.raises(ConfigError, match=r"kubectl auth can-i list secrets -n default"):
+            delete_orphans(kube_backend(kube))
+    finally:
+        kube.allow("list", "secrets")
+        kube.allow("list", "networkpolicies")
 
 
 def test_gpus_on_a_cluster_that_advertises_none_are_refused(kube_session, kube):

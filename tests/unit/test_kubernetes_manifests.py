@@ -788,7 +788,12 @@ def test_the_preflights_list_is_exactly_what_the_backend_calls():
     assert set(listed) == calls, f"called, not listed: {calls - set(listed)}; listed, not called: {set(listed) - calls}"
     for access in preflight.BACKEND_ACCESS:
         assert access.group == ("networking.k8s.io" if access.resource == "networkpolicies" else ""), access
-        assert access.why and access.when in (preflight.ALWAYS, preflight.WITH_POLICY, preflight.OPTIONAL)
+        assert access.why and access.when in (
+            preflight.ALWAYS,
+            preflight.WITH_POLICY,
+            preflight.OPTIONAL,
+            preflight.CLEANUP,
+        )
 
 
 def _review_api(monkeypatch, denied: tuple[str, str] | None) -> list[tuple[str, str, str]]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import origin
+from ...errors import ConfigError
 from . import names
 from .manifests import CONNECTION_KEY
 
@@ -29,9 +30,21 @@ def delete_orphans(
     """Delete the Secrets of gone sessions in `namespace`, their pods and, given `networking` (a
     NetworkingV1Api), their NetworkPolicies (the garbage collector would, later; this does it now).
     Returns what was (or, with dry_run, would be) deleted, as "namespace/name"."""
+    from kubernetes.client.rest import ApiException
+
     selector = f"{names.MANAGED_BY_LABEL}={names.MANAGER},{names.COMPONENT_LABEL}=session"
     ended = []
-    for secret in core.list_namespaced_secret(namespace, label_selector=selector, _request_timeout=30).items:
+    try:
+        secrets = core.list_namespaced_secret(namespace, label_selector=selector, _request_timeout=30).items
+    except ApiException as e:
+        if e.status != 403:
+            raise
+        raise ConfigError(
+            f"cmlcluster cleanup needs to list Secrets in namespace {namespace!r}, which this user may not "
+            f"(kubectl auth can-i list secrets -n {namespace}): ask for it, or delete the pods and Secrets "
+            f"labelled {names.MANAGED_BY_LABEL}={names.MANAGER} by hand"
+        ) from None
+    for secret in secrets:
         controller = controller_of(secret.data or {})
         state = origin.state(names.origin_of(secret.metadata.annotations or {}), controller)
         if state == origin.ANSWERING:
@@ -66,7 +79,16 @@ def delete_orphans(
 def _policies_of(networking: Any, namespace: str, session: str) -> list[str]:
     """The names of a session's NetworkPolicies (one, unless it ran with network_policy=False)."""
     selector = f"{names.SESSION_LABEL}={session},{names.MANAGED_BY_LABEL}={names.MANAGER}"
-    found = networking.list_namespaced_network_policy(namespace, label_selector=selector, _request_timeout=30)
+    from kubernetes.client.rest import ApiException
+
+    try:
+        found = networking.list_namespaced_network_policy(namespace, label_selector=selector, _request_timeout=30)
+    except ApiException as e:
+        if e.status != 403:
+            raise
+        # The Secret owns them: the garbage collector deletes them once it goes.
+        log.debug("cmlcluster cleanup: may not list NetworkPolicies in %s; the Secret's deletion takes them", namespace)
+        return []
     return [policy.metadata.name for policy in found.items]
 
 

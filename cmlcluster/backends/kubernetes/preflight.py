@@ -17,7 +17,7 @@ from .pods import api_message, quantity_int
 
 IN_CLUSTER_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 NETWORK_POLICY_GROUP = "networking.k8s.io"
-ALWAYS, WITH_POLICY, OPTIONAL = "always", "network_policy", "optional"
+ALWAYS, WITH_POLICY, OPTIONAL, CLEANUP = "always", "network_policy", "optional", "cleanup"
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class Access:
     resource: str  # "pods", or "pods/log" for a subresource
     why: str  # what the backend does with it, for the refusal
     group: str = ""  # the API group: "" is the core one
-    when: str = ALWAYS  # ALWAYS checked; WITH_POLICY unless network_policy=False; OPTIONAL never (a 403 is handled)
+    # ALWAYS checked; WITH_POLICY unless network_policy=False; OPTIONAL never (a 403 is handled); CLEANUP
+    # never before a session, which does not use it (`cmlcluster cleanup` says which verb it lacks)
+    when: str = ALWAYS
 
 
 # Every call the backend makes to the API, once each (tests/unit/test_kubernetes_manifests.py reads
@@ -44,10 +46,10 @@ BACKEND_ACCESS = (
     Access("create", "secrets", "hold the session's connection info and env= values"),
     Access("patch", "secrets", "add each worker's env= values to the session's Secret"),
     Access("delete", "secrets", "remove the session's Secret when it ends"),
-    Access("list", "secrets", "let `cmlcluster cleanup` find the Secrets of sessions that are gone"),
+    Access("list", "secrets", "let `cmlcluster cleanup` find the Secrets of sessions that are gone", when=CLEANUP),
     Access("create", "networkpolicies", "admit only the session to its pods", NETWORK_POLICY_GROUP, WITH_POLICY),
     Access("delete", "networkpolicies", "remove the session's NetworkPolicy", NETWORK_POLICY_GROUP, WITH_POLICY),
-    Access("list", "networkpolicies", "let `cmlcluster cleanup` find them", NETWORK_POLICY_GROUP, WITH_POLICY),
+    Access("list", "networkpolicies", "let `cmlcluster cleanup` find them", NETWORK_POLICY_GROUP, CLEANUP),
     # Handled when refused: the notebook is then admitted by its address alone (with a warning).
     Access("patch", "pods", "label the notebook's own pod for the NetworkPolicy", when=OPTIONAL),
     Access("get", "secrets", "check that image_pull_secrets exist", when=OPTIONAL),  # the kubelet says
