@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from .. import _lifeline, agent_files
+from .._proc import python_module
 from ..lines import MAX_LINE_CHARS
 from . import commands
 
@@ -68,7 +69,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             # The run id and the state's signing key: in torchrun's environment, readable by this user
             # alone, never on a command line (launch.py takes the key out before the ranks start).
             env.update(commands.elastic_env(plan["run_id"], plan["rdzv_key"]))
-        torchrun = [sys.executable, "-m", "cmlcluster.pytorch.launch", report, *_torchrun_args(plan, folder, entry)]
+        # torchrun's agent imports nothing of the worker's folder (the ranks do, as a script does).
+        torchrun = python_module("cmlcluster.pytorch.launch", report, *_torchrun_args(plan, folder, entry))
         process = subprocess.Popen(
             [sys.executable, _lifeline.__file__, "--", *torchrun],
             env=env,
