@@ -13,12 +13,13 @@ with the key that service trusts. So, for each elastic run:
   SIGNATURE_HEADER); the driver checks it before anything is decoded, answers 403 otherwise, and
   answers every other request on that scope 403 (nothing legitimate reads it back);
 - the driver admits a connection only from the job's hosts' addresses and, from this machine
-  (loopback or one of its own addresses), only from a socket of the session's own user, found in
-  /proc/net/tcp and /proc/net/tcp6 as identd does. A refused connection is closed unread. Gloo's
+  (loopback or one of its own addresses), only from a socket of the session's own user, which the
+  kernel names (its socket diagnostics, as `ss` asks them; else /proc/net/tcp and tcp6, as identd
+  reads them). A refused connection is closed unread. Gloo's
   own requests (C++, plain GET/PUT/DELETE that cannot carry a header) are covered by this alone;
   they store bytes and never decode them.
 
-The pure parts (signatures, /proc/net/tcp rows, the admission rule) are here; driver.py installs
+The parts (signatures, whose socket a peer's is, the admission rule) are here; driver.py installs
 them in horovodrun, rank.py in each rank.
 """
 
@@ -148,11 +149,16 @@ def _endpoint(text: str) -> Endpoint:
     return _unmapped(ipaddress.ip_address(packed)), int(port_hex, 16)
 
 
-def parse_tcp_table(text: str) -> list[TcpSocket]:
-    """The rows of a /proc/net/tcp or /proc/net/tcp6 text (its header and any malformed line skipped)."""
+def parse_tcp_table(text: str, local_port: int | None = None) -> list[TcpSocket]:
+    """The rows of a /proc/net/tcp or /proc/net/tcp6 text (its header and any malformed line skipped);
+    with `local_port`, only those of sockets on that port, found before any row is parsed (a busy
+    machine has thousands, and the rendezvous looks one up at each connection)."""
     rows = []
+    port_suffix = None if local_port is None else f":{local_port:04X}"
     for line in text.splitlines()[1:]:
         fields = line.split()
+        if port_suffix is not None and not (len(fields) > 1 and fields[1].endswith(port_suffix)):
+            continue
         try:
             rows.append(
                 TcpSocket(
@@ -168,12 +174,12 @@ def parse_tcp_table(text: str) -> list[TcpSocket]:
     return rows
 
 
-def read_tcp_tables(paths: Iterable[str] = TCP_TABLES) -> list[TcpSocket]:
+def read_tcp_tables(paths: Iterable[str] = TCP_TABLES, local_port: int | None = None) -> list[TcpSocket]:
     rows = []
     for path in paths:
         with contextlib.suppress(OSError):
             with open(path) as f:
-                rows.extend(parse_tcp_table(f.read()))
+                rows.extend(parse_tcp_table(f.read(), local_port))
     return rows
 
 
@@ -189,6 +195,63 @@ def socket_owner(rows: Iterable[TcpSocket], peer: Endpoint, server: Endpoint) ->
     return None
 
 
+# The kernel's socket diagnostics (what `ss` uses): one socket looked up by its addresses, where
+# /proc/net/tcp prints every socket of the machine (10 ms a read here with 500 of them, and Gloo's
+# ranks open a connection per request).
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
+NLM_F_REQUEST, NLMSG_ERROR = 1, 2
+INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
+DIAG_REQUEST = struct.Struct("=BBBxI")  # family, protocol, extensions, states (then the socket id)
+DIAG_MESSAGE = struct.Struct("=BBBB48sIIIII")  # family, state, timer, retransmits, id, expires, queues, uid, inode
+
+
+def _diag_socket_id(local: Endpoint, remote: Endpoint, family: int) -> bytes:
+    """inet_diag_sockid: ports and addresses in network order, any interface, no cookie."""
+
+    def address(a: IPAddress) -> bytes:
+        if family == socket.AF_INET6 and isinstance(a, ipaddress.IPv4Address):
+            a = ipaddress.IPv6Address("::ffff:" + str(a))
+        return a.packed.ljust(16, b"\0")
+
+    return (
+        struct.pack("!HH", local[1], remote[1])
+        + address(local[0])
+        + address(remote[0])
+        + struct.pack("=III", 0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
+    )
+
+
+def diag_owner(peer: Endpoint, server: Endpoint) -> int | None:
+    """socket_owner, asked of the kernel (NETLINK_SOCK_DIAG) for the one socket; OSError where the
+    kernel does not answer such questions."""
+    peer, server = (_unmapped(peer[0]), peer[1]), (_unmapped(server[0]), server[1])
+    families = [socket.AF_INET, socket.AF_INET6] if peer[0].version == 4 else [socket.AF_INET6]
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as diag:
+        diag.settimeout(1)
+        for family in families:  # a client's IPv6 socket may dial an IPv4 address (mapped)
+            request = DIAG_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF)  # any state
+            request += _diag_socket_id(peer, server, family)
+            header = NLMSG_HEADER.pack(NLMSG_HEADER.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
+            diag.send(header + request)
+            reply = diag.recv(8192)
+            _, kind, _, _, _ = NLMSG_HEADER.unpack_from(reply)
+            if kind == NLMSG_ERROR:  # ENOENT: no such socket in this family
+                continue
+            *_, uid, inode = DIAG_MESSAGE.unpack_from(reply, NLMSG_HEADER.size)
+            return uid if inode else None  # no inode: a socket no process holds (see socket_owner)
+    return None
+
+
+def peer_owner(peer: Endpoint, server: Endpoint) -> int | None:
+    """The uid of the socket at `peer` connected to `server` on this machine: from the kernel's socket
+    diagnostics, else from /proc/net/tcp (only the rows of the peer's port are parsed)."""
+    try:
+        return diag_owner(peer, server)
+    except OSError:
+        return socket_owner(read_tcp_tables(local_port=peer[1]), peer, server)
+
+
 def admits(
     peer: Endpoint,
     server: Endpoint,
@@ -196,16 +259,17 @@ def admits(
     uid: int,
     own_addresses: frozenset[IPAddress],
     host_addresses: frozenset[IPAddress],
-    sockets: Callable[[], Iterable[TcpSocket]],
+    owner: Callable[[Endpoint, Endpoint], int | None] = peer_owner,
 ) -> bool:
     """Whether the rendezvous serves a connection from `peer` to its `server` address.
 
-    From this machine (a loopback address or one of `own_addresses`): only from a socket of `uid`.
-    From elsewhere: only from one of the job's hosts (`host_addresses`).
+    From this machine (a loopback address or one of `own_addresses`): only from a socket of `uid`
+    (`owner` says whose the peer's socket is). From elsewhere: only from one of the job's hosts
+    (`host_addresses`).
     """
     address = _unmapped(peer[0])
     if address.is_loopback or address in own_addresses:
-        return socket_owner(sockets(), (address, peer[1]), server) == uid
+        return owner((address, peer[1]), server) == uid
     return address in host_addresses
 
 
@@ -264,9 +328,7 @@ class Guard:
             peer = (ipaddress.ip_address(str(client_address[0]).split("%")[0]), int(client_address[1]))
             bound = request.getsockname()
             server = (ipaddress.ip_address(str(bound[0]).split("%")[0]), int(bound[1]))
-            ok = admits(
-                peer, server, uid=self.uid, own_addresses=self.own, host_addresses=self.hosts, sockets=read_tcp_tables
-            )
+            ok = admits(peer, server, uid=self.uid, own_addresses=self.own, host_addresses=self.hosts)
         except (OSError, ValueError, IndexError, TypeError):
             ok = False
         if not ok:

@@ -9,7 +9,10 @@ import http.client
 import ipaddress
 import os
 import pickle
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import ThreadingMixIn
@@ -91,12 +94,15 @@ def test_the_owner_of_a_peer_socket_is_the_uid_of_its_row_while_a_process_holds_
 
 
 def test_only_the_jobs_hosts_and_this_users_local_sockets_are_admitted():
+    owner = rendezvous.socket_owner
     rows = rendezvous.parse_tcp_table(TCP) + rendezvous.parse_tcp_table(TCP6)
     own = frozenset({IP("192.168.1.5")})
     hosts = frozenset({IP("10.0.0.2")})
 
     def admits(peer, uid=1000, server=SERVER):
-        return rendezvous.admits(peer, server, uid=uid, own_addresses=own, host_addresses=hosts, sockets=lambda: rows)
+        return rendezvous.admits(
+            peer, server, uid=uid, own_addresses=own, host_addresses=hosts, owner=lambda p, s: owner(rows, p, s)
+        )
 
     assert admits((IP("127.0.0.1"), 40000))
     assert not admits((IP("127.0.0.1"), 40000), uid=0)  # root is not this session's user either
@@ -108,8 +114,37 @@ def test_only_the_jobs_hosts_and_this_users_local_sockets_are_admitted():
     # A job host that is this machine is still checked by uid.
     assert not rendezvous.admits(
         (IP("127.0.0.1"), 40002), SERVER, uid=1000, own_addresses=own,
-        host_addresses=frozenset({IP("127.0.0.1")}), sockets=lambda: rows,
+        host_addresses=frozenset({IP("127.0.0.1")}), owner=lambda p, s: owner(rows, p, s),
     )  # fmt: skip
+
+
+def test_the_kernel_names_the_owner_of_a_connections_other_end_as_proc_net_tcp_does():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        here = (IP("127.0.0.1"), port)
+        with socket.create_connection(("127.0.0.1", port)) as mine:
+            accepted, peer = server.accept()
+            with accepted:
+                peer_end = (IP(peer[0]), peer[1])
+                assert rendezvous.diag_owner(peer_end, here) == os.getuid() == rendezvous.peer_owner(peer_end, here)
+                rows = rendezvous.read_tcp_tables(local_port=peer[1])
+                assert rendezvous.socket_owner(rows, peer_end, here) == os.getuid()
+                assert rendezvous.diag_owner((IP("127.0.0.1"), mine.getsockname()[1] ^ 1), here) is None
+        if os.getuid() != 0 or not shutil.which("setpriv"):
+            return  # another uid's socket needs root to make (the suite runs as root: scripts/install.sh dev)
+        # The system's Python, which another uid can run (the .venv may be private to this one).
+        system_python = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
+        stranger = subprocess.Popen(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-I", "-c",
+             f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); sys.stdin.read()"],
+            stdin=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            accepted, peer = server.accept()
+            with accepted:
+                assert rendezvous.diag_owner((IP(peer[0]), peer[1]), here) == 65534
+        finally:
+            stranger.communicate(timeout=10)
 
 
 def test_the_guard_resolves_the_jobs_hosts_as_they_change():
