@@ -142,7 +142,7 @@ def main() -> None:
             # Replaced by agent_engine's controller watch, which works while user code runs.
             "--IPEngine.max_heartbeat_misses=0",
             f"--IPEngine.timeout={REGISTRATION_TIMEOUT_SECONDS:g}",
-            f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
+            f"--log-level={os.environ.get(wire.LOG_LEVEL_ENV, 'WARN')}",
         ]
     )
     _redact.hide(engine.curve_secretkey)  # its own CurveZMQ key pair's secret half, made as it initialized

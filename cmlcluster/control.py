@@ -29,7 +29,14 @@ from .connection import CLIENT_CHANNELS, CLIENT_IP, ENGINE_CHANNELS, Keys, conne
 from .errors import ControllerError
 from .lines import OutputRelay
 from .ports import ports_to_listen_on
-from .wire import CONNECTION_ENV, CONTROLLER_START_TIMEOUT, DEFAULT_SILENCE_TIMEOUT, HEARTBEAT_MS, SILENCE_ENV
+from .wire import (
+    CONNECTION_ENV,
+    CONTROLLER_START_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
+    HEARTBEAT_MS,
+    LOG_LEVEL_ENV,
+    SILENCE_ENV,
+)
 from .workers import Program
 
 # The hub unregisters an engine silent for the session's silence_timeout plus this: by then its agent
@@ -169,7 +176,7 @@ class IPyParallelControl(ControlPlane):
             *keys.controller_args(),
             *heart_monitor_args(self.silence_timeout),
             "--nodb",  # results live in the session, not in the controller's memory
-            f"--log-level={os.environ.get('CMLCLUSTER_LOG_LEVEL', 'WARN')}",
+            f"--log-level={os.environ.get(LOG_LEVEL_ENV, 'WARN')}",
         ]
         with open(self._log_path, "ab") as log:
             # stdin is the lifeline (see _controller.py); never closed until close().

@@ -221,7 +221,9 @@ def validate_launch(
 # goes by reference to a Secret), and one set by hand would change how the worker joins.
 RESERVED_ENV_PREFIX = "CMLCLUSTER_"
 # Those of them a launch may set: documented knobs, never a secret.
-SETTABLE_ENV = frozenset({wire.PRELOAD_ENV})  # modules the worker imports while it registers
+# The modules the worker imports while it registers; its agent's log level (a worker elsewhere has no
+# other way to get the session's CMLCLUSTER_LOG_LEVEL).
+SETTABLE_ENV = frozenset({wire.PRELOAD_ENV, wire.LOG_LEVEL_ENV})
 
 
 def check_env(env: Mapping[str, str] | None) -> dict[str, str]:

@@ -95,8 +95,9 @@ def test_env_names_of_cmlclusters_own_are_refused_before_anything_starts(session
     assert not session.backend.control.started  # not even the controller
 
 
-def test_the_documented_preload_knob_may_still_be_set(session):
-    [worker] = session.launch_workers(1, cpu=1, memory=1, code="pass", env={"CMLCLUSTER_PRELOAD": "json"})
+def test_the_documented_knobs_may_still_be_set(session):
+    knobs = {"CMLCLUSTER_PRELOAD": "json", "CMLCLUSTER_LOG_LEVEL": "DEBUG"}  # a worker elsewhere's log level
+    [worker] = session.launch_workers(1, cpu=1, memory=1, code="pass", env=knobs)
     assert session.list_workers()[0]["id"] == worker["id"]
 
 
