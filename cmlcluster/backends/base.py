@@ -114,6 +114,8 @@ class Capabilities:
         the control plane before a worker is taken as lost (its agent ends it; a session that died
         leaves workers running that long). Sized for a real network; short where nothing but this
         host lies between the session and its workers.
+    session_machine: workers run on the session's machine, as its processes or in containers of an
+        engine there: every user of the machine can connect to what they listen on (docs/security.md).
     collects: what a worker wrote under its spec's collect= paths (results.py) is in the session's
         spec.cwd once wait() or stop() returns, also where the worker's folder is its own and the
         worker was killed outright. Else, where workers do not see the session's working folder, the
@@ -129,6 +131,7 @@ class Capabilities:
     stable_addresses: bool = False
     silence_timeout: float = DEFAULT_SILENCE_TIMEOUT
     collects: bool = False
+    session_machine: bool = False
 
     def sees(self, path: str) -> bool:
         """Whether workers read `path` (absolute, on the session's machine) at the same path."""

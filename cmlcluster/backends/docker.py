@@ -33,7 +33,7 @@ from ..errors import BackendError
 from ..logfile import CappedLog
 from ..resources import GpuPool, visible_gpus
 from ..workers import Resources, WorkerSpec
-from . import collect, docker_worker
+from . import collect, docker_ranges, docker_worker
 from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from .docker_engine import (
     DEFAULT_IMAGE,
@@ -133,6 +133,7 @@ class DockerBackend(Backend[DockerHandle]):
         # Made per session (attach), so that the backend serves the next session after close().
         self._pool: ThreadPoolExecutor | None = None
         self._addresses: dict[str, str] = {}  # worker id: its IP, for a replacement (stable_addresses)
+        self._engine_here = True  # whether containers run on this machine: until attach asks the engine
 
     # ---------------------------------------------------------------- before anything starts
 
@@ -152,6 +153,7 @@ class DockerBackend(Backend[DockerHandle]):
         await super().attach(context)
         self._client = self._client or await self._call(connect)
         self._addresses.clear()
+        self._engine_here = await self._call(lambda: docker_ranges.engine_is_here(self._client.info()))
         if self.network is None:
             # First the reaper, which removes what the session made should its process die unclosed.
             self._reaper = subprocess.Popen(
@@ -178,6 +180,7 @@ class DockerBackend(Backend[DockerHandle]):
             stable_addresses=self.network is None,  # its session network's range is pinned (docker_engine)
             interfaces=("eth0",),  # a container's interface on its network
             collects=True,  # copied out of a stopped container (collect.py)
+            session_machine=self._engine_here,
         )
 
     # ---------------------------------------------------------------- workers

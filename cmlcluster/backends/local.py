@@ -66,6 +66,7 @@ class LocalBackend(Backend[LocalHandle]):
         return Capabilities(
             own_address=False,
             session_host=True,
+            session_machine=True,
             python=sys.executable,
             shared_paths=("/",),
             stable_addresses=True,

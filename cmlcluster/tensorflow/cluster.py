@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from .. import results, wire
@@ -270,7 +272,6 @@ def start_cluster(
     if session is None:
         session = get_session()  # the cluster outlives this call: never a session of its own
     layout.check_restarts(max_restarts, coordinator, session.backend.capabilities().stable_addresses)
-    _warn_other_users(session, coordinator)
     env = {**versions.legacy_keras_env(), **env}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
         env.setdefault(wire.PRELOAD_ENV, "tensorflow")
@@ -290,6 +291,7 @@ def start_cluster(
     job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds, restarts=restarts)
     with ExitStack() as undo:
         undo.callback(job.stop)
+        _warn_other_users(session, coordinator)  # once the backend knows where its workers are
         # Fixed ports only where no earlier cluster's address can come back to this process (see _assign_tasks).
         fixed = session.backend.capabilities().own_address and not coordinator
         tasks = _assign_tasks(session, job.members, port if fixed else None)
@@ -349,8 +351,8 @@ def run_cluster(
 def _warn_other_users(session: Session, coordinator: bool) -> None:
     """Once per session: TensorFlow's gRPC servers run the graphs anyone connecting sends (TensorFlow's
     SECURITY.md) and listen on every interface, so every user of this machine reaches those that run here:
-    the workers' on a backend of this machine's processes, the notebook's own when it coordinates."""
-    workers_here = session.backend.capabilities().session_host  # processes of this machine
+    the workers' on a backend whose workers are on this machine, the notebook's own when it coordinates."""
+    workers_here = session.backend.capabilities().session_machine
     if not (workers_here or coordinator) or session in _TOLD:
         return
     _TOLD.add(session)
@@ -358,15 +360,29 @@ def _warn_other_users(session: Session, coordinator: bool) -> None:
         ([f"the workers' ({session.backend.name} backend)"] if workers_here else [])
         + (["the notebook's own, as coordinator"] if coordinator else [])
     )
-    warnings.warn(
+    frame = _callers_frame()
+    # warn_explicit with a registry of its own: shown for each session, where warnings.warn would say it
+    # once per line of the notebook for the whole process.
+    warnings.warn_explicit(
         f"TensorFlow's servers run whatever a connection sends them, and every user of this machine can connect "
         f"to those starting here: {here}. On a machine others use, run the workers on hosts only you reach "
-        "(the ssh or kubernetes backend: Docker's containers, too, are reachable from this machine) and leave the "
-        "coordinator off (run_cluster, or coordinator=False); docs/security.md. Alone on this machine: "
-        'warnings.simplefilter("ignore", cmlcluster.SharedMachineWarning)',
+        "(the ssh or kubernetes backend) and leave the coordinator off (run_cluster, or coordinator=False); "
+        'docs/security.md. Alone on this machine: warnings.simplefilter("ignore", cmlcluster.SharedMachineWarning)',
         SharedMachineWarning,
-        stacklevel=3,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry={},
+        module_globals=frame.f_globals,
     )
+
+
+def _callers_frame() -> FrameType:
+    """The innermost frame outside cmlcluster: the user's call."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith("cmlcluster."):
+        frame = frame.f_back
+    return frame
 
 
 def _assign_tasks(session: Session, members: Sequence[Member], port: int | None) -> list[TaskWorker]:

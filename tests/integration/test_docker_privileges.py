@@ -243,6 +243,7 @@ def test_no_container_of_another_network_reaches_what_listens_on_the_sessions_ga
         b.await_workers([wb], wait_for_completion=False, timeout_seconds=60)
         network = docker_engine.session_network_name(a.id)
         assert len(docker_gateway.rules(network)) == 1
+        assert a.backend.capabilities().session_machine  # its engine runs here: this machine's users reach it
         # What the session's own servers would be: a listener of the test's on A's gateway only.
         with socket.create_server((a.controller_ip, 0)) as server:
             port = server.getsockname()[1]

@@ -153,11 +153,16 @@ def test_other_users_of_this_machine_are_warned_of_once_per_session_where_tensor
         warnings.simplefilter("error", SharedMachineWarning)
         start_cluster(n_workers=1, servers=False, session=s)
 
-    here = Capabilities(own_address=True, session_host=True, python="python3", shared_paths=("/",))
-    for _ in range(2):  # each session says it once
-        with Session(FakeBackend(capabilities=here), echo=False) as s:
-            with pytest.warns(SharedMachineWarning, match=r"every user of this machine.*the workers' \(fake backend\)"):
-                start_cluster(n_workers=1, servers=False, session=s)
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", SharedMachineWarning)
-                start_cluster(n_workers=1, servers=False, session=s)
+    here = Capabilities(own_address=True, session_host=False, python="python3", shared_paths=(), session_machine=True)
+    said = []
+    for _ in range(2):  # each session says it once, from the same line of the user's code too
+        with Session(FakeBackend(capabilities=here), echo=False) as s, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")  # Python's own: once per place where warnings.warn is called
+            start_cluster(n_workers=1, servers=False, session=s)
+            start_cluster(n_workers=1, servers=False, session=s)
+        said += [w for w in seen if w.category is SharedMachineWarning]
+    assert len(said) == 2
+    assert "every user of this machine" in str(said[0].message) and "the workers' (fake backend)" in str(
+        said[0].message
+    )
+    assert said[0].filename == __file__  # the user's line, not cmlcluster's
