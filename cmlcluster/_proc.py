@@ -22,29 +22,41 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-# The folder holding the cmlcluster package this process imported (a site-packages, or a checkout).
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The cmlcluster package this process imported (in a site-packages, or a checkout).
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 # `python -m MODULE ARGS` without the working folder on sys.path, for Pythons without -P (3.10), and for
-# cmlcluster's own modules: argv[1] is a folder put at the end of sys.path when not on it ("" for none),
-# the one the package was imported from, which may be on the session's sys.path only as its working
-# folder (a checkout, not installed); at the end, nothing there can take a standard or installed
-# module's place. `sys` is built in: nothing is imported before the working folder is off sys.path.
-_RUN_MODULE = (
-    "import sys; getattr(sys.flags, 'safe_path', 0) or sys.path.pop(0); root = sys.argv.pop(1); "
-    "root and root not in sys.path and sys.path.append(root); import runpy; "
-    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
-)
+# cmlcluster's own modules. argv[1] is the folder of the cmlcluster package to run ("" for none): the one
+# this process imported, which may be on its sys.path only as the working folder (a checkout, not
+# installed), and which another cmlcluster installed in site-packages must not stand in for. It is
+# imported from that folder alone, without the folder's parent on sys.path, where anything else could
+# take a standard or installed module's place. `sys` is built in: nothing is imported before the working
+# folder is off sys.path.
+_RUN_MODULE = """\
+import sys
+if not getattr(sys.flags, "safe_path", 0):
+    sys.path.pop(0)
+package = sys.argv.pop(1)
+if package:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "cmlcluster", package + "/__init__.py", submodule_search_locations=[package]
+    )
+    sys.modules["cmlcluster"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["cmlcluster"])
+import runpy
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
 
 
 def python_module(module: str, *args: str) -> list[str]:
     """The argv that runs `python -m module args` in this Python, the working folder NOT first on sys.path
     (as `python -m` puts it, so that a json.py in the notebook's folder would be imported in place of the
     standard one): `-P` on Python 3.11 and later; and through _RUN_MODULE for cmlcluster's own modules,
-    which are found where this process found them, and on 3.10, which has no -P."""
+    which are this process's cmlcluster, and on 3.10, which has no -P."""
     safe = ["-P"] if sys.version_info >= (3, 11) else []
     if module.split(".")[0] == "cmlcluster":
-        return [sys.executable, *safe, "-c", _RUN_MODULE, _PACKAGE_PARENT, module, *args]
+        return [sys.executable, *safe, "-c", _RUN_MODULE, _PACKAGE, module, *args]
     if safe:
         return [sys.executable, *safe, "-m", module, *args]
     return [sys.executable, "-c", _RUN_MODULE, "", module, *args]

@@ -39,7 +39,18 @@ def test_the_fallback_passes_argv_as_python_m_does_and_finds_the_package_where_t
     script.mkdir()
     (script / "shower.py").write_text(SHOW)
     env = dict(os.environ, PYTHONPATH=str(script))
-    argv = [sys.executable, "-c", _proc._RUN_MODULE, _proc._PACKAGE_PARENT, "shower", "a", "--b=c", ""]
+    argv = [sys.executable, "-c", _proc._RUN_MODULE, _proc._PACKAGE, "shower", "a", "--b=c", ""]
     done = subprocess.run(argv, cwd=hostile, env=env, capture_output=True, text=True, timeout=30, check=True)
     assert done.stdout.strip().startswith('{"argv": ["a", "--b=c", ""], "json": "')
     assert str(hostile) not in done.stdout
+
+
+def test_the_helper_runs_this_processs_cmlcluster_not_another_one_installed(hostile, tmp_path):
+    other = tmp_path / "site" / "cmlcluster"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise SystemExit('another cmlcluster ran')\n")
+    env = dict(os.environ, PYTHONPATH=str(other.parent))  # before this one's on sys.path
+    argv = _proc.python_module("cmlcluster.backends.docker_reaper")  # no session id: its usage, and exit 1
+    done = subprocess.run(argv, cwd=hostile, env=env, capture_output=True, text=True, timeout=30)
+    assert "another cmlcluster ran" not in done.stderr
+    assert "usage: python -m cmlcluster.backends.docker_reaper" in done.stderr
