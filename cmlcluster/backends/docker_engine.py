@@ -333,6 +333,8 @@ def remove_orphan_networks(
                 continue
             docker_gateway.reopen(network.name)
         removed.append(network.name)
+    if not dry_run:
+        docker_gateway.remove_stale()  # rules whose network went without them (removed by hand, say)
     return removed
 
 

@@ -20,6 +20,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,34 @@ def rules_of(listing: str, network: str) -> list[list[str]]:
         if words[:2] == ["-A", CHAIN] and COMMENT_PREFIX + network in words:
             found.append(words[2:])
     return found
+
+
+def stale_rules(listing: str, bridges: Callable[[str], bool]) -> list[list[str]]:
+    """The gateway rules in `iptables -S INPUT`'s output whose bridge is gone (`bridges` says whether an
+    interface exists): a network removed while its rule could not be, whose gateway address a new
+    network may have now, with its own containers behind another bridge."""
+    found = []
+    for line in listing.splitlines():
+        words = shlex.split(line)
+        comment = words[words.index("--comment") + 1] if "--comment" in words[:-1] else ""
+        if words[:2] == ["-A", CHAIN] and comment.startswith(COMMENT_PREFIX) and "-i" in words[:-1]:
+            if not bridges(words[words.index("-i") + 1]):
+                found.append(words[2:])
+    return found
+
+
+def remove_stale() -> int:
+    """Remove every gateway rule whose bridge is gone (cleanup); how many."""
+    if not can_change_firewall():
+        return 0
+    try:
+        stale = stale_rules(_iptables("-S", CHAIN), lambda name: os.path.exists(f"/sys/class/net/{name}"))
+        for words in stale:
+            _iptables("-D", CHAIN, *words)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("cmlcluster cleanup: could not remove firewall rules of networks that are gone: %s", e)
+        return 0
+    return len(stale)
 
 
 def can_change_firewall() -> bool:

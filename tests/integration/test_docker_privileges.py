@@ -260,6 +260,17 @@ def test_no_container_of_another_network_reaches_what_listens_on_the_sessions_ga
     assert docker_gateway.rules(network) == []  # the rule went with the network
 
 
+def test_a_gateway_rule_whose_network_went_without_it_is_removed_by_cleanup():
+    network = f"cmlcluster-test-{os.urandom(6).hex()}"  # a rule of the test's own, for a bridge that is gone
+    assert docker_gateway.shut(network, "10.254.254.1", f"br-{os.urandom(6).hex()}")
+    try:
+        assert len(docker_gateway.rules(network)) == 1
+        docker_engine.remove_orphan_networks(quiet=True)  # what `cmlcluster cleanup` runs
+        assert docker_gateway.rules(network) == []
+    finally:
+        docker_gateway.reopen(network)
+
+
 EXITING_SESSION = textwrap.dedent("""
     import cmlcluster as cdsw
     workers = cdsw.launch_workers(1, cpu=0.5, memory=0.5)

@@ -37,3 +37,11 @@ def test_the_bridge_is_dockers_br_and_the_networks_id_unless_named():
     assert docker_gateway.bridge_name({"Id": "0123456789abcdef", "Options": {}}) == "br-0123456789ab"
     named = {"Id": "0123456789abcdef", "Options": {"com.docker.network.bridge.name": "cml0"}}
     assert docker_gateway.bridge_name(named) == "cml0"
+
+
+def test_rules_whose_bridge_is_gone_are_stale_and_no_others():
+    gone = docker_gateway.rule("cmlcluster-ab12", "172.30.0.1", "br-0123456789ab")
+    here = docker_gateway.rule("cmlcluster-cd34", "172.31.0.1", "br-ba9876543210")
+    someone_elses = ["-d", "10.0.0.1/32", "!", "-i", "br-0123456789ab", "-j", "DROP"]  # not ours: no comment
+    listing = "\n".join(shlex.join(["-A", "INPUT", *words]) for words in (gone, here, someone_elses))
+    assert docker_gateway.stale_rules(listing, lambda bridge: bridge == "br-ba9876543210") == [gone]
