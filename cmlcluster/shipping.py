@@ -49,13 +49,15 @@ SECRET_EXCLUDES = (
     ".vault-token", "**/.terraform.d/credentials.tfrc.json",
     # git, package indexes, hosted services
     ".netrc", "_netrc", ".git-credentials", "**/.config/git/credentials", "**/.config/gh/hosts.yml", ".pypirc",
-    ".npmrc", ".kaggle/", "**/.huggingface/token", "**/.cache/huggingface/token",
-    "**/.cache/huggingface/stored_tokens", "**/.streamlit/secrets.toml", ".pgpass", ".my.cnf",
+    ".npmrc", ".yarnrc.yml", "**/.pip/pip.conf", "**/.config/pip/pip.conf", ".condarc", ".dockercfg",
+    ".kaggle/", "**/.huggingface/token", "**/.cache/huggingface/token", "**/.cache/huggingface/stored_tokens",
+    "**/.streamlit/secrets.toml", ".pgpass", ".my.cnf", ".Renviron", "**/.config/rclone/rclone.conf",
+    "**/.dbt/profiles.yml", ".snowsql/",
     # keys and keyrings: private key files by their extensions and ssh-keygen's names (their .pub
-    # twins are harmless; src/id_utils.py is code), then all of ~/.ssh (config and known_hosts name
-    # the user's hosts), after the `!`, so that nothing in it comes back
+    # twins are harmless, and src/id_utils.py or id_rsa_tool.py are code), then all of ~/.ssh (config and
+    # known_hosts name the user's hosts), after the `!`, so that nothing in it comes back
     "*.pem", "*.key", "*.p12", "*.pfx", "*.ppk", "*.jks", "*.keystore",
-    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "!id_*.pub",
+    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "!id_*.pub", "!id_*.py", "!id_*.ipynb",
     ".ssh/", ".gnupg/", "**/.local/share/keyrings/", "**/.local/share/python_keyring/", ".password-store/",
     # Jupyter's runtime files: the server's token (jpserver-*.json, its -open.html) and each kernel's
     # HMAC key; ipyparallel's connection files; hashed passwords in the server's config
@@ -252,7 +254,8 @@ class _Contents:
         more = len(self.secrets) - NOTICE_NAMES
         shown = ", ".join(self.secrets[:NOTICE_NAMES]) + (f" and {more} more" if more > 0 else "")
         log.warning(
-            "cmlcluster: not shipped to workers (may hold credentials): %s; a !pattern in %s ships one, e.g. !%s",
+            "cmlcluster: not shipped to workers (may hold credentials): %s; in %s a !pattern ships one (e.g. "
+            "!%s), a plain pattern keeps it home unsaid",
             shown, self.rules.ignore_file, self.secrets[0],
         )  # fmt: skip
 

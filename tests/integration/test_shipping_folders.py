@@ -85,4 +85,4 @@ def test_a_home_folder_ships_to_a_container_without_its_credentials(tmp_path, mo
     assert found == sorted(HOME_CODE)  # what the worker's folder holds: the code, and none of the secrets
     [notice] = [r.getMessage() for r in caplog.records if r.name == "cmlcluster.shipping"]
     assert notice.startswith("cmlcluster: not shipped to workers (may hold credentials): .aws/, .bash_history, ")
-    assert " and 10 more; a !pattern in " in notice
+    assert " and 10 more; in " in notice and "a !pattern ships one" in notice

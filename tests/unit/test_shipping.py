@@ -173,6 +173,8 @@ HOME_SECRETS = [
     ".terraform.d/credentials.tfrc.json", ".netrc", ".git-credentials", ".config/git/credentials",
     ".config/gh/hosts.yml", ".pypirc", ".npmrc", ".kaggle/kaggle.json", ".cache/huggingface/token",
     ".cache/huggingface/stored_tokens", ".huggingface/token", "app/.streamlit/secrets.toml", ".pgpass", ".my.cnf",
+    ".yarnrc.yml", ".pip/pip.conf", ".config/pip/pip.conf", ".condarc", ".dockercfg", ".Renviron",
+    ".config/rclone/rclone.conf", ".dbt/profiles.yml", ".snowsql/config",
     ".ssh/config", ".ssh/known_hosts", ".ssh/authorized_keys", ".ssh/id_ed25519", ".ssh/id_ed25519.pub",
     ".gnupg/pubring.kbx", ".local/share/keyrings/login.keyring", ".local/share/python_keyring/keyring_pass.cfg",
     ".password-store/db.gpg", "deploy/server.pem", "deploy/server.key", "deploy/client.p12", "deploy/client.pfx",
@@ -189,6 +191,7 @@ HOME_SECRETS = [
 # What must travel: code and data, whatever their names start with, and what merely sits beside a secret.
 HOME_CODE = [
     "train.py", "src/id_utils.py", "data/id_to_label.json", "data/keys.csv", "keys/id_ed25519.pub",
+    "tools/id_rsa_tool.py", "notebooks/id_ecdsa_explained.ipynb",
     "notebooks/history.ipynb", "src/key_value.py", ".ipython/profile_default/startup/00-setup.py",
     ".jupyter/lab/user-settings/theme.json", ".config/app/settings.toml", "app/.streamlit/config.toml",
     "src/environment.py", "requirements.txt",
@@ -223,12 +226,15 @@ def test_one_notice_names_what_the_defaults_kept_home_and_how_to_ship_one(tmp_pa
     folder = home(tmp_path)
     _, [notice] = shipped_files(folder, monkeypatch, caplog)
     assert notice.startswith(
-        "cmlcluster: not shipped to workers (may hold credentials): .Rhistory, .aws/, .azure/, .bash_history, "
-        ".boto and "
+        "cmlcluster: not shipped to workers (may hold credentials): .Renviron, .Rhistory, .aws/, .azure/, "
+        ".bash_history and "
     )  # in the order found: folders once, by their own name
     more = int(notice.split(" and ")[1].split(" more")[0])
-    assert more == 59  # every other file or folder kept home, counted; nothing quiet (.git, __pycache__) is
-    assert notice.endswith(f"; a !pattern in {folder / '.cmlclusterignore'} ships one, e.g. !.Rhistory")
+    assert more == 68  # every other file or folder kept home, counted; nothing quiet (.git, __pycache__) is
+    assert notice.endswith(
+        f"; in {folder / '.cmlclusterignore'} a !pattern ships one (e.g. !.Renviron), a plain pattern keeps it "
+        "home unsaid"
+    )
     assert "\n" not in notice
     # What the user's own file leaves out is their choice, and not named again; with nothing kept home
     # by the defaults, nothing is said.
@@ -250,7 +256,7 @@ def test_a_negation_in_the_ignore_file_ships_a_default_and_the_notice_stops_nami
     taken_back = [".cmlclusterignore", ".env.example", ".kube/config", "deploy/server.key"]
     assert sorted(set(files) - set(HOME_CODE)) == taken_back
     assert ".ssh/known_hosts" not in files  # as in git: nothing inside a folder left out comes back...
-    assert " and 57 more;" in notice  # 64 kept home before, less .kube/ and deploy/server.key; .ssh/ still
+    assert " and 66 more;" in notice  # 73 kept home before, less .kube/ and deploy/server.key; .ssh/ still
     (folder / ".cmlclusterignore").write_text("!.ssh/\n.ssh/*\n!.ssh/known_hosts\n")  # ...unless the folder does
     files, _ = shipped_files(folder, monkeypatch, caplog, to="again")
     assert sorted(set(files) - set(HOME_CODE)) == [".cmlclusterignore", ".ssh/known_hosts"]
