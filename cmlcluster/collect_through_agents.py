@@ -12,8 +12,9 @@ worker's agent over the control plane (agent_results.py) before it stops the wor
 
 The files travel as one tar stream, CHUNK bytes per call, into results_home's Homecoming: the same
 rules (only what collect= asks for, changed files only, no links, never over a file that was there, the
-caps, two workers' same file) as on every other backend. The agent's report is a worker's word: the
-session reads at most the caps' worth of it, whatever size it claims.
+caps, two workers' same file) as on every other backend. The agent's answers are a worker's word: its
+report is read for its shape (results_home.checked_report), and the session reads at most the caps'
+worth of its stream, whatever size it claims, and of each chunk no more than it asked for, as bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import results
-from .backends.results_home import Arrival, Homecoming
+from .backends.results_home import Arrival, Homecoming, checked_report
 from .workers import RUNNING, Worker
 
 if TYPE_CHECKING:
@@ -103,17 +104,18 @@ class CollectThroughAgents:
             return
         try:
             caps = (results.cap_bytes(), results.cap_files())
-            report = await supervisor.call(worker, f"{AGENT}:pack", (worker.id, *caps), PACK_TIMEOUT)
+            answer = await supervisor.call(worker, f"{AGENT}:pack", (worker.id, *caps), PACK_TIMEOUT)
         except Exception as e:
             log.warning("cmlcluster: %s", self._gone(worker, str(e)))
             return
+        report = checked_report(answer, worker.id)
         if not report.get("kept"):
             why = report.get("why", "nothing was kept")
             log.warning("cmlcluster: worker %s's collect= files did not come home (%s)", worker.id, why)
             return
         arrival = Arrival(worker.id, worker.spec.cwd, worker.spec.collect)
         broke: list[Exception] = []
-        size = min(int(report.get("size", 0)), _most(results.cap_bytes(), results.cap_files()))
+        size = min(report.get("size", 0), _most(results.cap_bytes(), results.cap_files()))
         chunks = self._chunks(worker, size, asyncio.get_running_loop(), broke)
         await asyncio.to_thread(Homecoming.of(supervisor.backend.context).unpack, chunks, arrival)
         try:
@@ -136,8 +138,12 @@ class CollectThroughAgents:
             except Exception as e:
                 broke.append(e)
                 return
+            if not isinstance(data, (bytes, bytearray)):
+                broke.append(TypeError(f"its agent sent {_a(type(data).__name__)}, not bytes"))
+                return
             if not data:
                 return
+            data = data[: min(CHUNK, size - offset)]  # never more than asked for
             offset += len(data)
             yield bytes(data)
 
@@ -152,3 +158,7 @@ class CollectThroughAgents:
             "program ends or is stopped; a worker killed outright (out of memory, its node lost) takes them "
             "with it: save what must survive that to a shared volume"
         )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"

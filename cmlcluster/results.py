@@ -64,7 +64,8 @@ def check_collect(collect: object) -> tuple[str, ...]:
         if why:
             raise ConfigError(f"collect entry {path!r}: {why}")
         paths.append(posixpath.normpath(path))
-    # A path inside another named one comes with it (a hidden one under "." is asked for by its name).
+    # A path inside another named one comes with it, but for one it asks for only by name (asked_for:
+    # "outputs/clone/.git" beside "outputs", ".config" beside ".").
     return tuple(dict.fromkeys(p for p in paths if not asked_for([q for q in paths if q != p], p)))
 
 
@@ -75,11 +76,31 @@ def covers(collect: Iterable[str], path: str) -> bool:
 
 def asked_for(collect: Iterable[str], name: str) -> bool:
     """Whether a file `name` (relative, "/"-separated, normalized) that came from a worker is one the run's
-    collect= paths ask for. "." asks for the whole folder but its hidden top-level entries (.git,
-    .ipython, .bashrc, .local, ...): there live the settings and code that tools run by themselves (git
-    hooks, IPython's startup files, a shell's rc); a collect= path that names one asks for it."""
-    hidden = name.startswith(".")
-    return any(path == name or name.startswith(path + "/") or (path == "." and not hidden) for path in collect)
+    collect= paths ask for: one of them is `name` or a folder above it, and names every guarded part of
+    it. Guarded: a .git or __pycache__ folder at any depth (git hooks run by themselves; a .pyc whose
+    header matches a shipped module's time and size is imported in its place) and, under ".", the
+    folder's hidden top-level entries (.git, .ipython, .bashrc, .local, ...: the settings and code that
+    tools run by themselves). `collect=[".", "repo/.git"]` asks for that one .git, `"outputs"` for none
+    below it."""
+    parts = name.split("/")
+    guarded = [i for i, part in enumerate(parts) if _guarded(part) or (i == 0 and part.startswith("."))]
+    deepest = guarded[-1] if guarded else -1
+    for path in collect:
+        named = [] if path == "." else path.split("/")
+        if len(named) > deepest and parts[: len(named)] == named:
+            return True
+    return False
+
+
+GUARDED = (".git", "__pycache__")
+# What a macOS (HFS+) folder name ignores, and Windows' trailing dots and spaces: ".g\u200cit" is .git there.
+_IGNORED = dict.fromkeys([0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF])
+
+
+def _guarded(part: str) -> bool:
+    """Whether a folder named `part` is a .git or __pycache__ folder, as a case-insensitive file system has
+    it (git's own rule for .git, verify_path)."""
+    return part.translate(_IGNORED).rstrip(". ").casefold() in GUARDED
 
 
 def _refused(path: str) -> str:

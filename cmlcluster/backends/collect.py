@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .. import results
 from ..workers import WorkerSpec
 from . import docker_worker
-from .results_home import Arrival, Homecoming
+from .results_home import Arrival, Homecoming, checked_report
 from .results_host import KEEP_DAYS
 
 if TYPE_CHECKING:
@@ -72,7 +72,8 @@ def _fetch(home: Homecoming, argv: list[str], spec: WorkerSpec, host: str) -> No
         timer.cancel()
         reader.join(5)
     text = b"".join(said).decode(errors="replace")
-    report = next((_json(line) for line in reversed(text.splitlines()) if line.startswith("{")), None)
+    found = next((_json(line) for line in reversed(text.splitlines()) if line.startswith("{")), None)
+    report = None if found is None else checked_report(found, spec.worker_id)  # the host's word: its shape checked
     if report is not None and report.get("kept") and report.get("sent", True):
         arrival.say(report)
         return

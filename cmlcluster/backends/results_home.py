@@ -8,8 +8,12 @@ the stopped container before removing it, and the session takes a pod's from its
 what of it is written. It trusts nothing the stream says (a worker's program, or whoever took its host,
 wrote it):
 
-- only files under the run's collect= paths (results.asked_for: "." leaves the folder's hidden top-level
-  entries, .git or .ipython, unless one is named); anything else is dropped, and the warning names it;
+- only files under the run's collect= paths (results.asked_for); anything else is dropped, and the
+  warning names it. Of those, a .git or __pycache__ folder at any depth, and under "." the folder's
+  hidden top-level entries (.ipython, .bashrc), only when a collect= path names them; left out, and said
+  at INFO (an honest host or agent keeps none of them: results_host; a container's archive holds them);
+- with `since` (a container's archive, which holds the files shipped to it too): only the files changed
+  since the worker started, the others skipped without a word;
 - only files: never a link, a device or anything outside the folder (no absolute names, no ".."), and
   never through a link: each folder on the way is opened without following one (O_NOFOLLOW), the
   user's own links included; a file whose way crosses one stays behind, named;
@@ -17,14 +21,18 @@ wrote it):
   with the worker's modification time, its execute bits (never set-id or sticky bits, never writable by
   others);
 - never over a file that was there before the workers' files came (the user's `train.py`, yesterday's
-  `model.keras`): that one stays, and the worker's is written beside it as `<name>.<worker id>`, named in
-  the warning; identical contents are kept once;
+  `model.keras`), nor one made meanwhile: that one stays, and the worker's is written beside it as
+  `<name>.<worker id>` (`.1`, `.2`, ... after it where that name is taken: nothing beside is replaced
+  either), named in the warning; identical contents are kept once;
 - keeps both when two workers of the session wrote one file with different contents: the later keeps
   the name and the earlier is renamed `<name>.<earlier worker's id>`; one warning names both workers;
-- stops at the caps (results.cap_bytes, results.cap_files) and says so.
+- stops at the caps (results.cap_bytes, results.cap_files) and says so;
+- never raises: a member that cannot be written (a name no folder holds, a time no clock holds) stays
+  behind, named, and anything else unforeseen ends the stream there, said as "the rest".
 
-One warning per worker says all of what did not come as sent. One worker's files at a time per session:
-two workers' files for one name meet in a known order.
+The host's or agent's report (what stayed behind there) is a worker's word too: `checked_report` reads
+what is not of its shape as empty, and says so. One warning per worker says all of what did not come as
+sent. One worker's files at a time per session: two workers' files for one name meet in a known order.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import os
+import posixpath
 import secrets
 import shutil
 import stat
@@ -53,6 +63,13 @@ NOTED = 20  # descriptions of what stayed behind, in a warning
 ENTRIES_PER_FILE = 4  # a stream of more entries than this many per file allowed is read no further
 FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+BESIDE = 100  # names tried beside a file that was here: <name>.<worker id>, then .1, .2, ...
+LATEST = 2**62  # seconds either side of 1970 a file's time may be (time_t's range, and some)
+REPORT_TEXT = 300  # characters of one name or message in a host's report that are read
+# A host's or agent's report, by key: what each must be.
+REPORT_NAMES = ("over_cap", "over_files_cap", "links", "errors", "missing")  # lists of texts
+REPORT_COUNTS = ("over_cap_count", "over_files_cap_count", "links_count", "files", "bytes", "size")
+REPORT_FLAGS = ("kept", "sent")
 
 
 @dataclass
@@ -72,12 +89,14 @@ class Arrival:
     stopped_at_files_cap: bool = False
     not_asked: list[str] = field(default_factory=list)  # dropped: outside the collect= paths (the first few)
     not_asked_count: int = 0
+    left_out: list[str] = field(default_factory=list)  # under a collect= path, but guarded (the first few)
+    left_out_count: int = 0
     beside: list[tuple[str, str]] = field(default_factory=list)  # (a file that was here, the worker's beside it)
 
     def say(self, host_report: dict[str, Any] | None = None) -> None:
         """One line at INFO of what came; one WARNING for all that did not come as sent, and one per pair
         of workers whose files met."""
-        report = host_report or {}
+        report = checked_report(host_report or {}, self.worker_id)
         what = f"{self.files} file{'s' if self.files != 1 else ''}, {results.size_text(self.bytes)}"
         if self.files:
             log.info("cmlcluster: worker %s's collect= files came home to %s (%s)", self.worker_id, self.dest, what)
@@ -104,7 +123,7 @@ class Arrival:
             over = results.listing(report.get("over_files_cap", []), count) or "the rest"
             behind.append(f"past the {results.cap_files()}-file cap (CMLCLUSTER_COLLECT_CAP_FILES): {over}")
         if report.get("links_count"):
-            links = results.listing(report["links"], report["links_count"])
+            links = results.listing(report.get("links", []), report["links_count"])
             behind.append(f"links, which are never followed out of a folder: {links}")
         behind += [f"an error on the host: {e}" for e in report.get("errors", [])]
         said = []
@@ -114,8 +133,7 @@ class Arrival:
             said.append(
                 f"it sent {self.not_asked_count} file{'s' if self.not_asked_count != 1 else ''} that collect="
                 f"{list(self.collect)!r} does not ask for, dropped: "
-                f'{results.listing(self.not_asked, self.not_asked_count)} ("." leaves hidden top-level '
-                "entries such as .git unless named)"
+                f"{results.listing(self.not_asked, self.not_asked_count)}"
             )
         if self.beside:
             pairs = [f"{name} (the worker's is {saved})" for name, saved in self.beside]
@@ -131,6 +149,16 @@ class Arrival:
                 self.dest,
                 "; ".join(said),
             )
+        if self.left_out_count:
+            log.info(
+                "cmlcluster: worker %s sent %d file%s that collect= brings only when named, left out: %s (.git and "
+                '__pycache__ folders at any depth, and under "." hidden top-level entries: name one in '
+                "collect= to have it)",
+                self.worker_id,
+                self.left_out_count,
+                "s" if self.left_out_count != 1 else "",
+                results.listing(self.left_out, self.left_out_count),
+            )
         if report.get("missing"):
             log.info(
                 "cmlcluster: worker %s had no %s in its working folder when it ended",
@@ -145,9 +173,56 @@ class Arrival:
             self.behind.append(text)
 
     def drop(self, name: str) -> None:
+        """A file outside every collect= path (a worker's end sends none honestly): dropped, warned of."""
         self.not_asked_count += 1
         if len(self.not_asked) < results.NAMED:
             self.not_asked.append(name)
+
+    def leave(self, name: str) -> None:
+        """A file under a collect= path that asks for it only by name (.git, __pycache__): left out."""
+        self.left_out_count += 1
+        if len(self.left_out) < results.NAMED:
+            self.left_out.append(name)
+
+
+def checked_report(raw: object, worker_id: str) -> dict[str, Any]:
+    """A host's or agent's report (results_host.send's JSON line, agent_results.pack's answer) as the
+    session reads it: each known key only where it is of its shape (lists of texts, counts, flags, "why"
+    a text), texts cut short; what is not, read as empty, and one warning naming the worker says so."""
+    if not isinstance(raw, dict):
+        _misshapen(worker_id, [f"not a report: a {type(raw).__name__}"])
+        return {}
+    report: dict[str, Any] = {}
+    wrong: list[str] = []
+    for key, value in raw.items():
+        if key in REPORT_NAMES:
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                report[key] = [v[:REPORT_TEXT] for v in value[:NOTED]]
+            else:
+                wrong.append(f"{key}: not a list of names")
+        elif key in REPORT_COUNTS:
+            if type(value) is int and value >= 0:
+                report[key] = value
+            else:
+                wrong.append(f"{key}: not a count")
+        elif key in REPORT_FLAGS:
+            if isinstance(value, bool):
+                report[key] = value
+            else:
+                wrong.append(f"{key}: not true or false")
+        elif key == "why":
+            report[key] = str(value)[:REPORT_TEXT]
+    if wrong:
+        _misshapen(worker_id, wrong)
+    return report
+
+
+def _misshapen(worker_id: str, wrong: list[str]) -> None:
+    log.warning(
+        "cmlcluster: worker %s's report on its collect= files is not as a host or agent writes it (%s); read as empty",
+        worker_id,
+        "; ".join(wrong),  # one per known key at most
+    )
 
 
 class _Behind(Exception):
@@ -192,13 +267,16 @@ class Homecoming:
         files changed since then (the worker's start, on its clock) count, for streams that hold them all
         (a container's). A stream that breaks off leaves the files before the break, each whole."""
         stream = _Chunks(chunks)
-        if not stream.peek():
-            return  # nothing was sent
         with self._lock:
             try:
+                if not stream.peek():
+                    return  # nothing was sent
                 self._members(stream, arrival, rename, since)
             except (tarfile.TarError, EOFError) as e:
                 arrival.stay(f"the rest (the stream broke off: {e})")
+            except Exception as e:  # whatever a stream holds, it ends here: the files before it stay
+                log.debug("cmlcluster: worker %s's collect= files", arrival.worker_id, exc_info=True)
+                arrival.stay(f"the rest ({type(e).__name__}: {e})")
 
     def _members(
         self, stream: _Chunks, arrival: Arrival, rename: Callable[[str], str] | None, since: float | None
@@ -215,14 +293,19 @@ class Homecoming:
                     continue  # folders are made for the files in them
                 if name.startswith("/") or ".." in parts or not parts:
                     arrival.stay(f"{member.name} (a name outside the folder)")
+                elif since is not None and member.isreg() and not results.changed(member.mtime, since):
+                    continue  # shipped to it, unchanged: not the worker's, whatever its name
                 elif not results.asked_for(arrival.collect, "/".join(parts)):
-                    arrival.drop("/".join(parts))
+                    if results.covers(arrival.collect, "/".join(parts)):
+                        arrival.leave("/".join(parts))
+                    else:
+                        arrival.drop("/".join(parts))
                 elif member.issym() or member.islnk():
                     arrival.stay(f"{name} (a link, never followed out of a folder)")
                 elif not member.isreg():
                     arrival.stay(f"{name} (not a file)")
-                elif since is not None and not results.changed(member.mtime, since):
-                    continue  # shipped to it, unchanged
+                elif member.size < 0:
+                    arrival.stay(f"{name} (a size below 0)")
                 elif arrival.bytes + member.size > cap:
                     arrival.stopped_at_cap = True
                     break
@@ -246,6 +329,11 @@ class Homecoming:
         except OSError as e:
             arrival.stay(f"{name} ({e.strerror or e})")
             return
+        except (tarfile.TarError, EOFError):
+            raise  # the stream itself broke off: the rest stays behind (unpack)
+        except Exception as e:  # anything else this one member holds: it stays behind, the rest comes
+            arrival.stay(f"{name} ({type(e).__name__}: {e})")
+            return
         if written:
             arrival.files += 1
             arrival.bytes += member.size
@@ -264,36 +352,76 @@ class Homecoming:
                 out.flush()
                 # The worker's execute bits and read bits; never set-id or sticky bits, never writable by others.
                 os.fchmod(fd, (member.mode & 0o755) | 0o600)
-                os.utime(fd, (member.mtime, member.mtime))
+                if _a_time(member.mtime):  # else written now: a stream's time is a worker's word
+                    with contextlib.suppress(OSError):
+                        os.utime(fd, (member.mtime, member.mtime))
             return self._put(folder, temporary, base, name, arrival)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary, dir_fd=folder)
 
     def _put(self, folder: int, temporary: str, base: str, name: str, arrival: Arrival) -> bool:
-        """Rename the arrived file into its place: over nothing, over the same worker's, or over an
-        earlier worker's of this session (kept beside as <name>.<its id>). What was there before any
-        worker's came (or was changed since one's came: the user's) stays, the arrived file beside it."""
-        place, target, beside = os.path.join(arrival.dest, name), base, False
-        here = _lstat(base, folder)
+        """Put the arrived file in its place: over nothing, over the same worker's, or over an earlier
+        worker's of this session (kept beside as <name>.<its id>). What was there before any worker's came,
+        or was made or changed since (the user's), stays, the arrived file beside it; nothing beside is
+        replaced either (_beside). False when the same contents were there already."""
+        place, here = os.path.join(arrival.dest, name), _lstat(base, folder)
+        if here is None and _link(folder, temporary, base):
+            return self._brings(folder, base, place, arrival)
+        here = here or _lstat(base, folder)  # made meanwhile: the user's
         earlier = self._brought.get(place)
-        if here is not None and (earlier is None or (here.st_size, here.st_mtime_ns, here.st_ino) != earlier[1:]):
-            if stat.S_ISREG(here.st_mode) and _same(folder, base, temporary):
-                return False  # what the worker sent is here already
-            place, target, beside = f"{place}.{arrival.worker_id}", f"{base}.{arrival.worker_id}", True
-            there = _lstat(target, folder)
-            if there is not None and stat.S_ISDIR(there.st_mode):
-                raise _Behind(f"it was here before, and {target} beside it is a folder")
-        elif here is not None and earlier is not None and earlier[0] != arrival.worker_id:
-            if not _same(folder, base, temporary):
-                os.replace(base, f"{base}.{earlier[0]}", src_dir_fd=folder, dst_dir_fd=folder)
-                arrival.conflicts.setdefault(earlier[0], []).append((name, f"{name}.{earlier[0]}"))
-        os.replace(temporary, target, src_dir_fd=folder, dst_dir_fd=folder)
-        if beside:
-            arrival.beside.append((name, f"{name}.{arrival.worker_id}"))
-        info = os.stat(target, dir_fd=folder, follow_symlinks=False)
+        if here is not None and earlier is not None and (here.st_size, here.st_mtime_ns, here.st_ino) == earlier[1:]:
+            if earlier[0] != arrival.worker_id and not _same(folder, base, temporary):
+                saved = _beside(folder, base, base, earlier[0])  # a second name for it: the rename keeps that
+                arrival.conflicts.setdefault(earlier[0], []).append((name, _sibling(name, saved)))
+            os.replace(temporary, base, src_dir_fd=folder, dst_dir_fd=folder)
+            return self._brings(folder, base, place, arrival)
+        if here is not None and stat.S_ISREG(here.st_mode) and _same(folder, base, temporary):
+            return False  # what the worker sent is here already
+        target = _beside(folder, temporary, base, arrival.worker_id)
+        arrival.beside.append((name, _sibling(name, target)))
+        return self._brings(folder, target, os.path.join(os.path.dirname(place), target), arrival)
+
+    def _brings(self, folder: int, base: str, place: str, arrival: Arrival) -> bool:
+        """The file now at `place` (`base` in `folder`) is this worker's, as long as it stays as it is."""
+        info = os.stat(base, dir_fd=folder, follow_symlinks=False)
         self._brought[place] = (arrival.worker_id, info.st_size, info.st_mtime_ns, info.st_ino)
         return True
+
+
+def _link(folder: int, source: str, name: str) -> bool:
+    """`source` given the name `name` too, in `folder`, unless something has that name (False): a hard
+    link fails rather than replace. Where the file system has none, a look, then a rename."""
+    try:
+        os.link(source, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV):
+            raise
+        if _lstat(name, folder) is not None:
+            return False
+        os.rename(source, name, src_dir_fd=folder, dst_dir_fd=folder)
+    return True
+
+
+def _beside(folder: int, source: str, base: str, worker_id: str) -> str:
+    """`source` linked in `folder` at the first free name of <base>.<worker id>, then .1, .2, ...; that name."""
+    for n in range(BESIDE):
+        name = f"{base}.{worker_id}" + (f".{n}" if n else "")
+        if _link(folder, source, name):
+            return name
+    raise _Behind(f"{base}.{worker_id} and the {BESIDE - 1} names after it are all taken here")
+
+
+def _sibling(name: str, base: str) -> str:
+    """`base` in the folder of `name` (both relative to the session's folder)."""
+    return posixpath.join(posixpath.dirname(name), base)
+
+
+def _a_time(mtime: float) -> bool:
+    """Whether a stream's modification time is one a file can have (finite, in time_t's range)."""
+    return isinstance(mtime, (int, float)) and math.isfinite(mtime) and -LATEST < mtime < LATEST
 
 
 def _open_folder(dest: str, parts: tuple[str, ...]) -> int:

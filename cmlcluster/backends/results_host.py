@@ -1,7 +1,8 @@
 """On an SSH host: a worker's collect= files, kept aside before its folder goes, until the session takes them.
 
 ssh_remote.py removes a worker's folder when the worker ends. Just before, `keep` moves what the worker
-wrote under its collect= paths (results.py: the files it changed; links stay behind) out of it, into
+wrote under its collect= paths (results.py: the files it changed, and of .git and __pycache__ folders and
+"."'s hidden top-level entries only those a path names: results.asked_for; links stay behind) out of it, into
 <temp folder>/cmlcluster-results-<uid>/<worker id>/files, with a report of what stayed behind. Moving,
 not copying: a checkpoint folder costs no second copy on the host's disk. The session then runs
 
@@ -107,10 +108,17 @@ class _Mover:
             self._one(resolved, path)
             return
         for parent, folders, names in os.walk(resolved):
-            folders.sort()
+            # What the session writes only when named (.git, __pycache__, "."'s hidden entries) stays.
+            folders[:] = sorted(f for f in folders if results.asked_for((path,), self._name(path, resolved, parent, f)))
             for name in sorted(names) + [f for f in folders if os.path.islink(os.path.join(parent, f))]:
-                source = os.path.join(parent, name)
-                self._one(source, os.path.normpath(os.path.join(path, os.path.relpath(source, resolved))))
+                relative = self._name(path, resolved, parent, name)
+                if results.asked_for((path,), relative):
+                    self._one(os.path.join(parent, name), relative)
+
+    @staticmethod
+    def _name(path: str, resolved: str, parent: str, name: str) -> str:
+        """The name in the stream of `name` in `parent`, below the collect= path `path` (at `resolved`)."""
+        return os.path.normpath(os.path.join(path, os.path.relpath(os.path.join(parent, name), resolved)))
 
     def _one(self, source: str, name: str) -> None:
         info = os.lstat(source)

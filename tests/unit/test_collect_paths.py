@@ -297,7 +297,7 @@ def test_dot_asks_for_all_but_the_hidden_top_level_entries_which_are_asked_for_b
     data = stream(*HOSTILE[:2], (".bashrc", b"x", 0o644), ("src/.keep", b"", 0o644), ("a/.zattrs", b"{}", 0o644))
     arrival, said = unpacked(session_folder, ["."], data, caplog)
     assert files_in(session_folder) == ["a/.zattrs", "src/.keep", "train.py"]
-    assert arrival.not_asked_count == 3 and '"." leaves hidden top-level entries such as .git unless named' in said[0]
+    assert arrival.not_asked_count == 0 and arrival.left_out_count == 3 and said == []  # said at INFO
     assert results.check_collect([".", ".config", "outputs"]) == (".", ".config")
     unpacked(session_folder, [".", ".config"], stream((".config/app.toml", b"x", 0o644)), caplog)
     assert (session_folder / ".config" / "app.toml").read_text() == "x"
@@ -423,3 +423,217 @@ def test_a_hostile_hosts_send_writes_only_what_collect_asks_for(session_folder, 
     assert (session_folder / "train.py").read_text() == "print('train')"
     [said] = [r.getMessage() for r in caplog.records]
     assert "it sent 4 files that collect=['outputs'] does not ask for, dropped: .ipython/" in said
+
+
+def pax_stream(*members) -> bytes:
+    """A tar stream of (name, contents, PAX records) files: records such as a worker's end could craft."""
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data, records in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.pax_headers = len(data), time.time(), dict(records)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_times_no_clock_holds_neither_lose_the_file_nor_break_the_stream(session_folder, caplog):
+    data = pax_stream(
+        *((f"outputs/{t}.txt", t.encode(), {"mtime": t}) for t in ("nan", "1e300", "-1e300", "inf")),
+        ("outputs/ok", b"x", {"path": "outputs/a\0b"}),  # a name no folder can hold: it stays behind, named
+        ("outputs/after.txt", b"after", {}),
+        ("outputs/bad-size", b"x", {"size": "-5"}),  # tarfile reads no further
+    )
+    _, [warning] = unpacked(session_folder, ["outputs"], data, caplog)
+    assert files_in(session_folder / "outputs") == ["-1e300.txt", "1e300.txt", "after.txt", "inf.txt", "nan.txt"]
+    assert (session_folder / "outputs" / "1e300.txt").read_text() == "1e300"
+    assert abs(os.stat(session_folder / "outputs" / "nan.txt").st_mtime - time.time()) < 60  # written now
+    assert "outputs/a\0b (ValueError: embedded null byte)" in warning
+    assert "outputs/bad-size (a size below 0)" in warning
+
+
+def test_nothing_a_stream_holds_raises_out_of_unpack(session_folder, monkeypatch):
+    def chunks():
+        yield stream(("outputs/one.txt", b"1", 0o644))[:2048]  # its header and contents, then a failure
+        raise RuntimeError("the source failed")
+
+    arrival = Arrival("s9-6", str(session_folder), ("outputs",))
+    Homecoming().unpack(chunks(), arrival)
+    assert arrival.files == 1 and arrival.behind == ["the rest (RuntimeError: the source failed)"]
+
+    monkeypatch.setattr(Homecoming, "_file", lambda *args: 1 / 0)  # anything unforeseen, per member
+    arrival = Arrival("s9-7", str(session_folder), ("outputs",))
+    Homecoming().unpack([stream(("outputs/two.txt", b"2", 0o644))], arrival)
+    assert arrival.behind == ["the rest (ZeroDivisionError: division by zero)"]
+
+
+def test_a_git_folder_or_byte_code_at_any_depth_comes_only_when_named(session_folder, caplog):
+    hooks = b"#!/bin/sh\ntouch /tmp/pwned\n"
+    data = stream(
+        ("repo/.git/hooks/post-checkout", hooks, 0o755),
+        ("outputs/clone/.GIT/hooks/pre-commit", hooks, 0o755),  # the same folder on macOS
+        ("outputs/clone/.git/config", b"[core]", 0o644),
+        ("__pycache__/train.cpython-311.pyc", b"planted", 0o644),
+        ("src/pkg/__pycache__/util.cpython-311.pyc", b"planted", 0o644),
+        ("outputs/model.txt", b"trained", 0o644),
+        ("outputs/.keep", b"", 0o644),
+        ("repo/.gitignore", b"*.pyc", 0o644),
+    )
+    arrival, said = unpacked(session_folder, ["."], data, caplog)
+    assert files_in(session_folder) == ["outputs/.keep", "outputs/model.txt", "repo/.gitignore", "train.py"]
+    assert said == [] and arrival.not_asked_count == 0 and arrival.left_out_count == 5
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cmlcluster.backends.results_home"):
+        arrival.say({})
+    [info] = [r.getMessage() for r in caplog.records if "only when named" in r.getMessage()]
+    assert "5 files that collect= brings only when named, left out: repo/.git/hooks/post-checkout" in info
+
+    for collect in (["outputs"], ["outputs/clone"]):
+        unpacked(session_folder, collect, data, caplog)
+        assert not (session_folder / "outputs" / "clone").exists()
+    assert results.check_collect(["outputs", "outputs/clone/.git", "src"]) == ("outputs", "outputs/clone/.git", "src")
+    unpacked(session_folder, ["outputs", "outputs/clone/.git", "src"], data, caplog)
+    assert files_in(session_folder / "outputs" / "clone") == [".git/config"]
+    assert not (session_folder / "src" / "pkg" / "__pycache__").exists()
+    for name, collect in (
+        ("a/.git/x", ["a/.git"]),
+        ("a/.git/x", ["a/.git/x"]),
+        ("a/__pycache__/m.pyc", ["a/__pycache__"]),
+        (".config/x", [".", ".config"]),
+    ):
+        assert results.asked_for(collect, name), (name, collect)
+    for name, collect in (
+        ("a/.git/x", ["a"]),
+        ("a/.git/x", ["."]),
+        ("a/.Git/x", ["."]),
+        ("a/.g\u200cit/x", ["."]),
+        ("a/__PYCACHE__/m.pyc", ["a"]),
+        ("a/.git/b/.git/x", ["a/.git"]),
+        ("x/y", ["x/.git"]),
+    ):
+        assert not results.asked_for(collect, name), (name, collect)
+
+
+def test_the_host_keeps_no_git_folder_or_byte_code_it_was_not_asked_for(host, tmp_path):
+    started = time.time()
+    write(host / "repo" / ".git" / "hooks" / "post-checkout", "#!/bin/sh")
+    write(host / "__pycache__" / "train.cpython-311.pyc", "byte code")
+    write(host / ".ipython" / "profile_default" / "startup" / "00.py", "print()")
+    write(host / "outputs" / "model.txt", "trained")
+    keep(str(host), "s9-8", ["."], started)
+    data, report = sent("s9-8")
+    assert '"files": 1' in report
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert tar.getnames() == ["outputs/model.txt"]
+
+
+def test_files_shipped_unchanged_are_skipped_without_a_word(session_folder, caplog):
+    """A container's archive holds every file of a collect= path, the shipped ones too: those it did not
+    change are neither written nor said, whatever their names."""
+    old = time.time() - 3600
+    data = pax_stream(
+        (".gitignore", b"*.pyc", {"mtime": str(old)}),
+        (".vscode/settings.json", b"{}", {"mtime": str(old)}),
+        ("src/.git/HEAD", b"ref", {"mtime": str(old)}),
+        ("outputs/model.txt", b"trained", {}),
+    )
+    arrival = Arrival("s9-9", str(session_folder), (".",))
+    Homecoming().unpack([data], arrival, since=time.time() - 60)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cmlcluster.backends.results_home"):
+        arrival.say({})
+    assert files_in(session_folder) == ["outputs/model.txt", "train.py"]
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "1 file" in caplog.records[0].getMessage()
+
+
+def test_a_file_beside_one_that_was_here_never_replaces_another(session_folder, caplog):
+    write(session_folder / "train.py.s9-0", "the user's own")
+    os.mkdir(session_folder / "train.py.s9-0.1")
+    _, [warning] = unpacked(session_folder, ["."], stream(("train.py", b"worker's", 0o644)), caplog)
+    assert (session_folder / "train.py").read_text() == "print('train')"
+    assert (session_folder / "train.py.s9-0").read_text() == "the user's own"
+    assert (session_folder / "train.py.s9-0.2").read_text() == "worker's"
+    assert "train.py (the worker's is train.py.s9-0.2)" in warning
+
+    # Two workers' files of one name: the earlier one's is kept beside under a free name too.
+    home = Homecoming()
+    write(session_folder / "outputs" / "m.json.s9-1", "the user's own")
+    unpacked(session_folder, ["outputs"], stream(("outputs/m.json", b"rank 0", 0o644)), caplog, "s9-1", home)
+    _, [warning] = unpacked(
+        session_folder, ["outputs"], stream(("outputs/m.json", b"rank 1", 0o644)), caplog, "s9-2", home
+    )
+    assert (session_folder / "outputs" / "m.json").read_text() == "rank 1"
+    assert (session_folder / "outputs" / "m.json.s9-1").read_text() == "the user's own"
+    assert (session_folder / "outputs" / "m.json.s9-1.1").read_text() == "rank 0"
+    assert "(worker s9-1's now outputs/m.json.s9-1.1)" in warning
+
+
+def test_a_file_made_here_while_the_workers_came_is_not_replaced(session_folder, caplog, monkeypatch):
+    from cmlcluster.backends import results_home
+
+    looked = results_home._lstat
+
+    def user_writes_meanwhile(name, folder):  # the user's file appears between the look and the rename
+        found = looked(name, folder)
+        if name == "late.txt" and found is None:
+            os.close(os.open("late.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=folder))
+        return found
+
+    monkeypatch.setattr(results_home, "_lstat", user_writes_meanwhile)
+    _, [warning] = unpacked(session_folder, ["."], stream(("late.txt", b"worker's", 0o644)), caplog)
+    assert (session_folder / "late.txt").read_text() == ""
+    assert (session_folder / "late.txt.s9-0").read_text() == "worker's"
+    assert "late.txt (the worker's is late.txt.s9-0)" in warning
+
+
+def test_a_hosts_report_of_the_wrong_shape_is_read_as_empty_and_said(session_folder, tmp_path, caplog):
+    import sys
+
+    from cmlcluster.backends.collect import _fetch
+    from cmlcluster.workers import Resources, WorkerSpec
+
+    crafted = tmp_path / "crafted.tar"
+    crafted.write_bytes(stream(("outputs/model.txt", b"trained", 0o644)))
+    bad = (
+        '{"kept": true, "over_cap_count": "9", "over_cap": 5, "links_count": 2, "links": "abc", '
+        '"errors": 7, "missing": [1], "over_files_cap_count": 1, "over_files_cap": {"a": 1}}'
+    )
+    code = (
+        "import shutil, sys\n"
+        f"shutil.copyfileobj(open({str(crafted)!r}, 'rb'), sys.stdout.buffer)\n"
+        f"print({bad!r}, file=sys.stderr)\n"
+    )
+    spec = WorkerSpec("s9-10", 0, (), {}, Resources(1, 1), str(session_folder), collect=("outputs",))
+    with caplog.at_level(logging.WARNING, logger="cmlcluster"):
+        _fetch(Homecoming(), [sys.executable, "-c", code], spec, "host")
+    assert files_in(session_folder) == ["outputs/model.txt", "train.py"]
+    said = [r.getMessage() for r in caplog.records]
+    [shape] = [m for m in said if "report on its collect= files" in m]
+    assert "worker s9-10's report on its collect= files is not as a host or agent writes it" in shape
+    for key in ("over_cap", "over_cap_count", "links", "errors", "missing", "over_files_cap"):
+        assert key in shape
+
+
+def test_where_the_file_system_has_no_hard_links_nothing_is_replaced_either(session_folder, caplog, monkeypatch):
+    import errno
+
+    from cmlcluster.backends import results_home
+
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(results_home.os, "link", no_links)
+    write(session_folder / "train.py.s9-0", "the user's own")
+    home = Homecoming()
+    unpacked(session_folder, ["."], stream(("train.py", b"1", 0o644), ("m.txt", b"0", 0o644)), caplog, "s9-0", home)
+    unpacked(session_folder, ["."], stream(("m.txt", b"1", 0o644)), caplog, "s9-1", home)
+    assert files_in(session_folder) == ["m.txt", "m.txt.s9-0", "train.py", "train.py.s9-0", "train.py.s9-0.1"]
+    assert [(session_folder / n).read_text() for n in ("m.txt", "m.txt.s9-0", "train.py.s9-0", "train.py.s9-0.1")] == [
+        "1",
+        "0",
+        "the user's own",
+        "1",
+    ]

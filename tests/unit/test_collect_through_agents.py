@@ -144,3 +144,49 @@ def test_an_agent_that_claims_a_huge_size_is_read_no_further_than_the_caps(worke
         session.await_workers([w], timeout_seconds=30)
     chunks = [args for _, target, args in backend.control.calls if target.endswith(":chunk")]
     assert len(chunks) == 1  # 4 MiB a call; the caps allow 1 MiB and 10 files' headers
+
+
+def crafted_agent(backend: FakeBackend, pack, chunk=None) -> None:
+    """The fake workers' agents answer pack (and chunk) with whatever these give, as an agent whose
+    worker's program took it could."""
+
+    def answer(engine_id, target, args):
+        if target.endswith(":pack"):
+            return pack
+        if target.endswith(":chunk"):
+            return chunk(*args[1:]) if chunk else None
+        return None
+
+    backend.control.responder = answer
+
+
+@pytest.mark.parametrize(
+    ("pack", "said"),
+    [
+        (["kept"], "not a report: a list"),
+        ({"kept": True, "size": "lots"}, "size"),
+        ({"kept": True, "size": None}, "size"),
+        ({"kept": True, "size": 9, "links_count": 1, "links": 3}, "links"),
+    ],
+)
+def test_an_agents_report_of_the_wrong_shape_is_read_as_empty_and_said(worker_folder, caplog, pack, said):
+    backend = FakeBackend([FakeWorker(run_time=0.1)])
+    crafted_agent(backend, pack, lambda offset, size: b"")
+    with caplog.at_level(logging.WARNING, logger="cmlcluster"), Session(backend, echo=False) as session:
+        [w] = session.launch_workers(1, cpu=1, memory=1, code="train()", collect="outputs")
+        [ended] = session.await_workers([w], timeout_seconds=10)["workers"]
+        assert ended["status"] == "succeeded"
+    [shape] = [r.getMessage() for r in caplog.records if "report on its collect= files" in r.getMessage()]
+    assert f"worker {w['id']}'s report on its collect= files is not as a host or agent writes it" in shape
+    assert said in shape
+
+
+def test_an_agents_chunk_that_is_not_bytes_ends_the_transfer(worker_folder, tmp_path, caplog):
+    backend = FakeBackend([FakeWorker(run_time=0.1)])
+    # 10**12 zero bytes, were it made bytes()
+    crafted_agent(backend, {"kept": True, "size": 4096}, lambda offset, size: 10**12)
+    with caplog.at_level(logging.WARNING, logger="cmlcluster"), Session(backend, echo=False) as session:
+        [w] = session.launch_workers(1, cpu=1, memory=1, code="train()", collect="outputs")
+        session.await_workers([w], timeout_seconds=10)
+    [said] = [r.getMessage() for r in caplog.records if "collect= files" in r.getMessage()]
+    assert "the rest (the transfer broke off: its agent sent an int, not bytes)" in said
