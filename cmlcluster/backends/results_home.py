@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 NOTED = 20  # descriptions of what stayed behind, in a warning
 ENTRIES_PER_FILE = 4  # a stream of more entries than this many per file allowed is read no further
+# A long name's or PAX header's size: tarfile reads such a header whole into memory, whatever size it claims.
+MAX_HEADER_BYTES = 64 << 10
 FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 BESIDE = 100  # names tried beside a file that was here: <name>.<worker id>, then .1, .2, ...
@@ -282,7 +284,7 @@ class Homecoming:
         self, stream: _Chunks, arrival: Arrival, rename: Callable[[str], str] | None, since: float | None
     ) -> None:
         cap, cap_files = results.cap_bytes(), results.cap_files()
-        with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:  # type: ignore[call-overload]
             for entries, member in enumerate(tar, 1):
                 if entries > cap_files * ENTRIES_PER_FILE:
                     arrival.stay(f"the rest (the stream held more than {entries - 1} entries)")
@@ -472,6 +474,17 @@ def _same(folder: int, a: str, b: str) -> bool:
 
 def _reader(name: str, folder: int, flags: int) -> IO[bytes]:
     return os.fdopen(os.open(name, flags, dir_fd=folder), "rb")
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A member whose extended header (a long name, PAX records) claims more than MAX_HEADER_BYTES ends
+    the stream before tarfile reads that header into memory."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        extended = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE)
+        if self.type in (*extended, tarfile.SOLARIS_XHDTYPE) and self.size > MAX_HEADER_BYTES:
+            raise tarfile.HeaderError(f"an extended header of {self.size} bytes (at most {MAX_HEADER_BYTES})")
+        return super()._proc_member(tar)  # type: ignore[misc]
 
 
 class _Chunks:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import tarfile
 import time
 
 import pytest
@@ -451,6 +452,23 @@ def test_times_no_clock_holds_neither_lose_the_file_nor_break_the_stream(session
     assert abs(os.stat(session_folder / "outputs" / "nan.txt").st_mtime - time.time()) < 60  # written now
     assert "outputs/a\0b (ValueError: embedded null byte)" in warning
     assert "outputs/bad-size (a size below 0)" in warning
+
+
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME], ids=["pax", "gnu long name"])
+def test_an_extended_header_claiming_more_than_a_name_needs_ends_the_stream_before_it_is_read(session_folder, kind):
+    def chunks():
+        yield stream(("outputs/one.txt", b"1", 0o644))[:2048]  # its headers and contents
+        header = tarfile.TarInfo("././@LongHeader")
+        header.type, header.size = kind, 1 << 32  # 4 GiB that tarfile would read into memory
+        yield header.tobuf(format=tarfile.USTAR_FORMAT)
+        yield b"x" * 512  # all a hostile sender need send; nothing of it must be read
+        raise AssertionError("read past a header that claims too much")
+
+    arrival = Arrival("s9-8", str(session_folder), ("outputs",))
+    Homecoming().unpack(chunks(), arrival)
+    assert arrival.files == 1
+    [rest] = arrival.behind
+    assert rest.startswith("the rest (the stream broke off: an extended header of 4294967296 bytes")
 
 
 def test_nothing_a_stream_holds_raises_out_of_unpack(session_folder, monkeypatch):
