@@ -2,11 +2,11 @@
 
 It is launched in a process group of its own under a lifeline (_lifeline.py), so that
 the group is killed when this process ends, however it ends; it listens on 127.0.0.1
-only, under a path of a random token (--path_prefix, read from a 0600 flag file, never
-from its command line, which every user may read); it counts as ready once its log says
-it holds the port and it answers HTTP there; it is ended by TERM to the lifeline, then
-KILL to what is left of the group. The helpers here also pick ports and quote its log in
-errors.
+only, on one port (--load_fast=false: no data server of its own on another), under a
+path of a random token (--path_prefix, read from a 0600 flag file, never from its
+command line, which every user may read); it counts as ready once its log says it holds
+the port and it answers HTTP there; it is ended by TERM to the lifeline, then KILL to
+what is left of the group. The helpers here also pick ports and quote its log in errors.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ def launch(logdir: str, port: int, log_fd: int, flagfile: str) -> subprocess.Pop
         f"--host={HOST}",
         f"--port={port}",
         f"--reload_interval={RELOAD_INTERVAL}",
+        # Not its Rust data server (`--load_fast=auto` starts one where tensorboard-data-server is installed):
+        # that listens on another port of 127.0.0.1, found in /proc/net/tcp by every user, and serves every
+        # log under logdir over gRPC without the token or any other check.
+        "--load_fast=false",
         f"--flagfile={flagfile}",
     ]
     # Its own process group under a lifeline: stdin is a pipe whose only write end

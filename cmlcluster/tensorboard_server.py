@@ -12,7 +12,9 @@ notebook as a link.
   127.0.0.1, and without the token gets 404. A link shown before a stop leads
   nowhere after it, whatever binds the port next (another TensorBoard has
   another token). The token reaches TensorBoard in a 0600 flag file, removed
-  once it answers, never on its command line.
+  once it answers, never on its command line. It listens on that one port:
+  ``--load_fast=false`` keeps it from starting its data server, which would
+  serve every log under `logdir` on another port of 127.0.0.1, without the token.
 - It runs in a process group of its own under a lifeline (_lifeline.py): when
   this process ends, however it ends (kill -9 included), the group is killed.
 - Its output goes to a log file, never to the notebook: in `session_dir` when
@@ -243,7 +245,7 @@ class TensorBoard:
 
     @property
     def pid(self) -> int:
-        """TensorBoard's own process; its group (it, its data server, the lifeline) is led by the lifeline."""
+        """TensorBoard's own process; its group (it and the lifeline) is led by the lifeline."""
         return self._pid
 
     @property

@@ -68,7 +68,7 @@ def group_members(pgid: int) -> list[int]:
 
 
 def tensorboards_under(folder: str, but: str) -> list[psutil.Process]:
-    """TensorBoard processes (and their data servers) reading a logdir in `folder`, save those naming `but`."""
+    """TensorBoard processes reading a logdir in `folder`, save those naming `but`."""
     found = []
     for proc in own_tree():
         cmdline = command_line(proc)
@@ -151,6 +151,50 @@ def test_without_its_token_every_request_is_refused_and_no_command_line_holds_th
     assert not [name for name in os.listdir(os.path.dirname(board.log_path)) if name.endswith(".flags")]
 
 
+def listening_ports(pgid: int) -> set[int]:
+    """The ports that the processes of TensorBoard's group (and below its lifeline) listen on."""
+    processes = {*group_members(pgid), pgid, *(p.pid for p in psutil.Process(pgid).children(recursive=True))}
+    ports = set()
+    for pid in processes:
+        with contextlib.suppress(psutil.Error):
+            ports |= {c.laddr.port for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"}
+    return ports
+
+
+def write_scalars(folder: str) -> None:
+    """An event file of three `loss` scalars (steps 0-2) in `folder`."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    writer = EventFileWriter(folder)
+    for step in range(3):
+        value = summary_pb2.Summary.Value(tag="loss", simple_value=1 / (step + 1))
+        writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value])))
+    writer.close()
+
+
+def test_it_serves_the_scalars_on_its_one_port_only_no_data_server_beside_it(tmp_path):
+    # TensorBoard's default --load_fast=auto starts its Rust data server (tensorboard-data-server, where
+    # installed) on another port of 127.0.0.1, which serves every log under logdir over gRPC, no token asked.
+    write_scalars(str(tmp_path / "logs" / "run1"))
+    started = time.monotonic()
+    with TensorBoard.start(str(tmp_path / "logs"), session_dir=str(tmp_path)) as tb:
+        answered = time.monotonic() - started
+        scalars = tb.url + "data/plugin/scalars/scalars?run=run1&tag=loss"
+        while True:  # TensorBoard reads the logdir in the background, after it answers
+            with contextlib.suppress(urllib.error.HTTPError):
+                points = json.loads(get(scalars)[1])
+                break
+            assert time.monotonic() - started < 60, "TensorBoard served no scalars in 60 s"
+            time.sleep(0.2)
+        served = time.monotonic() - started
+        print(f"TensorBoard answered {answered:.1f} s and served the scalars {served:.1f} s after start()")
+        assert [(step, value) for _, step, value in points] == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
+        assert "loss" in json.loads(get(tb.url + "data/plugin/scalars/tags")[1])["run1"]
+        assert status_of(f"http://127.0.0.1:{tb.port}/data/plugin/scalars/scalars?run=run1&tag=loss") == 404
+        assert listening_ports(os.getpgid(tb.pid)) == {tb.port}
+
+
 def test_its_log_is_a_file_in_the_session_folder_not_the_notebook(board, capfd):
     assert os.path.dirname(board.log_path) != ""
     with open(board.log_path) as f:
@@ -194,7 +238,7 @@ def test_stop_ends_its_process_group_closes_the_port_and_removes_its_temp_log(tm
     assert os.path.exists(log_path) and os.path.basename(log_path).startswith("cmlcluster-tensorboard-")
     tb.stop()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    assert wait_gone(members, within=2) == []  # its data server, reparented to init once TensorBoard exits, too
+    assert wait_gone(members, within=2) == []
     assert group_members(pgid) == []
     assert refused("127.0.0.1", port)
     assert not os.path.exists(log_path)
