@@ -14,8 +14,11 @@ horovodrun was given, or found on the hosts discovered at start).
 The rendezvous also admits connections only from the job's hosts and, from this machine, from
 processes of the session's user; in an elastic run, where it unpickles what ranks register, it
 takes that only signed with the run's key, read from the 0600 file CMLCLUSTER_RENDEZVOUS_KEY_FILE
-names (cmlcluster.horovod.rendezvous). The variable is taken out of the environment before
-horovodrun copies it onto the ranks' command lines.
+names (cmlcluster.horovod.rendezvous). The job's hosts are the names horovodrun is given (-H, or
+its discovery script's list each time it runs it), by the addresses each resolves to and those its
+worker reported of its own interfaces, read from the file CMLCLUSTER_RENDEZVOUS_HOSTS_FILE names
+(again each time: the session rewrites it as hosts come and go). Both variables are taken out of
+the environment before horovodrun copies it onto the ranks' command lines.
 """
 
 from __future__ import annotations
@@ -170,11 +173,12 @@ def record_hosts(discovery: Any, guard: rendezvous.Guard) -> None:
 
 def main() -> None:
     path = os.environ.pop(rendezvous.KEY_FILE_ENV, None)  # before horovodrun copies the environment
+    hosts_file = os.environ.pop(rendezvous.HOSTS_FILE_ENV, None) or None
     try:
         key = rendezvous.read_key_file(path) if path else None
     except (OSError, ValueError) as e:
         sys.exit(f"cmlcluster: the run's rendezvous key file {path} cannot be read ({e}); run the job again")
-    bind_rendezvous_to_server_ip(rendezvous.Guard(key))
+    bind_rendezvous_to_server_ip(rendezvous.Guard(key, hosts_file=hosts_file))
     from horovod.runner.launch import run_commandline
 
     sys.argv[0] = "horovodrun"  # what its usage and errors name

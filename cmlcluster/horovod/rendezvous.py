@@ -12,7 +12,12 @@ with the key that service trusts. So, for each elastic run:
 - each rank signs its worker_addresses PUT (an HMAC-SHA256 of the method, path and body, in
   SIGNATURE_HEADER); the driver checks it before anything is decoded, answers 403 otherwise, and
   answers every other request on that scope 403 (nothing legitimate reads it back);
-- the driver admits a connection only from the job's hosts' addresses and, from this machine
+- the driver admits a connection only from the job's hosts' addresses (every address each host's
+  worker reported of its own interfaces, in a file the session rewrites as hosts come and go, which
+  HOSTS_FILE_ENV names: a rank dials from its address on the interface horovodrun picked, an
+  InfiniBand or second NIC, not only from the one its -H name resolves to; a worker is trusted this
+  far already, its ranks hold the key, and loopback or this machine's addresses it may name are
+  still checked by uid) and, from this machine
   (loopback or one of its own addresses), only from a socket of the session's own user, which the
   kernel names (its socket diagnostics, as `ss` asks them; else /proc/net/tcp and tcp6, as identd
   reads them). A refused connection is closed unread. Gloo's
@@ -29,6 +34,7 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import json
 import os
 import secrets
 import socket
@@ -36,12 +42,13 @@ import struct
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 KEY_ENV = "CMLCLUSTER_RENDEZVOUS_KEY"  # a rank's: the run's key, hex (from its 0600 env file)
 KEY_FILE_ENV = "CMLCLUSTER_RENDEZVOUS_KEY_FILE"  # the driver's: a 0600 file holding the key, hex
+HOSTS_FILE_ENV = "CMLCLUSTER_RENDEZVOUS_HOSTS_FILE"  # the driver's: each job host's own addresses (JSON)
 SIGNATURE_HEADER = "X-Cmlcluster-Signature"
 SIGNED_SCOPE = "worker_addresses"  # horovod.runner.elastic.rendezvous.PUT_WORKER_ADDRESSES
 KEY_BYTES = 32
@@ -273,6 +280,45 @@ def admits(
     return address in host_addresses
 
 
+# -- the job's hosts' own addresses: a file the session rewrites, the driver reads ------------------
+
+
+def host_addresses_text(hosts: Mapping[str, Iterable[str]]) -> str:
+    """{host name as horovodrun's -H and discovery give it: its addresses} as the file holds it."""
+    return json.dumps({name: sorted(set(addresses)) for name, addresses in hosts.items()}, sort_keys=True)
+
+
+def parse_host_addresses(text: str) -> dict[str, frozenset[IPAddress]]:
+    """The file's {host name: addresses}; ValueError when it is not a JSON object of names to lists of IP addresses."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    found = {}
+    for name, addresses in data.items():
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise ValueError(f"the addresses of {name!r} are not a list of strings")
+        found[name] = frozenset(_unmapped(ipaddress.ip_address(a)) for a in addresses)
+    return found
+
+
+def write_host_addresses(path: str, hosts: Mapping[str, Iterable[str]]) -> None:
+    """Replace `path` (0600) with `hosts`, whole and at once: a reader sees the old list or the new one."""
+    fd, temporary = tempfile.mkstemp(prefix=".host-addresses-", dir=os.path.dirname(path) or None)  # 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(host_addresses_text(hosts))
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def read_host_addresses(path: str) -> dict[str, frozenset[IPAddress]]:
+    with open(path) as f:
+        return parse_host_addresses(f.read())
+
+
 # -- the driver's side -------------------------------------------------------------------------
 
 
@@ -305,22 +351,47 @@ def own_addresses() -> frozenset[IPAddress]:
 
 @dataclass
 class Guard:
-    """The rendezvous' admission and, with a key, its signed scope; install() puts both on a server."""
+    """The rendezvous' admission and, with a key, its signed scope; install() puts both on a server.
+
+    hosts_file: the session's file of each job host's own addresses (HOSTS_FILE_ENV; None where
+    ranks run on this machine), read again at each set_hosts: a replacement host's are in it
+    before horovod's discovery lists the host (ssh_cluster.SSHCluster writes it first)."""
 
     key: bytes | None
     uid: int = field(default_factory=os.getuid)
     own: frozenset[IPAddress] = field(default_factory=own_addresses)
+    hosts_file: str | None = None
     hosts: frozenset[IPAddress] = frozenset()  # replaced whole (by set_hosts) as the job's hosts change
-    _names: dict[str, frozenset[IPAddress]] = field(default_factory=dict)
+    _names: dict[str, frozenset[IPAddress]] = field(default_factory=dict)  # each name, resolved once
+    _reported: dict[str, frozenset[IPAddress]] = field(default_factory=dict)  # hosts_file's, as last read
     _said: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def set_hosts(self, names: Iterable[str]) -> None:
-        """The job's hosts now (horovodrun's -H, or what its discovery script printed last)."""
+        """The job's hosts now (horovodrun's -H, or what its discovery script printed last): the addresses
+        each name resolves to, and those its worker reported (hosts_file)."""
+        names = set(names)
+        reported = self._read_hosts_file()
         with self._lock:
-            for name in set(names) - set(self._names):
+            if reported is not None:
+                self._reported = reported
+            for name in names - set(self._names):
                 self._names[name] = resolve([name])
-            self.hosts = frozenset().union(*(self._names[n] for n in set(names)))
+            self.hosts = frozenset().union(*(self._names[n] | self._reported.get(n, frozenset()) for n in names))
+
+    def _read_hosts_file(self) -> dict[str, frozenset[IPAddress]] | None:
+        """hosts_file's hosts; None (said once) when it cannot be read: the last ones read stay."""
+        if self.hosts_file is None:
+            return None
+        try:
+            return read_host_addresses(self.hosts_file)
+        except (OSError, ValueError) as e:
+            self._say(
+                "hosts_file",
+                f"cmlcluster: the job's hosts' addresses cannot be read from {self.hosts_file} ({e}); the Horovod "
+                "rendezvous admits a host by those it last read, or else by those its name resolves to",
+            )
+            return None
 
     def verify_request(self, request: socket.socket, client_address: Any) -> bool:
         """socketserver's hook, called before a byte of the request is read: False closes the connection."""
@@ -336,16 +407,19 @@ class Guard:
         return ok
 
     def _refused(self, address: str) -> None:
-        with self._lock:
-            if address in self._said or len(self._said) >= 20:
-                return
-            self._said.add(address)
-        print(
-            f"cmlcluster: the Horovod rendezvous refused a connection from {address}: neither one of the job's hosts "
-            "nor a process of this session's user on this machine",
-            file=sys.stderr,
-            flush=True,
+        self._say(
+            address,
+            f"cmlcluster: the Horovod rendezvous refused a connection from {address}: neither an address of one of "
+            "the job's hosts nor a process of this session's user on this machine",
         )
+
+    def _say(self, what: str, message: str) -> None:
+        """`message` on stderr, once for `what`, and for 20 things at most."""
+        with self._lock:
+            if what in self._said or len(self._said) >= 20:
+                return
+            self._said.add(what)
+        print(message, file=sys.stderr, flush=True)
 
     def install(self, server: Any) -> None:
         """On a socketserver server (horovod's RendezvousHTTPServer) before it serves."""

@@ -179,7 +179,7 @@ def run_horovod(
                 horovodrun=horovodrun,
                 elastic=_elastic(cluster.discovery.script, np, cluster.hosts) if cluster.discovery else None,
             )
-            driver_env = {**_remote_driver_env(cluster.ssh), **key.driver_env}
+            driver_env = {**_remote_driver_env(cluster.ssh), **key.driver_env, **cluster.rendezvous_env}
             return _execute(argv, cluster.hosts, driver_env, view, check, cluster.job)
         except KeyboardInterrupt:
             kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"

@@ -8,11 +8,16 @@ reuse serves the session's next run.
 An elastic cluster (max_restarts > 0) lists its hosts in a DiscoveryFile for horovodrun instead:
 a lost worker's host leaves the list at once, and its replacement (launched by the job) is made
 ready as the first hosts were, then listed.
+
+Each host's worker also reports its own interface addresses (sshd.start); they go to a file that
+horovodrun's rendezvous reads (rendezvous.HOSTS_FILE_ENV, rendezvous_env), rewritten before the
+discovery list whenever the hosts change: a rank may dial the rendezvous from any of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -24,13 +29,15 @@ from ..jobs import Job, Member, Restarts, Role, launch_job
 from ..runs import send_files
 from ..session import Session
 from ..shipping import Shipment
-from ..ssh.config import sshd_answer
+from ..ssh.config import SshdAnswer, sshd_answer
 from ..ssh.keys import SessionSSH
 from ..ssh.preflight import Login, check_logins
 from ..workers import Resources
+from . import rendezvous
 from .elastic import DiscoveryFile
 
 SSHD_MODULE = "cmlcluster.ssh.sshd"
+HOST_ADDRESSES_FILE = "host_addresses.json"  # in the session's ssh folder (0700), beside its key
 
 
 @dataclass
@@ -48,7 +55,7 @@ class SSHCluster:
     discovery: DiscoveryFile | None = None  # elastic only
     rank_env: dict[str, str] | None = None  # set_rank_env's, for replacements too (ranks read the file, empty or not)
     _served: dict[str, str] = field(default_factory=dict)  # address -> the worker whose sshd serves it
-    _pinned: dict[str, tuple[str, str]] = field(default_factory=dict)  # address -> (host key, user)
+    _pinned: dict[str, SshdAnswer] = field(default_factory=dict)  # address -> what its sshd said (key, user, ...)
     _gone: set[str] = field(default_factory=set)  # lost workers already taken off the list
     _ids: set[str] = field(default_factory=set)  # every worker this cluster made a host of
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -57,6 +64,16 @@ class SSHCluster:
     @property
     def worker_ids(self) -> list[str]:
         return self.job.worker_ids
+
+    @property
+    def addresses_file(self) -> str:
+        """{host: the addresses of its interfaces, as its worker reported them}, for the rendezvous."""
+        return os.path.join(self.ssh.folder, HOST_ADDRESSES_FILE)
+
+    @property
+    def rendezvous_env(self) -> dict[str, str]:
+        """For horovodrun's driver: where the job's hosts' addresses are (it reads the file at each host change)."""
+        return {rendezvous.HOSTS_FILE_ENV: self.addresses_file}
 
     def set_rank_env(self, env: Mapping[str, str]) -> None:
         """This run's env= for its ranks, in a 0600 file on each host (cmlcluster.ssh.sshd:set_rank_env):
@@ -81,8 +98,8 @@ class SSHCluster:
         if self.rank_env is not None:  # a replacement's: the first hosts get it from run_horovod
             self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (self.rank_env,)) for w in workers])
         with self._lock:
-            self._pinned.update({a: (s.host_key, s.user) for a, s in zip(new, started, strict=True)})
-            keys, users = {a: k for a, (k, _) in self._pinned.items()}, {a: u for a, (_, u) in self._pinned.items()}
+            self._pinned.update(zip(new, started, strict=True))
+            keys, users = {a: s.host_key for a, s in self._pinned.items()}, {a: s.user for a, s in self._pinned.items()}
             self.ssh.pin(keys, self.port, users)
         logins = [Login(a, self.port, s.user) for a, s in zip(new, started, strict=True)]
         check_logins(logins, self.ssh.identity_file, self.ssh.known_hosts, what="Horovod hosts")
@@ -93,8 +110,7 @@ class SSHCluster:
             for address, ids in by_address.items():
                 slots[address] += self.slots * len(ids)
             self.hosts = list(slots.items())
-            if self.discovery is not None:
-                self.discovery.set(self.hosts)  # pinned and checked: horovodrun may start ranks there
+            self._publish()  # pinned and checked: horovodrun may start ranks there
 
     def _lose(self, member: Member) -> None:
         """A lost worker's host leaves the discovery list (all of it when its sshd went with it); once."""
@@ -111,8 +127,15 @@ class SSHCluster:
                 slots[member.address] -= self.slots
             self.hosts = [(a, n) for a, n in slots.items() if n > 0]
             self.sshd_workers = list(self._served.values())
-            if self.discovery is not None:
-                self.discovery.set(self.hosts)
+            self._publish()
+
+    def _publish(self) -> None:
+        """The hosts, for horovodrun (with the lock held): their addresses first, then (elastic) the
+        discovery list, so that the rendezvous knows a host's addresses by the time horovod lists it."""
+        addresses = {a: self._pinned[a].addresses for a, _ in self.hosts if a in self._pinned}
+        rendezvous.write_host_addresses(self.addresses_file, addresses)
+        if self.discovery is not None:
+            self.discovery.set(self.hosts)
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, JobChanged) and event.state == "member_lost" and event.job == self.job.name:

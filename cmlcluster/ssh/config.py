@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import math
 import re
 import struct
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from .. import checks
 from ..errors import ConfigError, WorkerError
 
+MAX_WORKER_ADDRESSES = 256  # a worker's interface addresses in its sshd's answer: a few, a big host's dozens
 KEEPALIVE_SECONDS = 5  # ssh asks a quiet host this often (or every silence_timeout, when shorter)
 # The host key types an sshd may answer with, each with the number of SSH strings its blob holds
 # (RFC 4253 6.6, RFC 5656 3.1, RFC 8709 4): the type again, then the key's parts.
@@ -158,6 +160,7 @@ class SshdAnswer:
     host_key: str  # "type base64", no comment
     user: str  # the login name it admits
     workdir: str  # the folder ranks start in
+    addresses: tuple[str, ...] = ()  # the worker's own interface addresses, as ipaddress writes them
 
 
 def sshd_answer(worker: str, answer: object) -> SshdAnswer:
@@ -172,9 +175,10 @@ def sshd_answer(worker: str, answer: object) -> SshdAnswer:
             worker,
         )
 
-    if not isinstance(answer, Mapping) or set(answer) != {"host_key", "user", "workdir"}:
+    fields = {"host_key", "user", "workdir", "addresses"}
+    if not isinstance(answer, Mapping) or set(answer) != fields:
         keys = sorted(map(str, answer)) if isinstance(answer, Mapping) else type(answer).__name__
-        raise refuse(f"expected a dict of host_key, user and workdir, got {keys}")
+        raise refuse(f"expected a dict of host_key, user, workdir and addresses, got {keys}")
     try:
         kind, blob = public_key(answer["host_key"])
     except ValueError as e:
@@ -184,7 +188,36 @@ def sshd_answer(worker: str, answer: object) -> SshdAnswer:
     workdir = answer["workdir"]
     if not isinstance(workdir, str) or not workdir.startswith("/") or not workdir.isprintable():
         raise refuse("workdir is not an absolute path of printable characters")
-    return SshdAnswer(host_key=f"{kind} {blob}", user=answer["user"], workdir=workdir)
+    try:
+        addresses = interface_addresses(answer["addresses"])
+    except ValueError as e:
+        raise refuse(f"addresses: {e}") from None
+    return SshdAnswer(host_key=f"{kind} {blob}", user=answer["user"], workdir=workdir, addresses=addresses)
+
+
+def interface_addresses(given: object) -> tuple[str, ...]:
+    """A worker's interface addresses (sshd.start's "addresses"), checked: a list of at most
+    MAX_WORKER_ADDRESSES IP addresses (no zone, no prefix), none loopback, unspecified or multicast,
+    which no peer dials from elsewhere; each as ipaddress writes it, once. ValueError saying what is
+    wrong (never the value: it may be anything)."""
+    if not isinstance(given, list | tuple):
+        raise ValueError(f"expected a list of IP addresses, got {type(given).__name__}")
+    if len(given) > MAX_WORKER_ADDRESSES:
+        raise ValueError(f"{len(given)} of them, more than {MAX_WORKER_ADDRESSES}")
+    found: dict[str, None] = {}
+    for i, text in enumerate(given):
+        try:
+            if not isinstance(text, str) or len(text) > 45:  # the longest: an IPv6 address ending in an IPv4 one
+                raise ValueError
+            address = ipaddress.ip_address(text)
+            if getattr(address, "scope_id", None):  # fe80::1%eth0: the zone names the worker's interface, no peer's
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"item {i} is not an IP address") from None
+        if address.is_loopback or address.is_unspecified or address.is_multicast:
+            raise ValueError(f"item {i} is a loopback, unspecified or multicast address, no interface's own")
+        found[str(address)] = None
+    return tuple(found)
 
 
 def ssh_config_text(logins: Mapping[str, str], port: int, identity_file: str, known_hosts: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import grp
+import ipaddress
 import json
 import os
 import pwd
@@ -28,7 +29,7 @@ import time
 
 from .. import agent_files, wire
 from .._proc import descendants
-from .config import sshd_config_text
+from .config import MAX_WORKER_ADDRESSES, sshd_config_text
 from .keys import new_ed25519
 
 SSHD_BINARY = "/usr/sbin/sshd"
@@ -39,15 +40,16 @@ _running: subprocess.Popen[bytes] | None = None
 _home: str | None = None  # sshd's private folder (in the worker's own temp folder)
 
 
-def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> dict[str, str]:
+def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> dict[str, object]:
     """Start sshd on `port` admitting `authorized_key`, for this worker's user only.
 
     listen: the address the session and the other workers reach this worker at (the session
     learns it from the worker's route to it, so it passes it here); sshd listens there only.
     Without it sshd listens on every address: a worker alone cannot tell which one its peers use.
 
-    Returns this worker's host public key, the user to log in as, and the working folder
-    that commands run through this sshd start in (see cmlcluster.horovod.rank).
+    Returns this worker's host public key, the user to log in as, the working folder that
+    commands run through this sshd start in (see cmlcluster.horovod.rank), and this worker's
+    interface addresses (interface_addresses): a rank started here may dial the session from any.
     """
     global _running, _home
     if _running is not None and _running.poll() is None:
@@ -69,7 +71,31 @@ def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> d
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # root's sshd drops privileges there
     _running = subprocess.Popen([sshd, "-D", "-e", "-f", config], env=env)  # output joins the worker's
     _wait_listening(listen or "127.0.0.1", port, _running)
-    return {"host_key": host_public, "user": user, "workdir": os.getcwd()}
+    return {"host_key": host_public, "user": user, "workdir": os.getcwd(), "addresses": interface_addresses()}
+
+
+def interface_addresses() -> list[str]:
+    """This worker's own addresses on every interface but loopback, IPv4 first, at most MAX_WORKER_ADDRESSES.
+
+    A rank dials horovodrun's rendezvous from its address on the interface horovodrun picked (an
+    InfiniBand or second Ethernet NIC), which need not be the one the session reaches this worker
+    at; the rendezvous admits the job's hosts by these (cmlcluster.horovod.rendezvous). Empty
+    without psutil (Horovod's own requirement, so a Horovod worker has it): then only that one."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            with contextlib.suppress(ValueError):
+                address = ipaddress.ip_address(a.address.split("%")[0])  # fe80::1%eth0: the zone is no part of it
+                if not (address.is_loopback or address.is_unspecified or address.is_multicast):
+                    found.add(address)
+    ordered = sorted(found, key=lambda a: (a.version, a.packed))
+    return [str(a) for a in ordered[:MAX_WORKER_ADDRESSES]]
 
 
 def _user_and_env(home: str) -> tuple[str, dict[str, str] | None]:

@@ -1,7 +1,9 @@
 """An elastic Horovod run on this machine, attacked by another user: uid 65534 finds the rendezvous the way
 any local user can (the ranks' shell command lines, world-readable under /proc, carry its address and port)
 and PUTs a pickle whose loading would create a file in a 0700 folder of the test's, which only code running
-as the session's user could. Nothing may run it, and the run still ends ok.
+as the session's user could. Nothing may run it, and the run still ends ok. The attack comes once both ranks
+have registered with the rendezvous (so it is up, and serving), and before they end (so it still is): each
+connection must be closed unread by the guard (or answered 403), never refused for want of a listener.
 
 The attacker is the system's Python, stdlib only (the checkout and its .venv may be private to the test's
 user); it reads command lines to find the run by its own script's path, and sends nothing to any other
@@ -17,6 +19,7 @@ import sys
 import threading
 
 import pytest
+from processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.horovod import run_horovod
@@ -24,9 +27,12 @@ from cmlcluster.horovod import run_horovod
 pytestmark = pytest.mark.integration
 
 STRANGER = 65534
+# What a client sees of a connection the guard closes unread (the unread request makes the close a reset), or
+# of a request its signed scope refuses; not ConnectionRefusedError (no listener) nor a timeout.
+GUARDS_ANSWERS = {"RemoteDisconnected", "ConnectionResetError", "BrokenPipeError", 403}
 
-# Waits for GO before returning, so that the attacker meets a live rendezvous; the registration it makes
-# (hvd.elastic.run's first call) must still be accepted.
+# Says it is READY (hvd.elastic.run has registered the rank with the rendezvous before it calls train), then
+# waits for GO before returning, so that the attacker meets a live rendezvous.
 TRAIN = """\
 import os, sys, time
 import horovod.tensorflow as hvd
@@ -38,6 +44,7 @@ state = hvd.elastic.TensorFlowState([tf.Variable(0.0)], rounds=0)
 
 @hvd.elastic.run
 def train(state):
+    open(os.path.join(sys.argv[2], f"ready-{hvd.rank()}"), "w").close()
     deadline = time.monotonic() + 180
     while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -95,7 +102,7 @@ if found:
             connection = http.client.HTTPConnection(addr, port, timeout=10)
             connection.request("PUT", path, body=body, headers=headers)
             report["answers"].append(connection.getresponse().status)
-        except Exception as e:
+        except Exception as e:  # the guard's close: RemoteDisconnected or ConnectionResetError; not ConnectionRefused
             report["answers"].append(type(e).__name__)
 print(json.dumps(report), flush=True)
 """
@@ -122,15 +129,20 @@ def test_another_user_cannot_run_code_through_the_elastic_rendezvous_and_the_run
     script.write_text(TRAIN)
     go = private / "go"
     marker = private / "marker"
+    ready = private / "ready"
+    ready.mkdir()
     results: list = []
 
     def run() -> None:
         with Session("local", echo=False) as session:
-            results.append(run_horovod(str(script), [str(go)], np=2, max_restarts=1, session=session))
+            results.append(run_horovod(str(script), [str(go), str(ready)], np=2, max_restarts=1, session=session))
 
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
     try:
+        # Both ranks registered: the rendezvous is up, and stays up until GO.
+        wait_until(lambda: len(list(ready.iterdir())) == 2 or not runner.is_alive(), 150, "both ranks registered")
+        assert runner.is_alive(), f"the run ended before the attack: {results}"
         attack = subprocess.run(
             [*become, stranger_python(), "-I", "-c", ATTACK, str(script), str(marker), "120"],
             capture_output=True,
@@ -148,9 +160,12 @@ def test_another_user_cannot_run_code_through_the_elastic_rendezvous_and_the_run
     addr, _port, key = report["found"]
     assert addr == "127.0.0.1" and key is None, report  # the run's key is on no command line
     assert not marker.exists(), f"the stranger's pickle ran as this user: {report}"
-    assert all(answer != 200 for answer in report["answers"]), report
+    assert len(report["answers"]) == 2 and set(report["answers"]) <= GUARDS_ANSWERS, report
     assert not runner.is_alive(), "the run did not end"
     [result] = results
     assert result.ok, result.message
+    # The guard closed them: it says so, once for the address (horovodrun's output).
+    refused = "the Horovod rendezvous refused a connection from 127.0.0.1"
+    assert sum(refused in line for line in result.driver_output) == 1, result.driver_output[-40:]
     assert sorted(result.output) == [0, 1]
     assert "trained rank" in "\n".join(line for lines in result.output.values() for line in lines)

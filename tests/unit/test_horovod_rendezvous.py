@@ -155,6 +155,137 @@ def test_the_guard_resolves_the_jobs_hosts_as_they_change():
     assert guard.hosts == frozenset({IP("10.0.0.3")})
 
 
+# -- multi-homed hosts: a rank dials from its address on the interface horovodrun picked ------------
+
+
+class Accepted:
+    """The accepted socket, as verify_request asks it: where the rendezvous listens."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def getsockname(self):
+        return self.address
+
+
+def test_a_rank_dialing_the_rendezvous_from_its_hosts_second_address_is_admitted(tmp_path):
+    # 10.0.0.2 is the host's -H name (the session reaches it there); horovodrun picked the common NIC
+    # on 192.168.50.0/24 (InfiniBand, a second Ethernet), bound the rendezvous on this machine's address
+    # there, and the rank dials it from 192.168.50.2.
+    listening = Accepted(("192.168.50.1", 8080))
+    rank = ("192.168.50.2", 40000)
+    before = Guard(None, uid=1000, own=frozenset({IP("192.168.50.1")}))
+    before.set_hosts(["10.0.0.2", "10.0.0.3"])
+    assert not before.verify_request(listening, rank)  # the -H names alone: refused, the run hung
+    path = str(tmp_path / "host_addresses.json")
+    rendezvous.write_host_addresses(path, {"10.0.0.2": ["10.0.0.2", "192.168.50.2"], "10.0.0.3": ["192.168.50.3"]})
+    guard = Guard(None, uid=1000, own=frozenset({IP("192.168.50.1")}), hosts_file=path)
+    guard.set_hosts(["10.0.0.2", "10.0.0.3"])
+    assert guard.verify_request(listening, rank)
+    assert guard.verify_request(listening, ("192.168.50.3", 40001))
+    assert guard.verify_request(listening, ("::ffff:192.168.50.3", 40001))  # an IPv6 socket's view of it
+    assert guard.verify_request(Accepted(("10.0.0.1", 8080)), ("10.0.0.2", 40000))  # its -H address still
+    assert guard.verify_request(Accepted(("10.0.0.1", 8080)), ("10.0.0.3", 40000))  # resolved from its name
+    assert not guard.verify_request(listening, ("192.168.50.9", 40000))  # on that network, no job host's
+    # The pure rule, with what the guard now holds.
+    assert rendezvous.admits(
+        (IP("192.168.50.2"), 40000), (IP("192.168.50.1"), 8080), uid=1000, own_addresses=guard.own,
+        host_addresses=guard.hosts, owner=lambda p, s: None,
+    )  # fmt: skip
+    # A host reporting one of this machine's addresses (or loopback) gets no pass: those are checked by uid.
+    rendezvous.write_host_addresses(path, {"10.0.0.2": ["192.168.50.1", "127.0.0.1"]})
+    guard.set_hosts(["10.0.0.2"])
+    assert not rendezvous.admits(
+        (IP("192.168.50.1"), 40000), (IP("192.168.50.1"), 8080), uid=1000, own_addresses=guard.own,
+        host_addresses=guard.hosts, owner=lambda p, s: 65534,
+    )  # fmt: skip
+
+
+def test_the_guard_reads_the_hosts_addresses_again_as_hosts_come_and_go(tmp_path, capsys):
+    path = str(tmp_path / "host_addresses.json")
+    rendezvous.write_host_addresses(path, {"10.0.0.2": ["192.168.50.2"], "10.0.0.3": ["192.168.50.3"]})
+    guard = Guard(KEY, uid=1000, own=frozenset(), hosts_file=path)
+    guard.set_hosts(["10.0.0.2"])  # a host the file names but discovery no longer lists is not admitted
+    assert guard.hosts == {IP("10.0.0.2"), IP("192.168.50.2")}
+    # 10.0.0.3 lost, 10.0.0.4 its replacement: the session writes its addresses before discovery lists it.
+    rendezvous.write_host_addresses(path, {"10.0.0.2": ["192.168.50.2"], "10.0.0.4": ["192.168.50.4", "fd00::4"]})
+    guard.set_hosts(["10.0.0.2", "10.0.0.4"])
+    assert guard.hosts == {IP("10.0.0.2"), IP("192.168.50.2"), IP("10.0.0.4"), IP("192.168.50.4"), IP("fd00::4")}
+    # A file that cannot be read: the last one read stays, and it is said once.
+    with open(path, "w") as f:
+        f.write('{"10.0.0.2": "192.168.50.2"')
+    guard.set_hosts(["10.0.0.2", "10.0.0.4"])
+    os.remove(path)
+    guard.set_hosts(["10.0.0.2", "10.0.0.4"])
+    assert IP("192.168.50.4") in guard.hosts
+    assert capsys.readouterr().err.count("the job's hosts' addresses cannot be read") == 1
+
+
+def test_the_hosts_addresses_file_is_replaced_whole_0600_and_read_strictly(tmp_path):
+    path = str(tmp_path / "host_addresses.json")
+    rendezvous.write_host_addresses(path, {"b": ["10.0.0.3", "10.0.0.3"], "a": ("fe80::1", "10.0.0.2")})
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.listdir(tmp_path) == ["host_addresses.json"]  # no temporary file left
+    assert rendezvous.read_host_addresses(path) == {
+        "a": {IP("10.0.0.2"), IP("fe80::1")},
+        "b": {IP("10.0.0.3")},
+    }
+    assert rendezvous.parse_host_addresses('{"a": ["::ffff:10.0.0.2"]}') == {"a": {IP("10.0.0.2")}}  # unmapped
+    for text in ("", "[]", '{"a": "10.0.0.2"}', '{"a": [1]}', '{"a": ["10.0.0.0/8"]}', '{"a": ["h.example"]}'):
+        with pytest.raises(ValueError):
+            rendezvous.parse_host_addresses(text)
+
+
+def test_the_cluster_writes_each_hosts_addresses_before_discovery_lists_it(tmp_path, monkeypatch):
+    from cmlcluster.horovod import ssh_cluster
+    from cmlcluster.jobs import Member
+    from cmlcluster.ssh.keys import SessionSSH, new_ed25519
+
+    host_key = new_ed25519()[1]
+    reported = {"10.0.0.2": ["10.0.0.2", "192.168.50.2"], "10.0.0.3": ["10.0.0.3", "192.168.50.3"]}
+
+    class Workers:  # the session, as far as serve() asks it: each worker's answer to sshd.start
+        def call_each(self, calls):
+            return [
+                {"host_key": host_key, "user": "alice", "workdir": "/w", "addresses": reported[address]}
+                for _, _, (_, _, address) in calls
+            ]
+
+    class Discovery:  # what horovodrun's discovery would list, checked against the addresses file as it is set
+        def __init__(self, path):
+            self.path, self.listed = path, []
+
+        def set(self, hosts):
+            known = rendezvous.read_host_addresses(self.path)
+            assert all(h in known for h, _ in hosts), (hosts, known)
+            self.listed = list(hosts)
+
+    monkeypatch.setattr(ssh_cluster, "check_logins", lambda *args, **kwargs: None)  # no sshd to log in to here
+    ssh = SessionSSH.create(str(tmp_path))
+    try:
+        cluster = ssh_cluster.SSHCluster(session=Workers(), hosts=[], ssh=ssh, job=None)  # type: ignore[arg-type]
+        cluster.discovery = Discovery(cluster.addresses_file)  # type: ignore[assignment]
+        assert cluster.rendezvous_env == {rendezvous.HOSTS_FILE_ENV: os.path.join(ssh.folder, "host_addresses.json")}
+        first, second = Member("s-0", "host", 0, "10.0.0.2"), Member("s-1", "host", 1, "10.0.0.3")
+        cluster.serve([first, second])
+        assert rendezvous.read_host_addresses(cluster.addresses_file) == {
+            "10.0.0.2": {IP("10.0.0.2"), IP("192.168.50.2")},
+            "10.0.0.3": {IP("10.0.0.3"), IP("192.168.50.3")},
+        }
+        cluster._lose(second)  # its host leaves both lists
+        assert set(rendezvous.read_host_addresses(cluster.addresses_file)) == {"10.0.0.2"}
+        reported["10.0.0.4"] = ["10.0.0.4", "192.168.50.4"]
+        cluster.serve([Member("s-2", "host", 1, "10.0.0.4")])  # its replacement
+        assert rendezvous.read_host_addresses(cluster.addresses_file)["10.0.0.4"] == {
+            IP("10.0.0.4"),
+            IP("192.168.50.4"),
+        }
+        assert cluster.discovery.listed == [("10.0.0.2", 1), ("10.0.0.4", 1)]  # type: ignore[attr-defined]
+    finally:
+        ssh.close()
+    assert not os.path.exists(cluster.addresses_file)  # it goes with the session's ssh folder
+
+
 # -- a server that unpickles what it is sent, as horovod's elastic rendezvous does ------------------
 
 

@@ -10,10 +10,12 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import types
 
 import pytest
 
@@ -22,7 +24,9 @@ from cmlcluster.errors import ConfigError, WorkerError
 from cmlcluster.horovod import commands
 from cmlcluster.ssh import sshd
 from cmlcluster.ssh.config import (
+    MAX_WORKER_ADDRESSES,
     SshdAnswer,
+    interface_addresses,
     known_hosts_text,
     public_key,
     ssh_config_text,
@@ -219,19 +223,45 @@ def test_known_hosts_pins_every_key_type_sshd_offers_without_its_comment():
         assert known_hosts_text({"10.0.0.2": key}, 2222) == f"[10.0.0.2]:2222 {kind} {key.split()[1]}\n"
 
 
+A = ["10.0.0.2"]  # a good answer's addresses
+
+
 @pytest.mark.parametrize(
     ("answer", "says"),
     [
-        ({"host_key": "*", "user": "alice", "workdir": "/w"}, "host_key is not an OpenSSH public key"),
-        ({"host_key": "GOOD\n* GOOD", "user": "alice", "workdir": "/w"}, "line break"),
-        ({"host_key": "GOOD", "user": "alice\nHost *", "workdir": "/w"}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": "root@evil", "workdir": "/w"}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": "-oProxyCommand=x", "workdir": "/w"}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": 0, "workdir": "/w"}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "w"}, "workdir is not an absolute path"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w\n"}, "workdir is not an absolute path"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "more": 1}, "expected a dict of host_key"),
-        (["GOOD", "alice", "/w"], "expected a dict of host_key, user and workdir, got list"),
+        ({"host_key": "*", "user": "alice", "workdir": "/w", "addresses": A}, "host_key is not an OpenSSH public key"),
+        ({"host_key": "GOOD\n* GOOD", "user": "alice", "workdir": "/w", "addresses": A}, "line break"),
+        ({"host_key": "GOOD", "user": "alice\nHost *", "workdir": "/w", "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": "root@evil", "workdir": "/w", "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": "-oProxyCommand=x", "workdir": "/w", "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": 0, "workdir": "/w", "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "w", "addresses": A}, "workdir is not an absolute path"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w\n", "addresses": A}, "workdir is not an absolute path"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "more": 1}, "expected a dict of"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w"}, "expected a dict of host_key, user, workdir and"),
+        (["GOOD", "alice", "/w"], "expected a dict of host_key, user, workdir and addresses, got list"),
+        # The worker's interface addresses: IP addresses only, a bounded list, none loopback or catch-all.
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": "10.0.0.2"}, "addresses: expected a list"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2", "*"]}, "item 1 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.0/8"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["fe80::1%eth0"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": [" 10.0.0.2"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2\n"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": [167772162]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["1" * 100]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["127.0.0.1"]}, "item 0 is a loopback"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["0.0.0.0"]}, "item 0 is a loopback"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["::"]}, "item 0 is a loopback"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["224.0.0.1"]}, "item 0 is a loopback"),
+        (
+            {
+                "host_key": "GOOD",
+                "user": "alice",
+                "workdir": "/w",
+                "addresses": [f"10.0.{i // 256}.{i % 256}" for i in range(257)],
+            },
+            "addresses: 257 of them, more than 256",
+        ),
     ],
 )
 def test_a_workers_sshd_answer_is_checked_and_a_bad_one_fails_that_worker_by_name(answer, says):
@@ -241,8 +271,39 @@ def test_a_workers_sshd_answer_is_checked_and_a_bad_one_fails_that_worker_by_nam
     with pytest.raises(WorkerError, match=r"^worker s1-3: its sshd's answer is refused: ") as e:
         sshd_answer("s1-3", answer)
     assert says in str(e.value) and e.value.worker_id == "s1-3"
-    checked = sshd_answer("s1-3", {"host_key": good, "user": "alice", "workdir": "/home/alice/my project"})
-    assert checked == SshdAnswer(" ".join(good.split()[:2]), "alice", "/home/alice/my project")
+    assert "\n" not in str(e.value) and "1111111111" not in str(e.value)  # never the answer's own text
+    addresses = ["10.0.0.2", "192.168.50.2", "10.0.0.2", "fe80::1", "2001:DB8::1"]
+    checked = sshd_answer(
+        "s1-3", {"host_key": good, "user": "alice", "workdir": "/home/alice/my project", "addresses": addresses}
+    )
+    assert checked == SshdAnswer(
+        " ".join(good.split()[:2]),
+        "alice",
+        "/home/alice/my project",
+        ("10.0.0.2", "192.168.50.2", "fe80::1", "2001:db8::1"),  # each once, as ipaddress writes it
+    )
+    empty = {"host_key": good, "user": "alice", "workdir": "/w", "addresses": []}  # no psutil on the worker
+    assert sshd_answer("s1-3", empty).addresses == ()
+
+
+def test_a_workers_sshd_reports_its_own_interface_addresses_but_loopback(monkeypatch):
+    import psutil
+
+    def address(family, text):  # as psutil.net_if_addrs lists them (netmask, broadcast, ptp left out)
+        return types.SimpleNamespace(family=family, address=text)
+
+    interfaces = {
+        "lo": [address(socket.AF_INET, "127.0.0.1"), address(socket.AF_INET6, "::1")],
+        "eth0": [address(socket.AF_INET, "10.0.0.2"), address(psutil.AF_LINK, "02:42:0a:00:00:02")],
+        "ib0": [address(socket.AF_INET6, "fe80::2%ib0"), address(socket.AF_INET, "192.168.50.2")],
+    }
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces)
+    reported = sshd.interface_addresses()
+    assert reported == ["10.0.0.2", "192.168.50.2", "fe80::2"]  # IPv4 first, the zone dropped
+    assert interface_addresses(reported) == tuple(reported)  # what the session takes
+    many = {f"veth{i}": [address(socket.AF_INET, f"10.1.{i // 256}.{i % 256}")] for i in range(300)}
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: many)
+    assert len(sshd.interface_addresses()) == MAX_WORKER_ADDRESSES
 
 
 def test_a_hostile_sshd_answer_never_reaches_the_sessions_known_hosts(tmp_path):
@@ -255,9 +316,9 @@ def test_a_hostile_sshd_answer_never_reaches_the_sessions_known_hosts(tmp_path):
     class Workers:  # the session, as far as serve() asks it: each worker's answer to sshd.start
         def call_each(self, calls):
             return [
-                {"host_key": good, "user": "alice", "workdir": "/w"}
+                {"host_key": good, "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2"]}
                 if worker == "s-0"
-                else {"host_key": f"{good}\n* {good}", "user": "alice", "workdir": "/w"}
+                else {"host_key": f"{good}\n* {good}", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.3"]}
                 for worker, _, _ in calls
             ]
 
