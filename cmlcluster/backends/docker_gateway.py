@@ -6,7 +6,7 @@ rendezvous store, TensorFlow's coordinator). Docker keeps networks apart in the 
 packet from another network's container to this gateway is addressed to the host itself and goes
 through INPUT, where Docker adds nothing: any container on the engine reached those servers.
 
-Where this process may change the host's firewall (root, with iptables), one INPUT rule drops what
+Where this process may change the host's firewall (root, with iptables), one INPUT rule refuses what
 reaches the gateway from any other interface but from the host's own addresses; the session's own
 containers (through its bridge) and the host's processes still reach it. The rule names its network
 in a comment and goes with the network (docker_engine.remove_network), however the session ended:
@@ -38,14 +38,16 @@ def bridge_name(network_attrs: dict[str, Any]) -> str:
 
 
 def rule(network: str, gateway: str, bridge: str) -> list[str]:
-    """The INPUT rule (without -I/-D) that drops packets for `gateway` arriving through any interface
-    but `bridge`, unless they come from one of the host's own addresses."""
+    """The INPUT rule (without -I/-D) that refuses packets for `gateway` arriving through any interface
+    but `bridge`, unless they come from one of the host's own addresses. Refused, not dropped: a peer
+    that tries every address of the host (horovodrun's task services do, to find common interfaces)
+    hears at once that this one is closed, where a dropped connection waits out its timeout."""
     return [
         "-d", f"{gateway}/32",
         "!", "-i", bridge,
         "-m", "addrtype", "!", "--src-type", "LOCAL",
         "-m", "comment", "--comment", COMMENT_PREFIX + network,
-        "-j", "DROP",
+        "-j", "REJECT",
     ]  # fmt: skip
 
 

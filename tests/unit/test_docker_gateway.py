@@ -1,4 +1,4 @@
-"""The session network's gateway rule as data: what it drops, and finding it again in `iptables -S`."""
+"""The session network's gateway rule as data: what it refuses, and finding it again in `iptables -S`."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import shlex
 from cmlcluster.backends import docker_gateway
 
 
-def test_the_rule_drops_what_reaches_the_gateway_through_other_interfaces_from_other_hosts_only():
+def test_the_rule_refuses_what_reaches_the_gateway_through_other_interfaces_from_other_hosts_only():
     words = docker_gateway.rule("cmlcluster-ab12", "172.30.0.1", "br-0123456789ab")
     text = shlex.join(words)
     assert "-d 172.30.0.1/32" in text
     assert "'!' -i br-0123456789ab" in text  # not its own bridge: its own containers still reach it
     assert "-m addrtype '!' --src-type LOCAL" in text  # not the host's own addresses: its processes still do
-    assert words[-2:] == ["-j", "DROP"]
+    assert words[-2:] == ["-j", "REJECT"]  # at once: a dropped connection would wait out its timeout
 
 
 def test_the_rules_of_a_network_are_found_in_the_listing_and_no_other():
