@@ -373,7 +373,6 @@ def _warn_other_users(session: Session, coordinator: bool) -> None:
         frame.f_lineno,
         module=frame.f_globals.get("__name__"),
         registry={},
-        module_globals=frame.f_globals,
     )
 
 

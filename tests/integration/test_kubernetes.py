@@ -346,6 +346,13 @@ def test_a_notebook_pod_that_may_not_be_labelled_is_admitted_by_its_address_with
     labels = {"app": "notebook", "pod-template-hash": "5d8f7c9b4"}
     core = CoreV1Api(ApiClient(kube.configuration()))
     core.create_namespaced_pod("default", notebook_pod("notebook-5d8f7c9b4-x2x9z", labels))
+    # Running, with its address, as a notebook's pod is when its kernel starts a session (on a busy
+    # machine the stand-in's kubelet takes a while to start it).
+    wait_until(
+        lambda: core.read_namespaced_pod("notebook-5d8f7c9b4-x2x9z", "default").status.pod_ip,
+        timeout=60,
+        what="the notebook's pod to have its address",
+    )
     kube.deny("patch", "pods")
     try:
         with Session(kube_backend(kube, notebook_pod="notebook-5d8f7c9b4-x2x9z"), echo=False) as session:
