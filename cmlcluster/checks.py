@@ -33,11 +33,20 @@ def port(value: object) -> bool:
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A host as ssh, horovodrun's -H and a hostfile take it: a name, an IPv4 address or a bare IPv6 one.
 _HOST = re.compile(r"[A-Za-z0-9_.%:][A-Za-z0-9_.%:-]*")
+# A network interface's name as Linux gives it (15 characters at most) and as horovodrun passes it on:
+# unquoted, in the shell command that starts each rank (HOROVOD_GLOO_IFACE=<name>), so no shell characters.
+_INTERFACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,14}")
 
 
 def env_name(value: object) -> bool:
     """Whether `value` is a variable name every shell and `env` take as one (POSIX: [A-Za-z_][A-Za-z0-9_]*)."""
     return isinstance(value, str) and _ENV_NAME.fullmatch(value) is not None
+
+
+def interface_name(value: object) -> bool:
+    """Whether `value` is a network interface name ("eth0", "ens5", "ib0", "eth0:1") that a shell takes as
+    one word: 1 to 15 of letters, digits, '_', '.', ':', '-', not starting with '-', '.' or ':'."""
+    return isinstance(value, str) and _INTERFACE.fullmatch(value) is not None
 
 
 def host(value: object) -> bool:

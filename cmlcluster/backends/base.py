@@ -107,7 +107,8 @@ class Capabilities:
     shared_paths: folders of the session's machine that workers see at the same path ("/" for
         all); anything else a program needs is shipped to them.
     interfaces: the network interfaces workers talk to each other on, for horovodrun and mpirun;
-        () lets the frameworks find out.
+        () lets the frameworks find out, except run_horovod on hosts it reaches over sshd: it names
+        the interface each host's worker reports (horovodrun's own probe puts its key on command lines).
     stable_addresses: a worker launched to replace a lost one has the lost one's address, as
         TensorFlow needs to take a lost task back (local: every worker is this host's).
     silence_timeout: the session's silence_timeout when the user gives none: seconds of silence on

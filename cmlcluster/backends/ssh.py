@@ -132,6 +132,9 @@ class SSHBackend(Backend[SSHHandle]):
     controller_ip: the session's address as the hosts reach it (default: this machine's address
         on its route to the first host).
     ssh_options: extra "-o Name=value" options for ssh, e.g. ["ProxyJump=bastion"].
+    network_interfaces: the interface names ranks talk over ("ens5", "ib0"), for horovodrun and mpirun.
+        Default: for run_horovod, the interface each host's worker reports holding its address toward
+        the session, when every host names it alike (a run on hosts that differ asks for this option).
     """
 
     name = "ssh"
@@ -150,6 +153,7 @@ class SSHBackend(Backend[SSHHandle]):
         gpus: Mapping[str, Sequence[str]] | None = None,
         controller_ip: str | None = None,
         ssh_options: Sequence[str] = (),
+        network_interfaces: Sequence[str] = (),
     ):
         if hosts is None and hostfile is None:
             hostfile = os.environ.get("CMLCLUSTER_SSH_HOSTFILE")  # with CMLCLUSTER_BACKEND=ssh: no code at all
@@ -162,6 +166,12 @@ class SSHBackend(Backend[SSHHandle]):
         unknown = sorted(set(gpus or {}) - {h for h, _ in parsed})
         if unknown:
             raise ConfigError(f"gpus= names {unknown}, which are not among the hosts; use the names given in hosts")
+        bad = [n for n in network_interfaces if not checks.interface_name(n)]
+        if isinstance(network_interfaces, str) or bad:
+            raise ConfigError(
+                f"network_interfaces={network_interfaces!r}: give a list of interface names, e.g. ['ens5']"
+            )
+        self.network_interfaces = tuple(network_interfaces)
         self.hosts = [Host(h, slots, [str(g) for g in (gpus or {}).get(h, ())]) for h, slots in parsed]
         self.user = user
         self.port = port
@@ -188,6 +198,7 @@ class SSHBackend(Backend[SSHHandle]):
             shared_paths=(),
             stable_addresses=True,
             collects=True,
+            interfaces=self.network_interfaces,
         )
 
     def controller_ip(self) -> str:

@@ -6,13 +6,17 @@ Every command is an argv list, never a shell string, and nothing here runs anyth
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import checks
 from ..errors import ConfigError
 
 SSH_PORT = 2222  # sshd in every worker, as in CML and Kubeflow's MPI operator
+# The address horovodrun's rendezvous listens on and tells the ranks, given by the session to
+# cmlcluster.horovod.driver (taken out of the environment before horovodrun copies it): when
+# cmlcluster names the hosts' interface itself, this machine need not have one of that name.
+DRIVER_ADDRESS_ENV = "CMLCLUSTER_HOROVOD_DRIVER_ADDRESS"
 
 Hosts = Sequence[tuple[str, int]]  # (address, slots)
 
@@ -41,6 +45,28 @@ def total_slots(hosts: Hosts) -> int:
 def hosts_arg(hosts: Hosts) -> str:
     """horovodrun's -H value: "10.0.0.2:2,10.0.0.3:2"."""
     return ",".join(f"{host}:{slots}" for host, slots in check_hosts(hosts))
+
+
+def common_interface(reported: Mapping[str, str | None]) -> str:
+    """The one interface name {host: its interface toward the session, as its worker reported it} agree
+    on, for horovodrun's --network-interfaces: given it, horovodrun never probes the hosts' interfaces
+    (a task service on each host, started with a command line that holds the run's service key).
+
+    Horovod's Gloo takes one interface name for every rank (HOROVOD_GLOO_IFACE), so hosts that name
+    theirs differently, or a host whose address is on no interface of its own (translated on the way),
+    cannot be served from the reports: ConfigError naming each host's interface and the fix."""
+    if not reported:
+        raise ConfigError("no hosts reported an interface; give at least one host")
+    names = set(reported.values())
+    if len(names) == 1 and None not in names:
+        [name] = names
+        assert name is not None
+        return name
+    listed = ", ".join(f"{host}: {name or 'none holds its address'}" for host, name in sorted(reported.items()))
+    raise ConfigError(
+        f"the hosts' interfaces toward the session differ ({listed}); Horovod's Gloo needs one interface name on "
+        "every host. Name one every host has, and give it: SSHBackend(..., network_interfaces=['ens5'])"
+    )
 
 
 def _check_np(np: int, hosts: Hosts) -> None:

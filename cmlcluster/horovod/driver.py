@@ -7,7 +7,10 @@ the Gloo rendezvous, an HTTP server without authentication, binds the address ho
 ranks (HOROVOD_GLOO_RENDEZVOUS_ADDR: 127.0.0.1 when every rank runs on this machine) instead of
 every interface. Horovod has no option for it, so this wraps some of its private names, probed
 before the run: an upgrade that renamed one fails with their names, not with a rendezvous open to
-the network. An elastic run (launch_gloo_elastic) starts its rendezvous before it picks the address:
+the network. Where the session names the hosts' interface itself (the `ssh` backend: so that
+horovodrun never probes them with task services whose command lines hold its service key), it
+also gives that address (CMLCLUSTER_HOROVOD_DRIVER_ADDRESS), which then replaces horovod's
+get_driver_ip. An elastic run (launch_gloo_elastic) starts its rendezvous before it picks the address:
 that address is worked out first here, the way horovod then does (the first of the interfaces
 horovodrun was given, or found on the hosts discovered at start).
 
@@ -24,6 +27,7 @@ the environment before horovodrun copies it onto the ranks' command lines.
 from __future__ import annotations
 
 import inspect
+import ipaddress
 import os
 import socketserver
 import sys
@@ -31,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import probes
-from . import rendezvous
+from . import commands, rendezvous
 
 ELASTIC_ARGUMENTS = ("settings", "get_common_interfaces", "rendezvous")
 
@@ -102,8 +106,12 @@ def find_port_on(
     return find_port
 
 
-def bind_rendezvous_to_server_ip(guard: rendezvous.Guard | None = None) -> None:
-    """Make horovodrun's rendezvous server listen on the server_ip it tells the ranks, behind `guard`."""
+def bind_rendezvous_to_server_ip(guard: rendezvous.Guard | None = None, driver_address: str | None = None) -> None:
+    """Make horovodrun's rendezvous server listen on the server_ip it tells the ranks, behind `guard`.
+
+    driver_address: that server_ip, as the session knows the hosts reach this machine, instead of
+    horovod's get_driver_ip (this machine's address on the interface of the first name it was given,
+    which it need not have: the name is the hosts')."""
     missing = probes.missing(_checks())
     if missing:
         import horovod
@@ -114,7 +122,10 @@ def bind_rendezvous_to_server_ip(guard: rendezvous.Guard | None = None) -> None:
         )
     from horovod.runner import gloo_run
     from horovod.runner.http import http_server
+    from horovod.runner.util import network
 
+    if driver_address is not None:
+        network.get_driver_ip = lambda nics: driver_address  # launch.py and gloo_run.py call it through the module
     launch_gloo = gloo_run.launch_gloo
 
     def launch_gloo_on_server_ip(*args: Any, **kwargs: Any) -> Any:
@@ -174,11 +185,17 @@ def record_hosts(discovery: Any, guard: rendezvous.Guard) -> None:
 def main() -> None:
     path = os.environ.pop(rendezvous.KEY_FILE_ENV, None)  # before horovodrun copies the environment
     hosts_file = os.environ.pop(rendezvous.HOSTS_FILE_ENV, None) or None
+    driver_address = os.environ.pop(commands.DRIVER_ADDRESS_ENV, None) or None
+    if driver_address is not None:
+        try:
+            driver_address = str(ipaddress.ip_address(driver_address))
+        except ValueError:
+            sys.exit(f"cmlcluster: {commands.DRIVER_ADDRESS_ENV}={driver_address!r} is not an IP address")
     try:
         key = rendezvous.read_key_file(path) if path else None
     except (OSError, ValueError) as e:
         sys.exit(f"cmlcluster: the run's rendezvous key file {path} cannot be read ({e}); run the job again")
-    bind_rendezvous_to_server_ip(rendezvous.Guard(key, hosts_file=hosts_file))
+    bind_rendezvous_to_server_ip(rendezvous.Guard(key, hosts_file=hosts_file), driver_address)
     from horovod.runner.launch import run_commandline
 
     sys.argv[0] = "horovodrun"  # what its usage and errors name

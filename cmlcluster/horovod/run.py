@@ -166,6 +166,13 @@ def run_horovod(
             if max_restarts and len(cluster.hosts) < 2:
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
             cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
+            interfaces, driver_address = capabilities.interfaces, {}
+            if not interfaces:
+                # Without --network-interfaces horovodrun probes the hosts' interfaces with a task service on
+                # each, whose command line holds the run's service key: name the one the hosts reported.
+                cluster.interface = cluster.common_interface()
+                interfaces = (cluster.interface,)
+                driver_address = {commands.DRIVER_ADDRESS_ENV: session.controller_ip}
             # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
             command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
             argv = commands.horovodrun_argv(
@@ -175,11 +182,16 @@ def run_horovod(
                 ssh_port=ssh_port,
                 identity_file=cluster.ssh.identity_file,
                 start_timeout=start_timeout,
-                network_interfaces=capabilities.interfaces,
+                network_interfaces=interfaces,
                 horovodrun=horovodrun,
                 elastic=_elastic(cluster.discovery.script, np, cluster.hosts) if cluster.discovery else None,
             )
-            driver_env = {**_remote_driver_env(cluster.ssh), **key.driver_env, **cluster.rendezvous_env}
+            driver_env = {
+                **_remote_driver_env(cluster.ssh),
+                **key.driver_env,
+                **cluster.rendezvous_env,
+                **driver_address,
+            }
             return _execute(argv, cluster.hosts, driver_env, view, check, cluster.job)
         except KeyboardInterrupt:
             kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ..errors import CmlClusterError
+from ..errors import CmlClusterError, WorkerError
 from ..events import Event, JobChanged
 from ..jobs import Job, Member, Restarts, Role, launch_job
 from ..runs import send_files
@@ -33,7 +33,7 @@ from ..ssh.config import SshdAnswer, sshd_answer
 from ..ssh.keys import SessionSSH
 from ..ssh.preflight import Login, check_logins
 from ..workers import Resources
-from . import rendezvous
+from . import commands, rendezvous
 from .elastic import DiscoveryFile
 
 SSHD_MODULE = "cmlcluster.ssh.sshd"
@@ -54,6 +54,7 @@ class SSHCluster:
     shipment: Shipment | None = None
     discovery: DiscoveryFile | None = None  # elastic only
     rank_env: dict[str, str] | None = None  # set_rank_env's, for replacements too (ranks read the file, empty or not)
+    interface: str | None = None  # the hosts' interface horovodrun was told (run_horovod): replacements must have it
     _served: dict[str, str] = field(default_factory=dict)  # address -> the worker whose sshd serves it
     _pinned: dict[str, SshdAnswer] = field(default_factory=dict)  # address -> what its sshd said (key, user, ...)
     _gone: set[str] = field(default_factory=set)  # lost workers already taken off the list
@@ -81,6 +82,12 @@ class SSHCluster:
         self.rank_env = dict(env)
         self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (self.rank_env,)) for w in self.sshd_workers])
 
+    def common_interface(self) -> str:
+        """The name every host's worker reported for its interface toward the session (commands.common_interface)."""
+        with self._lock:
+            reported = {a: self._pinned[a].interface for a, _ in self.hosts if a in self._pinned}
+        return commands.common_interface(reported)
+
     def serve(self, members: list[Member]) -> None:
         """Start sshd in one worker per new address (files first), pin their keys, check every login."""
         by_address: dict[str, list[str]] = {}
@@ -95,6 +102,13 @@ class SSHCluster:
         calls = [(w, f"{SSHD_MODULE}:start", (self.ssh.public_key, self.port, a)) for a, w in new.items()]
         # Checked before any of it reaches the session's known_hosts and ssh config (one line per host).
         started = [sshd_answer(w, s) for w, s in zip(workers, self.session.call_each(calls), strict=True)]
+        for worker, address, answer in zip(workers, new, started, strict=True):
+            if self.interface is not None and answer.interface != self.interface:
+                raise WorkerError(
+                    f"worker {worker} at {address}: its interface toward the session is {answer.interface or 'none'}, "
+                    f"not {self.interface} as the run's other hosts' (horovodrun gives every rank one interface name)",
+                    worker,
+                )
         if self.rank_env is not None:  # a replacement's: the first hosts get it from run_horovod
             self.session.call_each([(w, f"{SSHD_MODULE}:set_rank_env", (self.rank_env,)) for w in workers])
         with self._lock:

@@ -161,6 +161,7 @@ class SshdAnswer:
     user: str  # the login name it admits
     workdir: str  # the folder ranks start in
     addresses: tuple[str, ...] = ()  # the worker's own interface addresses, as ipaddress writes them
+    interface: str | None = None  # the name of its interface holding the address the session reaches it at
 
 
 def sshd_answer(worker: str, answer: object) -> SshdAnswer:
@@ -175,10 +176,10 @@ def sshd_answer(worker: str, answer: object) -> SshdAnswer:
             worker,
         )
 
-    fields = {"host_key", "user", "workdir", "addresses"}
+    fields = {"host_key", "user", "workdir", "addresses", "interface"}
     if not isinstance(answer, Mapping) or set(answer) != fields:
         keys = sorted(map(str, answer)) if isinstance(answer, Mapping) else type(answer).__name__
-        raise refuse(f"expected a dict of host_key, user, workdir and addresses, got {keys}")
+        raise refuse(f"expected a dict of host_key, user, workdir, addresses and interface, got {keys}")
     try:
         kind, blob = public_key(answer["host_key"])
     except ValueError as e:
@@ -192,7 +193,13 @@ def sshd_answer(worker: str, answer: object) -> SshdAnswer:
         addresses = interface_addresses(answer["addresses"])
     except ValueError as e:
         raise refuse(f"addresses: {e}") from None
-    return SshdAnswer(host_key=f"{kind} {blob}", user=answer["user"], workdir=workdir, addresses=addresses)
+    interface = answer["interface"]
+    if interface is not None and not checks.interface_name(interface):
+        # horovodrun puts it unquoted in the shell command that starts each rank.
+        raise refuse("interface is not an interface name (1 to 15 letters, digits, '_', '.', ':', '-')")
+    return SshdAnswer(
+        host_key=f"{kind} {blob}", user=answer["user"], workdir=workdir, addresses=addresses, interface=interface
+    )
 
 
 def interface_addresses(given: object) -> tuple[str, ...]:

@@ -48,8 +48,10 @@ def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> d
     Without it sshd listens on every address: a worker alone cannot tell which one its peers use.
 
     Returns this worker's host public key, the user to log in as, the working folder that
-    commands run through this sshd start in (see cmlcluster.horovod.rank), and this worker's
-    interface addresses (interface_addresses): a rank started here may dial the session from any.
+    commands run through this sshd start in (see cmlcluster.horovod.rank), this worker's
+    interface addresses (interface_addresses): a rank started here may dial the session from any,
+    and the name of the interface that holds `listen` (interface_of; None without it): horovodrun
+    is told it, so it never probes the hosts' interfaces (cmlcluster.horovod.commands.common_interface).
     """
     global _running, _home
     if _running is not None and _running.poll() is None:
@@ -71,7 +73,31 @@ def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> d
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # root's sshd drops privileges there
     _running = subprocess.Popen([sshd, "-D", "-e", "-f", config], env=env)  # output joins the worker's
     _wait_listening(listen or "127.0.0.1", port, _running)
-    return {"host_key": host_public, "user": user, "workdir": os.getcwd(), "addresses": interface_addresses()}
+    return {
+        "host_key": host_public,
+        "user": user,
+        "workdir": os.getcwd(),
+        "addresses": interface_addresses(),
+        "interface": interface_of(listen) if listen is not None else None,
+    }
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this worker's interface that holds `address` ("eth0"), or None: no interface
+    holds it (an address translated on the way) or psutil is missing."""
+    try:
+        import psutil
+
+        wanted = ipaddress.ip_address(address.split("%")[0])
+    except (ImportError, ValueError):
+        return None
+    for name, addresses in sorted(psutil.net_if_addrs().items()):
+        for a in addresses:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(ValueError):
+                    if ipaddress.ip_address(a.address.split("%")[0]) == wanted:
+                        return name
+    return None
 
 
 def interface_addresses() -> list[str]:

@@ -247,7 +247,13 @@ def test_the_cluster_writes_each_hosts_addresses_before_discovery_lists_it(tmp_p
     class Workers:  # the session, as far as serve() asks it: each worker's answer to sshd.start
         def call_each(self, calls):
             return [
-                {"host_key": host_key, "user": "alice", "workdir": "/w", "addresses": reported[address]}
+                {
+                    "host_key": host_key,
+                    "user": "alice",
+                    "workdir": "/w",
+                    "addresses": reported[address],
+                    "interface": "eth0",
+                }
                 for _, _, (_, _, address) in calls
             ]
 

@@ -238,8 +238,19 @@ A = ["10.0.0.2"]  # a good answer's addresses
         ({"host_key": "GOOD", "user": "alice", "workdir": "w", "addresses": A}, "workdir is not an absolute path"),
         ({"host_key": "GOOD", "user": "alice", "workdir": "/w\n", "addresses": A}, "workdir is not an absolute path"),
         ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "more": 1}, "expected a dict of"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w"}, "expected a dict of host_key, user, workdir and"),
-        (["GOOD", "alice", "/w"], "expected a dict of host_key, user, workdir and addresses, got list"),
+        (
+            {"host_key": "GOOD", "user": "alice", "workdir": "/w"},
+            "expected a dict of host_key, user, workdir, addresses",
+        ),
+        (["GOOD", "alice", "/w"], "expected a dict of host_key, user, workdir, addresses and interface, got list"),
+        # The name of its interface toward the session: horovodrun puts it unquoted in a shell command.
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "eth0;id"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "-eth0"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "e" * 16}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "eth 0"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "eth0\n"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": ""}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": 0}, "interface"),
         # The worker's interface addresses: IP addresses only, a bounded list, none loopback or catch-all.
         ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": "10.0.0.2"}, "addresses: expected a list"),
         ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2", "*"]}, "item 1 is not an IP"),
@@ -268,22 +279,26 @@ def test_a_workers_sshd_answer_is_checked_and_a_bad_one_fails_that_worker_by_nam
     good = new_ed25519(comment="cmlcluster-worker")[1]
     if isinstance(answer, dict):
         answer = {k: v.replace("GOOD", good) if isinstance(v, str) else v for k, v in answer.items()}
+        if "addresses" in answer:  # a good interface, unless the case is about it
+            answer = {"interface": "eth0", **answer}
     with pytest.raises(WorkerError, match=r"^worker s1-3: its sshd's answer is refused: ") as e:
         sshd_answer("s1-3", answer)
     assert says in str(e.value) and e.value.worker_id == "s1-3"
     assert "\n" not in str(e.value) and "1111111111" not in str(e.value)  # never the answer's own text
     addresses = ["10.0.0.2", "192.168.50.2", "10.0.0.2", "fe80::1", "2001:DB8::1"]
-    checked = sshd_answer(
-        "s1-3", {"host_key": good, "user": "alice", "workdir": "/home/alice/my project", "addresses": addresses}
-    )
+    answer = {"host_key": good, "user": "alice", "workdir": "/home/alice/my project", "addresses": addresses}
+    checked = sshd_answer("s1-3", {**answer, "interface": "ens5"})
     assert checked == SshdAnswer(
         " ".join(good.split()[:2]),
         "alice",
         "/home/alice/my project",
         ("10.0.0.2", "192.168.50.2", "fe80::1", "2001:db8::1"),  # each once, as ipaddress writes it
+        "ens5",
     )
-    empty = {"host_key": good, "user": "alice", "workdir": "/w", "addresses": []}  # no psutil on the worker
-    assert sshd_answer("s1-3", empty).addresses == ()
+    for name in ("eth0", "ib0", "eth0:1", "enp0s31f6", "br-b45386a32c3", "eth0.100"):
+        assert sshd_answer("s1-3", {**answer, "interface": name}).interface == name
+    empty = {"host_key": good, "user": "alice", "workdir": "/w", "addresses": [], "interface": None}  # no psutil
+    assert sshd_answer("s1-3", empty).addresses == () and sshd_answer("s1-3", empty).interface is None
 
 
 def test_a_workers_sshd_reports_its_own_interface_addresses_but_loopback(monkeypatch):
@@ -316,9 +331,15 @@ def test_a_hostile_sshd_answer_never_reaches_the_sessions_known_hosts(tmp_path):
     class Workers:  # the session, as far as serve() asks it: each worker's answer to sshd.start
         def call_each(self, calls):
             return [
-                {"host_key": good, "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2"]}
+                {"host_key": good, "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2"], "interface": "eth0"}
                 if worker == "s-0"
-                else {"host_key": f"{good}\n* {good}", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.3"]}
+                else {
+                    "host_key": f"{good}\n* {good}",
+                    "user": "alice",
+                    "workdir": "/w",
+                    "addresses": ["10.0.0.3"],
+                    "interface": "eth0",
+                }
                 for worker, _, _ in calls
             ]
 
