@@ -112,14 +112,7 @@ def bind_rendezvous_to_server_ip(guard: rendezvous.Guard | None = None, driver_a
     driver_address: that server_ip, as the session knows the hosts reach this machine, instead of
     horovod's get_driver_ip (this machine's address on the interface of the first name it was given,
     which it need not have: the name is the hosts')."""
-    missing = probes.missing(_checks())
-    if missing:
-        import horovod
-
-        raise RuntimeError(
-            f"Horovod {horovod.__version__} no longer has {', '.join(missing)}, which cmlcluster uses to keep "
-            "horovodrun's rendezvous off the network; use a Horovod cmlcluster supports (0.28)"
-        )
+    rendezvous.require_horovod(_checks(), "to keep horovodrun's rendezvous off the network")
     from horovod.runner import gloo_run
     from horovod.runner.http import http_server
     from horovod.runner.util import network

@@ -515,18 +515,23 @@ def rank_checks() -> list[tuple[str, Callable[[], bool]]]:
     ]
 
 
-def sign_worker_registration(key: bytes) -> None:
-    """Make this rank's horovod sign the PUT with which hvd.elastic.run registers its notification service."""
+def require_horovod(checks: list[tuple[str, Callable[[], bool]]], used_to: str) -> None:
+    """RuntimeError naming what of `checks` this horovod lacks, which cmlcluster uses `used_to` (words)."""
     from .. import probes
 
-    missing = probes.missing(rank_checks())
+    missing = probes.missing(checks)
     if missing:
         import horovod
 
         raise RuntimeError(
-            f"Horovod {horovod.__version__} no longer has {', '.join(missing)}, which cmlcluster uses to sign "
-            "this rank's registration with the elastic rendezvous; use a Horovod cmlcluster supports (0.28)"
+            f"Horovod {horovod.__version__} no longer has {', '.join(missing)}, which cmlcluster uses {used_to}; "
+            "use a Horovod cmlcluster supports (0.28)"
         )
+
+
+def sign_worker_registration(key: bytes) -> None:
+    """Make this rank's horovod sign the PUT with which hvd.elastic.run registers its notification service."""
+    require_horovod(rank_checks(), "to sign this rank's registration with the elastic rendezvous")
     from horovod.runner.common.util import codec
     from horovod.runner.elastic import worker
 
