@@ -208,12 +208,47 @@ def validate_launch(
             "which hides mistakes; pass only one of them"
         )
     if script:
-        path = script if os.path.isabs(script) else os.path.join(cwd, script)
-        if not os.path.isfile(path):
-            raise ConfigError(f"script={script!r}: no such file (looked for {path}); give a path to a Python file")
-        script = os.path.abspath(path)
+        script = user_file(script, cwd=cwd)
     check_env(env)
     return Program(script=script, code=code)
+
+
+def user_file(value: object, *, name: str = "script", cwd: str | None = None) -> str:
+    """The absolute path of a file the user named (a script, a key), or a ConfigError that names the
+    folder searched and the fix. The one check of such a path, for every entry point.
+
+    A relative path starts in the working folder (cwd; this process's by default), as in a shell: a
+    JupyterLab kernel's is its notebook's folder, not the project's root, which is where examples
+    written for a terminal at the root go wrong. `~` is the home folder, as a shell would expand it.
+    """
+    if not isinstance(value, (str, os.PathLike)) or not value:
+        raise ConfigError(f"{name}={value!r}: give the path of a file, as a string")
+    given = os.path.expanduser(os.fspath(value))
+    folder = os.path.abspath(os.getcwd() if cwd is None else cwd)
+    path = os.path.join(folder, given)  # an absolute path stays as it is
+    if os.path.isfile(path):
+        return os.path.normpath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{name}={value!r}: {os.path.normpath(path)} is a folder; give the path of a file")
+    if os.path.isabs(given):
+        raise ConfigError(f"{name}={value!r}: no such file")
+    found = _from_above(folder, given)
+    fix = f"did you mean {found!r}? Give" if found else "give"
+    raise ConfigError(
+        f"{name}={value!r}: no such file in {folder} (the working folder, where a relative path starts; "
+        f"a notebook's is its own folder); {fix} a path relative to that folder, or an absolute one"
+    )
+
+
+def _from_above(folder: str, value: str) -> str:
+    """`value` as a path from `folder` where it names a file relative to a folder above it ("" if none):
+    the script a notebook in notebooks/ names as the project's root would."""
+    above = folder
+    while (parent := os.path.dirname(above)) != above:
+        above = parent
+        if os.path.isfile(os.path.join(above, value)):
+            return os.path.relpath(os.path.join(above, value), folder)
+    return ""
 
 
 # cmlcluster's own variables in a worker (its connection, ids, folders) start with this: env= may

@@ -38,7 +38,7 @@ from ..ports import route_address
 from ..ssh.config import keepalive_options, keepalive_seconds, ssh_path
 from ..ssh.keys import tofu_known_hosts
 from ..wire import DEFAULT_SILENCE_TIMEOUT
-from ..workers import Resources, WorkerSpec
+from ..workers import Resources, WorkerSpec, user_file
 from . import collect
 from .base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from .ssh_attach import CONNECT_TIMEOUT, RemoteWorker
@@ -160,9 +160,10 @@ class SSHBackend(Backend[SSHHandle]):
         parsed = parse_hosts(hosts, hostfile)
         if not checks.port(port):
             raise ConfigError(f"port={port!r}: give the TCP port sshd listens on, on the hosts (22)")
-        for name, path in (("identity", identity), ("known_hosts", known_hosts)):
-            if path is not None and not os.path.isfile(os.path.expanduser(path)):
-                raise ConfigError(f"{name}={path!r}: no such file")
+        identity, known_hosts = (
+            user_file(path, name=name) if path is not None else None
+            for name, path in (("identity", identity), ("known_hosts", known_hosts))
+        )
         unknown = sorted(set(gpus or {}) - {h for h, _ in parsed})
         if unknown:
             raise ConfigError(f"gpus= names {unknown}, which are not among the hosts; use the names given in hosts")
@@ -175,8 +176,8 @@ class SSHBackend(Backend[SSHHandle]):
         self.hosts = [Host(h, slots, [str(g) for g in (gpus or {}).get(h, ())]) for h, slots in parsed]
         self.user = user
         self.port = port
-        self.identity = os.path.expanduser(identity) if identity else None
-        self.known_hosts = os.path.expanduser(known_hosts) if known_hosts else None
+        self.identity = identity
+        self.known_hosts = known_hosts
         self.trust_on_first_use = trust_on_first_use
         self.python = python
         self.ssh_options = list(ssh_options)

@@ -47,7 +47,7 @@ from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..ssh.sshd import write_env_file
 from ..wire import RANK_ENV_FILE_ENV
-from ..workers import Resources, check_env
+from ..workers import Resources, check_env, user_file
 from . import commands
 from .elastic import discovery
 from .rendezvous import run_key
@@ -125,10 +125,8 @@ def run_horovod(
         raise ConfigError("max_restarts with reuse: an elastic run's workers are its own; leave one of them out")
     if (paths := check_collect(collect)) and reuse:
         raise ConfigError("collect= with reuse: kept workers do not end, so nothing comes home; leave one out")
-    if not os.path.isfile(script):
-        raise ConfigError(f"script={script!r}: no such file; give the path of the training script")
+    script = user_file(script)
     env = check_env(env)
-    script = os.path.abspath(script)
     horovodrun = _horovodrun()
     if session is None and backend is not None and reuse:
         session, backend = _default_session_on(backend), None  # what is kept for reuse lives there

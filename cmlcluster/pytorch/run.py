@@ -44,7 +44,7 @@ from ..jobs import Job, JobFailure, Member, Restarts, Role, launch_job
 from ..results import check_collect
 from ..runs import RESULT_LINES_KEPT, report_end, send_files, session_for
 from ..session import Session
-from ..workers import FAILED, Resources, check_env
+from ..workers import FAILED, Resources, check_env, user_file
 from . import commands
 from .result import RankFailure, TorchError, TorchResult
 from .store import SessionStore
@@ -125,9 +125,9 @@ def run_torch(
     else:
         if kwargs:
             raise ConfigError("kwargs= is for a function; pass a script's options in args=[...]")
-        if not isinstance(script, str) or not os.path.isfile(script):
-            raise ConfigError(f"script={script!r}: no such file; give the path of the training script, or a function")
-        call, path, script_args = b"", os.path.abspath(script), commands.check_script_args(args)
+        if not isinstance(script, (str, os.PathLike)):
+            raise ConfigError(f"script={script!r}: give the path of the training script, or a function")
+        call, path, script_args = b"", user_file(script), commands.check_script_args(args)
 
     with session_for(session, backend, echo) as session:
         return _run_job(

@@ -20,17 +20,21 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
 def execute(name: str) -> list[str]:
-    """Run notebooks/<name> in a fresh kernel from the repository root; return each code cell's text output.
+    """Run notebooks/<name> in a fresh kernel; return each code cell's text output.
+
+    The kernel's working folder is the notebook's own, as JupyterLab starts it (not the repository's
+    root, where a path written for a terminal there would work and hide that it fails as opened).
 
     A cell that displayed the session's widget has "<widget>" in its text (what the widget shows is
     checked through trait values in test_ui.py, and in a browser in tests/browser).
     """
-    notebook = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    path = ROOT / "notebooks" / name
+    notebook = nbformat.read(path, as_version=4)
     # nbclient's loop takes SIGINT and asyncio gives it back as Python's default handler, whatever was
     # there: an xdist worker starts with SIGINT ignored, and later tests of this process would not.
     found = signal.getsignal(signal.SIGINT)
     with kernel_manager() as km:
-        client = NotebookClient(notebook, km=km, timeout=600, resources={"metadata": {"path": str(ROOT)}})
+        client = NotebookClient(notebook, km=km, timeout=600, resources={"metadata": {"path": str(path.parent)}})
         try:
             client.execute(cleanup_kc=True)  # shuts the kernel down, as for a kernel of its own
         finally:

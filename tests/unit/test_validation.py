@@ -95,6 +95,65 @@ def test_env_names_of_cmlclusters_own_are_refused_before_anything_starts(session
     assert not session.backend.control.started  # not even the controller
 
 
+@pytest.mark.parametrize("entry", ["launch_workers", "run_horovod", "run_torch", "%horovod", "%torchrun"])
+def test_a_missing_script_names_the_folder_searched_and_the_path_from_there(session, entry, tmp_path, monkeypatch):
+    # A notebook opened in JupyterLab runs in its own folder (notebooks/), not the project's root where
+    # the script's path was written: the message says where it looked, and the path that works from there.
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from cmlcluster.horovod import run_horovod
+    from cmlcluster.pytorch import run_torch
+
+    (tmp_path / "worker_scripts").mkdir()
+    (tmp_path / "worker_scripts" / "train.py").write_text("print(1)")
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    monkeypatch.setattr(api, "_default", None)  # the magics' session: the default one, never started here
+    script = "worker_scripts/train.py"
+    call = {
+        "launch_workers": lambda: session.launch_workers(1, cpu=1, memory=1, script=script),
+        "run_horovod": lambda: run_horovod(script, session=session, echo=False),
+        "run_torch": lambda: run_torch(script, session=session, echo=False),
+        "%horovod": lambda: InteractiveShell.instance().run_line_magic("horovod", f"-np 1 {script}"),
+        "%torchrun": lambda: InteractiveShell.instance().run_line_magic("torchrun", f"--nnodes 1 {script}"),
+    }[entry]
+    if entry.startswith("%"):
+        InteractiveShell.instance().run_line_magic("load_ext", "cmlcluster")
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert str(e.value) == (
+        f"script='worker_scripts/train.py': no such file in {tmp_path / 'notebooks'} (the working folder, where "
+        "a relative path starts; a notebook's is its own folder); did you mean '../worker_scripts/train.py'? "
+        "Give a path relative to that folder, or an absolute one"
+    )
+    assert api._default is None
+    assert session.list_workers() == []
+    assert not session.backend.control.started  # not even the controller
+
+
+def test_a_users_file_is_found_from_the_working_folder_or_refused_with_the_fix(tmp_path, monkeypatch):
+    from cmlcluster.workers import user_file
+
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert user_file("train.py") == str(tmp_path / "train.py")  # absolute: a later chdir does not break it
+    assert user_file("./train.py", cwd=str(tmp_path)) == str(tmp_path / "train.py")
+    assert user_file(tmp_path / "train.py") == str(tmp_path / "train.py")  # a Path, as from pathlib
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert user_file("~/train.py", cwd="/") == str(tmp_path / "train.py")
+    searched = re.escape(str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=rf"^script='elsewhere.py': no such file in {searched} \(the working .*; give a"
+    ):
+        user_file("elsewhere.py")  # nothing above has it either: no guess
+    with pytest.raises(ConfigError, match=r"^script='/no/such.py': no such file$"):
+        user_file("/no/such.py")  # an absolute path: no folder was searched
+    with pytest.raises(ConfigError, match=rf"^identity='.': {searched} is a folder; give the path of a file$"):
+        user_file(".", name="identity")
+    with pytest.raises(ConfigError, match=r"^script=3: give the path of a file, as a string$"):
+        user_file(3)
+
+
 def test_the_documented_knobs_may_still_be_set(session):
     knobs = {"CMLCLUSTER_PRELOAD": "json", "CMLCLUSTER_LOG_LEVEL": "DEBUG"}  # a worker elsewhere's log level
     [worker] = session.launch_workers(1, cpu=1, memory=1, code="pass", env=knobs)
