@@ -127,7 +127,9 @@ def _backend(args: argparse.Namespace) -> str | Backend:
 def run_cluster(args: argparse.Namespace) -> int:
     from .session import Session
     from .tensorflow import start_cluster
+    from .tensorflow.cluster import check_script
 
+    script = check_script(args.script)  # before the session starts anything
     with Session(_backend(args)) as session:
         # With TF_CONFIG the script starts its own server (MultiWorkerMirrored, or a TF1 script).
         cluster = start_cluster(
@@ -136,9 +138,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         )  # fmt: skip
         with cluster:
             if args.tf_config:
-                results = cluster.run_script(args.script, args.args)
+                results = cluster.run_script(script, args.args)
             else:
-                results = cluster.run_cml_script(args.script)
+                results = cluster.run_cml_script(script)
         failed = [r for r in results if r["status"] != "succeeded"]
         print(f"{len(results) - len(failed)} of {len(results)} worker tasks succeeded")
         return 1 if failed else 0

@@ -1,5 +1,5 @@
-"""GPUs for workers that run as local processes, and the notice that their CPU/memory limits are not applied
-(the limits themselves: cgroups.py)."""
+"""GPUs for workers that run as local processes, the machine's size their cpu= and memory= must fit, and the
+notice that their CPU/memory limits are not applied (the limits themselves: cgroups.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,37 @@ def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
         log.warning("nvidia-smi failed (%s); assuming no GPUs", e)
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset), else all the machine has."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def machine_memory_gb() -> float | None:
+    """The machine's memory in GB (2**30 bytes, as memory= counts), None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits_machine(resources: Resources, cpus: int, memory_gb: float | None) -> None:
+    """Refuse a worker that asks for more CPUs or memory than this machine has: no local worker could ever
+    have them, and a limit above the machine is no limit. Before anything starts."""
+    if resources.cpu > cpus:
+        raise ConfigError(
+            f"cpu={resources.cpu:g}: this machine has {cpus} CPU{'s' * (cpus != 1)} for local workers; "
+            f"ask for at most cpu={cpus}, or use a backend whose workers run elsewhere (ssh, kubernetes)"
+        )
+    if memory_gb is not None and resources.memory > memory_gb:
+        raise ConfigError(
+            f"memory={resources.memory:g}: this machine has {memory_gb:.1f} GB of memory in all; ask for at "
+            "most that much (memory= is in GB), or use a backend whose workers run elsewhere (ssh, kubernetes)"
+        )
 
 
 class GpuPool:

@@ -21,7 +21,7 @@ from ..agent_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, s
 from ..cgroups import CgroupLimits
 from ..errors import BackendError
 from ..logfile import WorkerOutput, start_process
-from ..resources import GpuPool, LimitsNotice, visible_gpus
+from ..resources import GpuPool, LimitsNotice, check_fits_machine, machine_cpus, machine_memory_gb, visible_gpus
 from ..workers import Resources, WorkerSpec
 from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail
 
@@ -78,6 +78,9 @@ class LocalBackend(Backend[LocalHandle]):
         self._limits_notice = LimitsNotice()  # said once per session
 
     async def check(self, n: int, resources: Resources) -> None:
+        # Each worker's cpu= and memory= against the whole machine: limits, not reservations, so workers
+        # together may ask for more than it has (as CML's may of a node's spare capacity).
+        check_fits_machine(resources, machine_cpus(), machine_memory_gb())
         self._gpus.check(n, resources)
 
     async def start(self, spec: WorkerSpec) -> LocalHandle:

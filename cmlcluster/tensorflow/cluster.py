@@ -27,7 +27,7 @@ from ..jobs import Job, JobFailed, JobFailure, Member, Restarts, Role, launch_jo
 from ..ports import free_ports
 from ..session import Session
 from ..shipping import Shipment
-from ..workers import Program, Resources, check_env
+from ..workers import Program, Resources, check_env, user_file
 from . import coordinator, layout, stopping, versions
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ class TFCluster:
 
     def _ship(self, script: str) -> tuple[Shipment, str]:
         """The script's file, for workers that do not see it; a module name travels as it is."""
+        script = check_script(script)
         shipment = self.session.ship([script] if os.path.isfile(script) else [])
         return shipment, shipment.names.get(script, script)
 
@@ -328,6 +329,8 @@ def run_cluster(
     WorkerError naming it, with its traceback, after everything is stopped.
     Other options are start_cluster's (port, min_workers, env, session, collect).
     """
+    if worker_script is not None:
+        worker_script = check_script(worker_script, "worker_script")  # before the cluster starts
     # TF1-style: clients connect to session_addr, so no coordinator task (a TF1 master
     # would wait forever for a chief that never serves).
     cluster = start_cluster(
@@ -346,6 +349,16 @@ def run_cluster(
     with cluster:
         cluster.run_cml_script(worker_script)
     return None, None
+
+
+def check_script(script: object, name: str = "script") -> str:
+    """A worker task's script as the workers get it: a file here (its absolute path, user_file's), else a
+    module name the workers import, as it is; anything else is refused (ConfigError) before it runs. A name
+    ending in .py is a file: `train.py` is never the module `py` of a package `train`."""
+    if isinstance(script, str) and not script.endswith(".py") and not os.path.isfile(script):
+        if all(part.isidentifier() for part in script.split(".")):
+            return script
+    return user_file(script, name=name)
 
 
 def _warn_other_users(session: Session, coordinator: bool) -> None:

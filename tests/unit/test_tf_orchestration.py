@@ -86,7 +86,7 @@ def test_a_failing_worker_task_names_itself_and_stops_the_cluster():
         with pytest.raises(
             WorkerError, match=r"TensorFlow cluster failed: worker task 1 .* with exit code 1"
         ) as caught:
-            cluster.run_script("train.py")
+            cluster.run_script("train")  # a module name: no file needed here
         assert f"worker task 1 (worker {s.id}-2)" in str(caught.value)
         assert "ValueError: bad batch" in str(caught.value)
         assert caught.value.worker_id == f"{s.id}-2"
@@ -112,7 +112,7 @@ def test_a_parameter_server_that_dies_fails_the_job_naming_it_and_stops_the_work
         cluster = start_cluster(n_workers=2, n_ps=1, cpu=1, memory=1, servers=False, session=s)
         started = time.monotonic()
         with pytest.raises(JobFailed) as caught:
-            cluster.run_script("train.py")
+            cluster.run_script("train")  # a module name: no file needed here
         assert time.monotonic() - started < 5  # not the workers' 60 s
         failure = caught.value.failure
         assert (failure.member.role, failure.member.index, failure.exit_code) == ("ps", 0, -9)
