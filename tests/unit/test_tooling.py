@@ -26,3 +26,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_clean(argv):
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_two_test_modules_share_a_name():
+    # The test folders are no packages: pytest imports each test module by its file name alone, and a
+    # second one of the same name stops the whole run at collection ("import file mismatch").
+    names: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
