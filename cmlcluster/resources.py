@@ -59,17 +59,20 @@ def machine_memory_gb() -> float | None:
         return None
 
 
-def check_fits_machine(resources: Resources, cpus: int, memory_gb: float | None) -> None:
-    """Refuse a worker that asks for more CPUs or memory than this machine has: no local worker could ever
-    have them, and a limit above the machine is no limit. Before anything starts."""
+def check_fits_machine(
+    resources: Resources, cpus: int, memory_gb: float | None, machine: str = "this machine", workers: str = "local"
+) -> None:
+    """Refuse a worker that asks for more CPUs or memory than the machine its workers share has (`machine`,
+    in words; `workers`, what they are): none could ever have them, and a limit above the machine is no
+    limit. Before anything starts."""
     if resources.cpu > cpus:
         raise ConfigError(
-            f"cpu={resources.cpu:g}: this machine has {cpus} CPU{'s' * (cpus != 1)} for local workers; "
+            f"cpu={resources.cpu:g}: {machine} has {cpus} CPU{'s' * (cpus != 1)} for {workers} workers; "
             f"ask for at most cpu={cpus}, or use a backend whose workers run elsewhere (ssh, kubernetes)"
         )
     if memory_gb is not None and resources.memory > memory_gb:
         raise ConfigError(
-            f"memory={resources.memory:g}: this machine has {memory_gb:.1f} GB of memory in all; ask for at "
+            f"memory={resources.memory:g}: {machine} has {memory_gb:.1f} GB of memory in all; ask for at "
             "most that much (memory= is in GB), or use a backend whose workers run elsewhere (ssh, kubernetes)"
         )
 

@@ -31,7 +31,7 @@ from .._aio import settle_on_this_thread
 from .._proc import python_module
 from ..errors import BackendError
 from ..logfile import CappedLog
-from ..resources import GpuPool, visible_gpus
+from ..resources import GpuPool, check_fits_machine, visible_gpus
 from ..workers import Resources, WorkerSpec
 from . import collect, docker_ranges, docker_worker
 from .base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
@@ -144,6 +144,11 @@ class DockerBackend(Backend[DockerHandle]):
         client = self._client or connect()
         self._client = client
         check_image(client, self.image)
+        info = client.info()  # the engine's machine: a container gets no more than it has
+        cpus, memory = int(info.get("NCPU") or 0), info.get("MemTotal")
+        if cpus:  # memory= counts GB of 2**30 bytes
+            where = f"Docker's engine ({info.get('Name') or 'its host'})"
+            check_fits_machine(resources, cpus, memory / 2**30 if memory else None, machine=where, workers="docker")
         if resources.nvidia_gpu:
             check_gpu_runtime(client, resources.nvidia_gpu)
             if self._gpus.all:

@@ -143,6 +143,18 @@ def test_gpu_requests_are_device_requests_for_each_workers_own_gpus(client, tmp_
         assert s.list_workers() == [] and s.client is None
 
 
+def test_more_cpu_or_memory_than_the_engine_has_is_refused_before_anything_starts(client):
+    info = client.info()
+    with Session(DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True), echo=False) as s:
+        with pytest.raises(
+            ConfigError, match=rf"cpu={info['NCPU'] + 1}: Docker's engine \(.*\) has {info['NCPU']} CPU"
+        ):
+            s.launch_workers(1, cpu=info["NCPU"] + 1, memory=1)
+        with pytest.raises(ConfigError, match=r"memory=100000: Docker's engine .* GB of memory in all"):
+            s.launch_workers(1, cpu=1, memory=100000)
+        assert s.list_workers() == [] and s.client is None  # not even the controller
+
+
 def test_killed_container_fails_with_exit_code_and_output_tail(docker_session, client):
     [w] = docker_session.launch_workers(
         1, cpu=0.5, memory=0.5, code="print('epoch 1 done', flush=True)\nimport time\ntime.sleep(600)"
