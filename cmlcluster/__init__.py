@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _lazy
+from . import _lazy, cml_shim
 from ._version import __version__ as __version__
+
+cml_shim.install()  # `import cml.workers_v1` where no real CML is installed (cml_shim says why this way)
 
 # Imported when first used, not with the package: every worker's agent runs as
 # `python -m cmlcluster.agent`, which imports this package first and needs none of the

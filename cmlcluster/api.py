@@ -15,6 +15,7 @@ from typing import Any
 from .backends import Backend, resolve_backend
 from .errors import ConfigError
 from .session import Session, check_silence_timeout
+from .workers import StopResponse
 
 _default: Session | None = None
 _default_lock = threading.Lock()
@@ -77,17 +78,19 @@ def launch_workers(
     script: str = "",
     code: str = "",
     env: Mapping[str, str] | None = None,
+    name: str = "",
     *,
     collect: str | Iterable[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Launch n workers, each with `cpu` cores, `memory` GB and `nvidia_gpu` GPUs.
 
     Each runs `script` (a path) or `code` (an IPython cell: indented source, `!cmd` and
-    `%magic` lines), or with neither serves the control plane until stopped. collect (not in
+    `%magic` lines), or with neither serves the control plane until stopped. name: the workers'
+    name, in their dicts, as CML's newer workspaces take it. collect (not in
     CML, where every worker writes to the project's disk): paths under the worker's working folder
     ("outputs", "model.keras") that come to this working folder when it ends (Session.launch_workers).
     """
-    return get_session().launch_workers(n, cpu, memory, nvidia_gpu, kernel, script, code, env, collect=collect)
+    return get_session().launch_workers(n, cpu, memory, nvidia_gpu, kernel, script, code, env, name, collect=collect)
 
 
 def await_workers(
@@ -104,8 +107,11 @@ def list_workers() -> list[dict[str, Any]]:
     return get_session().list_workers() if _default is not None else []
 
 
-def stop_workers(*ids: str | Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Stop these workers, or all of the default session's workers when none are named."""
+def stop_workers(*ids: str | Mapping[str, Any]) -> list[StopResponse]:
+    """Stop these workers, or all of the default session's workers when none are named.
+
+    One response per worker, as CML's: the worker's dict, with `status_code` and `ok` (Session.stop_workers).
+    """
     return get_session().stop_workers(*ids) if _default is not None else []
 
 

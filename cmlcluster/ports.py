@@ -28,7 +28,7 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in sockets]
 
 
-def ports_to_listen_on(n: int, host: str = "") -> list[int]:
+def ports_to_listen_on(n: int, host: str = "", *, reserve: bool = True) -> list[int]:
     """n distinct ports free on `host` now, for servers that will bind them a moment later.
 
     Drawn from below the kernel's ephemeral range: free_ports' ports come from that range, where
@@ -39,7 +39,8 @@ def ports_to_listen_on(n: int, host: str = "") -> list[int]:
     Each is left reserved (see _reserve) for its server to bind: another session starting on this
     host at the same moment could draw the same port before it was bound (a CI run: two sessions'
     controllers, one failing with "Address already in use"). The server must bind with
-    SO_REUSEADDR, as zmq and gRPC do.
+    SO_REUSEADDR, as zmq and gRPC do. reserve=False leaves them free for any server (one that may
+    bind without SO_REUSEADDR, as a user's web app may), at the risk of that race.
     """
     ephemeral_from = _ephemeral_range_start()
     candidates = random.sample(range(LISTEN_PORTS_FROM, ephemeral_from), ephemeral_from - LISTEN_PORTS_FROM)
@@ -53,7 +54,7 @@ def ports_to_listen_on(n: int, host: str = "") -> list[int]:
                 continue
             chosen.append(held)
             if len(chosen) == n:
-                for held in chosen:
+                for held in chosen if reserve else ():
                     _reserve(held)
                 return [held.getsockname()[1] for held in chosen]
     raise OSError(f"fewer than {n} free ports between {LISTEN_PORTS_FROM} and {ephemeral_from} on this host")

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from . import waiting, worker_logs
+from . import app_ports, waiting, worker_logs
 from ._aio import LoopThread
 from .backends import Backend, SessionContext
 from .control import ControlPlane, IPyParallelControl
@@ -77,6 +77,7 @@ class Runtime:
         cwd: str,
         replaces: str = "",
         collect: tuple[str, ...] = (),
+        name: str = "",
     ) -> list[dict[str, Any]]:
         await self.backend.check(n, resources)
         control = await self._started()
@@ -93,6 +94,8 @@ class Runtime:
                 capabilities=capabilities,
                 replaces=replaces,
                 collect=collect,
+                name=name,
+                app_ports=app_ports.pick(capabilities.own_address),
             )
             for _ in range(n)
         ]

@@ -24,7 +24,7 @@ from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
 from .supervisor import STOP_GRACE
 from .wire import CONNECTION_ENV
-from .workers import Program, Resources, validate_launch
+from .workers import Program, Resources, StopResponse, validate_launch
 
 T = TypeVar("T")
 
@@ -87,12 +87,17 @@ class Session:
         script: str = "",
         code: str = "",
         env: Mapping[str, str] | None = None,
+        name: str = "",
         *,
         ship_working_folder: bool = False,
         replaces: str = "",
         collect: str | Iterable[str] | None = None,
     ) -> list[dict[str, Any]]:
         """Start n workers; one dict per worker, a dict without "id" for one that could not start.
+
+        name: the workers' name, in their dicts ("name") and views, as CML's newer workspaces take it.
+        Each dict's "app_url" is where a browser opens what the worker serves on its CDSW_APP_PORT
+        (app_ports.py).
 
         A script the workers cannot read where it is (on SSH hosts, say) is shipped to them.
         ship_working_folder: ship the whole working folder too, to workers that do not see it
@@ -105,7 +110,7 @@ class Session:
         """
         self._check_open()
         cwd = os.getcwd()
-        program = validate_launch(n, cpu, memory, nvidia_gpu, kernel, script, code, env, cwd)
+        program = validate_launch(n, cpu, memory, nvidia_gpu, kernel, script, code, env, cwd, name)
         paths = results.check_collect(collect)
         shipment = self.ship([program.script] if program.script else [], working_folder=ship_working_folder)
         if shipment.files:
@@ -117,7 +122,7 @@ class Session:
             )
         resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
         self.show()
-        return self._run(self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces, paths))
+        return self._run(self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces, paths, name))
 
     def ship(self, scripts: Iterable[str] = (), *, working_folder: bool = False) -> Shipment:
         """What must travel so that workers can run these scripts (and, if asked, see the working folder).
@@ -148,12 +153,16 @@ class Session:
     def list_workers(self) -> list[dict[str, Any]]:
         return self._read(lambda: [w.to_dict() for w in self._supervisor.workers.values()])
 
-    def stop_workers(self, *ids: str | Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Stop these workers (all of the session's when none are named), in parallel."""
+    def stop_workers(self, *ids: str | Mapping[str, Any]) -> list[StopResponse]:
+        """Stop these workers (all of the session's when none are named), in parallel.
+
+        One response per worker, as CML's: its dict, with `status_code` (200 once it has ended, also
+        when it had ended before) and `ok`. An id that is no worker of this session raises ConfigError.
+        """
         if self.closed:
             return []
         workers = [self._supervisor.resolve(i) for i in ids] if ids else list(self._supervisor.workers.values())
-        return self._run(self._supervisor.stop(workers))
+        return [StopResponse(w) for w in self._run(self._supervisor.stop(workers))]
 
     def stop_workers_soon(self, *ids: str | Mapping[str, Any], grace: float = STOP_GRACE) -> None:
         """Begin stopping these workers (TERM, KILL after `grace` s) and return at once. Any thread."""

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 
 from . import wire
+from .app_ports import environment as app_ports_env
 from .backends import Capabilities
 from .workers import PACKAGE_DIR, PACKAGE_PARENT, Resources, WorkerSpec
 
@@ -33,11 +34,14 @@ def build_spec(
     session_environ: Mapping[str, str] = os.environ,
     replaces: str = "",
     collect: tuple[str, ...] = (),
+    name: str = "",
+    app_ports: tuple[int, ...] = (),
 ) -> WorkerSpec:
     """The spec a backend starts one worker from. Pure: everything it reads is an argument."""
     wid = worker_id(session_id, engine_id)
     worker_env = dict(env)
     worker_env.update(agent_env)
+    worker_env.update(app_ports_env(app_ports))  # CML's web-app ports (app_ports.py)
     worker_env.update(
         {
             "CDSW_MASTER_IP": controller_ip,
@@ -65,4 +69,6 @@ def build_spec(
         cwd=cwd,
         replaces=replaces,
         collect=collect,
+        name=name,
+        app_ports=app_ports,
     )

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import checks, wire
-from .errors import ConfigError
+from . import app_ports, checks, wire
+from .errors import ConfigError, WorkerError
 
 # The folder that holds this cmlcluster package: first on the PYTHONPATH of workers that see it,
 # so that they import the session's cmlcluster, installed or not.
@@ -36,6 +37,7 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED})
 UNKNOWN_ADDRESS = "unknown"
 OUTPUT_LINES_KEPT = 200  # per worker, for failure messages and output()
 TAIL_LINES = 20  # lines of output quoted in a failure message
+MAX_NAME = 200  # characters in launch_workers(name=...)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class WorkerSpec:
     cwd: str
     replaces: str = ""  # a lost worker's id: where the backend can, this one starts where that one ran
     collect: tuple[str, ...] = ()  # paths under its working folder that come home to cwd (results.py)
+    name: str = ""  # launch_workers(name=...), as CML's newer workspaces take it
+    app_ports: tuple[int, ...] = ()  # CDSW_APP_PORT, CDSW_READONLY_PORT, CDSW_PUBLIC_PORT (app_ports.py)
 
 
 @dataclass(frozen=True)
@@ -174,10 +178,46 @@ class Worker:
             "engine_id": self.engine_id,
             "hostname": self.hostname,
             "exit_code": self.exit_code,
+            "name": self.spec.name,
+            # Where a browser opens what listens on its CDSW_APP_PORT; None until its address is known.
+            "app_url": (
+                app_ports.app_url(self.ip_address, self.spec.app_ports[0])
+                if self.spec.app_ports and self.ip_address != UNKNOWN_ADDRESS
+                else None
+            ),
         }
         if self.message:
             record["message"] = self.message
         return record
+
+
+class StopResponse(dict[str, Any]):
+    """What stop_workers returns for one worker: its dict (as list_workers'), and the HTTP-like fields
+    CML's responses have (CML returns one `requests.Response` per worker, whose `status_code` its
+    callers check): 200 once the worker has ended, 500 when it could not be ended."""
+
+    def __init__(self, worker: Mapping[str, Any]):
+        super().__init__(worker)
+        self.status_code = 200 if worker.get("status") in TERMINAL else 500
+        self.reason = "OK" if self.ok else f"worker {worker.get('id')} is still {worker.get('status')}"
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code < 400
+
+    @property
+    def text(self) -> str:
+        return json.dumps(dict(self))
+
+    def json(self) -> dict[str, Any]:
+        return dict(self)
+
+    def raise_for_status(self) -> None:
+        if not self.ok:
+            raise WorkerError(f"stop_workers: {self.status_code} {self.reason}")
+
+    def __repr__(self) -> str:
+        return f"<StopResponse [{self.status_code}] {dict.__repr__(self)}>"
 
 
 def validate_launch(
@@ -190,8 +230,11 @@ def validate_launch(
     code: str,
     env: Mapping[str, str] | None,
     cwd: str,
+    name: str = "",
 ) -> Program:
     """Refuse bad input before anything starts; return what the workers will run."""
+    if not isinstance(name, str) or len(name) > MAX_NAME or not name.isprintable():
+        raise ConfigError(f"name={name!r}: give the workers' name as one line of text, at most {MAX_NAME} characters")
     if not checks.whole(n, 1):
         raise ConfigError(f"n={n!r}: the number of workers must be an integer of at least 1")
     for name, value in (("cpu", cpu), ("memory", memory)):

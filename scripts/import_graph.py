@@ -35,6 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_redact",  # secrets out of log records (the controller and the agent)
             "origin",
             "ports",
+            "app_ports",  # CML's web-app ports and app_url: a worker dict's field
+            "cml_shim",  # the finder that answers for `cml` where no real CML is installed
             "workers",
             "results",  # what collect= may name, and which files are a worker's: both sides read it
             "resources",
@@ -108,7 +110,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("session", ("session",)),
     ("jobs", ("jobs", "runs", "api")),
     ("frameworks", ("tensorflow", "horovod", "pytorch")),
-    ("faces", ("magics", "demo", "__main__", "")),  # "": the package itself
+    # "": the package itself; cml_shim.cml: CML's `cml` package, over api.
+    ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml")),
 ]
 
 

@@ -87,12 +87,12 @@ def run_worker(request: dict[str, Any], folder: str, listener: socket.socket, fi
     limits = CgroupLimits(f"cmlcluster-{worker_id}", float(request["cpu"]), float(request["memory"]))
     argv = [sys.executable, *request["argv"][1:]]  # the interpreter this runs on is the worker's
     code = 1
+    temporary = ""
     _become_subreaper()
     try:
         env = {k: os.environ[k] for k in LOGIN_VARIABLES if k in os.environ}
         env.update(request["env"])
-        env["TMPDIR"] = os.path.join(folder, "tmp")  # the worker's temp files go with its folder
-        os.mkdir(env["TMPDIR"])
+        env["TMPDIR"] = temporary = short_tmpdir()  # removed with the worker's folder, at its end
         work = os.path.join(folder, "work")
         os.mkdir(work)
         read_end, write_end = os.pipe()
@@ -119,7 +119,25 @@ def run_worker(request: dict[str, Any], folder: str, listener: socket.socket, fi
 
         keep(os.path.join(folder, "work"), worker_id, request.get("collect", ()), started)  # for the session
         shutil.rmtree(folder, ignore_errors=True)
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
     return code
+
+
+# The longest TMPDIR a worker's temporary folder is made in: 107 bytes of a Unix socket's path, less
+# Ray's 70 under it (ray/session_<time>_<pid>/sockets/plasma_store) and cml-<8>.
+SHORT_TMPDIR_BASE = 107 - 70 - 13
+
+
+def short_tmpdir() -> str:
+    """A private temporary folder for one worker, with a short path: programs make Unix sockets in
+    TMPDIR, and a socket's path has 107 bytes at most (Ray's are 70 bytes under it). The worker's own
+    folder (cmlcluster-<worker id>-<random>/tmp) would leave too few of them, and so may a long TMPDIR
+    of the host's login: then it is made in /tmp."""
+    base = tempfile.gettempdir()
+    if len(base) > SHORT_TMPDIR_BASE and os.access("/tmp", os.W_OK):  # noqa: S108 (a private mkdtemp in it)
+        base = "/tmp"  # noqa: S108
+    return tempfile.mkdtemp(prefix="cml-", dir=base)  # 0700: only this user
 
 
 def _leave_the_login() -> None:
