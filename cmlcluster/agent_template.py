@@ -58,14 +58,16 @@ WARM_MODULES = (
     "sqlite3",
     "tornado.platform.asyncio",
 )
-# A worker's own variables, never in a template's environment: ids, its GPUs, its temp folder,
-# what it imports early, and the controller's key, which the agent takes out of its environment.
+# A worker's own variables, never in a template's environment: ids, its GPUs, its temp folder, its
+# web-app ports, what it imports early, and the controller's key, which the agent takes out of its
+# environment.
 OWN_VARIABLES = frozenset(
     {
         "CDSW_ENGINE_ID",
         wire.ENGINE_ID_ENV,
         "CUDA_VISIBLE_DEVICES",
         "TMPDIR",
+        *wire.APP_PORT_ENVS,
         wire.PRELOAD_ENV,
         wire.CONNECTION_ENV,
         wire.CONNECTION_FILE_ENV,

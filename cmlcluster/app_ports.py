@@ -20,12 +20,9 @@ import importlib.util
 import os
 from collections.abc import Mapping
 
-from . import ports
+from . import ports, wire
 
-APP_PORT_ENV = "CDSW_APP_PORT"
-READONLY_PORT_ENV = "CDSW_READONLY_PORT"
-PUBLIC_PORT_ENV = "CDSW_PUBLIC_PORT"
-NAMES = (APP_PORT_ENV, READONLY_PORT_ENV, PUBLIC_PORT_ENV)
+NAMES = wire.APP_PORT_ENVS
 # Workers with an address of their own: the same ports in each, as in CML's engines (CML's docs name
 # the variables, not their values; these are the ones CML's engines are commonly seen with).
 FIXED = (8100, 8090, 8080)

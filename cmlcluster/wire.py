@@ -11,6 +11,8 @@ CONNECTION_FILE_ENV = "CMLCLUSTER_CONNECTION_FILE"
 ENGINE_ID_ENV = "CMLCLUSTER_ENGINE_ID"  # the engine id the agent registers as
 PRELOAD_ENV = "CMLCLUSTER_PRELOAD"  # modules the agent imports while its engine registers
 LOG_LEVEL_ENV = "CMLCLUSTER_LOG_LEVEL"  # the controller's and the agents' log level (WARN; DEBUG to look inside)
+# CML's web-app ports, a worker's own (app_ports.py): where it serves an app, read-only, and public.
+APP_PORT_ENVS = ("CDSW_APP_PORT", "CDSW_READONLY_PORT", "CDSW_PUBLIC_PORT")
 # "1" when the worker's working folder is its own, removed when it ends: a stopped program names what it leaves.
 OWN_FOLDER_ENV = "CMLCLUSTER_OWN_FOLDER"
 # Its collect= paths, as JSON: they come home when it ends, so what it leaves is said without them.

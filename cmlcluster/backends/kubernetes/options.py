@@ -13,14 +13,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import checks
+from ... import checks, wire
 from ...errors import ConfigError
 from .names import SESSION_MOUNT_PATH, check_name, is_label_key, is_label_value
 
-# Names cmlcluster sets in every worker; PodOptions.env may not replace them.
+# Names cmlcluster sets in every worker, by value in the pod spec (nothing secret); PodOptions.env may not
+# replace them.
 RESERVED_ENV = frozenset(
     {"CDSW_MASTER_IP", "CML_MASTER_IP", "CDSW_MASTER_ID", "CDSW_ENGINE_ID", "CDSW_IP_ADDRESS", "PYTHONUNBUFFERED"}
-)
+) | frozenset(wire.APP_PORT_ENVS)
 RESERVED_ENV_PREFIX = "CMLCLUSTER_"
 # The classic rule (C identifiers plus '-' and '.'); clusters before 1.34 accept nothing wider.
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
