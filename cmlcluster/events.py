@@ -3,9 +3,9 @@
 Events are small frozen records. A session publishes them from its loop thread; each
 subscriber gets them in order on a thread of its own, so a slow or failing subscriber
 never stalls the session: publishing only appends to a queue. When a subscriber falls
-far behind, output lines and progress reports (the events that come in floods) are
-dropped for it: it is told how many lines with a LinesDropped event, and a later report
-supersedes a dropped one. Every other event is kept.
+far behind, output lines, progress reports and resource samples (the events that come in
+floods) are dropped for it: it is told how many lines with a LinesDropped event, and a later
+report or sample supersedes a dropped one. Every other event is kept.
 """
 
 from __future__ import annotations
@@ -100,6 +100,44 @@ class Progress(Event):
 
 
 @dataclass(frozen=True)
+class GpuUse:
+    """One GPU of a worker, as NVML reports it."""
+
+    index: int  # the GPU's index on its host (CUDA_VISIBLE_DEVICES numbers them)
+    utilization_percent: float  # of its time busy, over NVML's last sample period
+    memory_bytes: int  # in use
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True)
+class ResourceUse(Event):
+    """What a worker uses now, sampled by its agent at a low rate (the worker's process tree, its agent's
+    own Python excluded)."""
+
+    kind: ClassVar[str] = "usage"
+    worker_id: str
+    cpu_percent: float  # of one core: 250.0 is two and a half cores busy
+    memory_bytes: int  # resident, of the whole tree
+    memory_limit_bytes: int | None  # what it may use (its cgroup's limit), None when unlimited or unknown
+    gpus: tuple[GpuUse, ...] = ()
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class CallStarted(Event):
+    """A call that starts or waits for work began (launch_workers, await_workers, run_cluster, a run):
+    a view shows what follows (the workers it launches, the output and progress of its run) as its own.
+
+    workers: the ids of the workers it is about (await_workers'), beside those it launches itself.
+    """
+
+    kind: ClassVar[str] = "call"
+    call: str  # unique in the session
+    title: str  # "launch_workers", "%torchrun train.py"
+    workers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SessionClosed(Event):
     """The session closed: its workers are stopped; the last event a subscriber gets."""
 
@@ -133,7 +171,7 @@ class _Subscription:
 
     def put(self, event: Event | None) -> None:
         with self._ready:
-            if isinstance(event, (OutputLine, Progress)) and len(self._queue) >= MAX_BACKLOG:
+            if isinstance(event, (OutputLine, Progress, ResourceUse)) and len(self._queue) >= MAX_BACKLOG:
                 self._dropped += isinstance(event, OutputLine)
                 return
             self._queue.append(event)

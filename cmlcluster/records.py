@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import origin
 from .errors import ConfigError
-from .events import Event, WorkerStatus
+from .events import Event, ResourceUse, WorkerStatus
 
 if TYPE_CHECKING:
     from .session import Session
 
 log = logging.getLogger(__name__)
+
+USAGE_WRITE_SECONDS = 1.0  # a record is rewritten for resource samples at most this often
 
 
 def folder() -> str:
@@ -77,18 +79,26 @@ class Recorder:
         self._started = time.time()
         self._lock = threading.Lock()  # a write in flight never recreates the record after close()
         self._closed = False
+        self._written = 0.0  # when the record was last written (monotonic)
         self._write()
         self._unsubscribe = session.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
-        if not isinstance(event, WorkerStatus):
-            return
-        w = event.worker
         with self._lock:
             if self._closed:
                 return
-            self._workers[w["id"]] = {k: w.get(k) for k in ("id", "status", "ip_address", "hostname", "exit_code")}
-            self._workers[w["id"]]["pid"] = self.session.worker_pid(w["id"])
+            if isinstance(event, WorkerStatus):
+                w = event.worker
+                kept = {k: w.get(k) for k in ("id", "status", "ip_address", "hostname", "exit_code")}
+                kept["pid"] = self.session.worker_pid(w["id"])
+                kept["usage"] = self._workers.get(w["id"], {}).get("usage")
+                self._workers[w["id"]] = kept
+            elif isinstance(event, ResourceUse) and event.worker_id in self._workers:
+                self._workers[event.worker_id]["usage"] = usage_fields(event)
+                if time.monotonic() - self._written < USAGE_WRITE_SECONDS:
+                    return  # samples come from every worker: at most one write a second for them
+            else:
+                return
             try:
                 self._write()
             except OSError as e:
@@ -111,6 +121,7 @@ class Recorder:
         with open(temporary, "w") as f:
             json.dump(record, f)
         os.replace(temporary, self.path)  # readers never see half a record
+        self._written = time.monotonic()
 
     def close(self) -> None:
         self._unsubscribe()
@@ -118,6 +129,25 @@ class Recorder:
             self._closed = True
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
+
+
+def usage_fields(use: ResourceUse) -> dict[str, Any]:
+    """A resource sample as a record's (and list_workers') fields: plain JSON numbers."""
+    return {
+        "cpu_percent": round(use.cpu_percent, 1),
+        "memory_bytes": use.memory_bytes,
+        "memory_limit_bytes": use.memory_limit_bytes,
+        "gpus": [
+            {
+                "index": g.index,
+                "utilization_percent": g.utilization_percent,
+                "memory_bytes": g.memory_bytes,
+                "memory_total_bytes": g.memory_total_bytes,
+            }
+            for g in use.gpus
+        ],
+        "sampled_at": use.time,
+    }
 
 
 def records() -> list[dict[str, Any]]:
