@@ -216,10 +216,11 @@ def ssh_hosts():
 
 
 def leftovers_on(hosts) -> dict[str, list[str]]:
-    """{host ip: processes and cmlcluster temp folders on it} for hosts with anything left."""
+    """{host ip: processes and cmlcluster temp folders (a worker's own, its short TMPDIR) on it} for hosts
+    with anything left."""
     found = {}
     for host in hosts.hosts:
-        left = host.processes() + host.exec("sh", "-c", "ls -d /tmp/cmlcluster-* 2>/dev/null").stdout.split()
+        left = host.processes() + host.exec("sh", "-c", "ls -d /tmp/cmlcluster-* /tmp/cml-* 2>/dev/null").stdout.split()
         if left:
             found[host.ip] = left
     return found

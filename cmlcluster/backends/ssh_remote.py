@@ -43,6 +43,7 @@ from typing import Any
 from .._proc import descendants, end_group
 from ..cgroups import CgroupLimits
 from ..wire import DEFAULT_SILENCE_TIMEOUT, READ_CHUNK
+from .ssh_janitor import Janitor
 from .ssh_relay import FRAME_BYTES, GONE_EXIT, HANGUP_MS, POLL_MS, SOCKET_NAME, Relay, end_worker_on_signals
 
 DEFAULT_GRACE = 5.0
@@ -88,11 +89,14 @@ def run_worker(request: dict[str, Any], folder: str, listener: socket.socket, fi
     argv = [sys.executable, *request["argv"][1:]]  # the interpreter this runs on is the worker's
     code = 1
     temporary = ""
+    janitor = Janitor(limits)  # cleans what this leaves should it be killed: before the subreaper (ssh_janitor)
+    janitor.remove(folder)
     _become_subreaper()
     try:
         env = {k: os.environ[k] for k in LOGIN_VARIABLES if k in os.environ}
         env.update(request["env"])
-        env["TMPDIR"] = temporary = short_tmpdir()  # removed with the worker's folder, at its end
+        # Removed with the worker's folder, at its end (by the janitor if this is killed).
+        env["TMPDIR"] = temporary = janitor.remove(short_tmpdir())
         work = os.path.join(folder, "work")
         os.mkdir(work)
         read_end, write_end = os.pipe()
@@ -108,6 +112,7 @@ def run_worker(request: dict[str, Any], folder: str, listener: socket.socket, fi
             relay.never_started(f"could not start the worker ({shlex.join(argv)}): {e}")
         else:
             limits.add(process.pid)
+            janitor.group(process.pid)
             relay.watch(process, read_end, lambda grace: _end(process, grace))
         finally:
             os.close(write_end)
@@ -121,6 +126,7 @@ def run_worker(request: dict[str, Any], folder: str, listener: socket.socket, fi
         shutil.rmtree(folder, ignore_errors=True)
         if temporary:
             shutil.rmtree(temporary, ignore_errors=True)
+        janitor.done()
     return code
 
 
