@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "live",
             "shipping",
             "progress",
+            "usage",  # what a worker uses: sampled by its agent, read back by the session
             "lines",
             "logfile",
             "_controller",
@@ -86,6 +87,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ssh.sshd",
             "backends.ssh_remote",
             "backends.ssh_relay",  # the host's side of an SSH worker, beside ssh_remote
+            "backends.ssh_janitor",  # cleans up after a killed relay on an SSH host
             "backends.results_host",  # on an SSH host: a worker's collect= files, kept until the session takes them
         ),
     ),
