@@ -57,17 +57,15 @@ class RunError(CmlClusterError):
 
 
 @contextlib.contextmanager
-def session_for(session: Session | None, backend: str | Backend | None, echo: bool) -> Iterator[Session]:
+def session_for(session: Session | None, backend: str | Backend | None, echo: bool, title: str) -> Iterator[Session]:
     """The session a run uses: the one given; else, for backend=, one of its own, closed when the run
-    ends; else the default session (cmlcluster.get_session()). With echo, its view shows here.
-    While the run holds the cell, the widget's Stop ends it (cmlcluster.blocking)."""
+    ends; else the default session (cmlcluster.get_session()). With echo, the run (`title`) shows
+    here, in a view of its own. While the run holds the cell, the widget's Stop ends it (cmlcluster.blocking)."""
     owned = session is None and backend is not None
     if session is None:
         session = Session(backend, echo=echo) if backend is not None else api.get_session()
-    if echo:
-        session.show()
     try:
-        with blocking.blocking(session):
+        with session.showing(title) if echo else contextlib.nullcontext(), blocking.blocking(session):
             yield session
     finally:
         if owned:

@@ -9,17 +9,20 @@ worker_env.py's, what travels to it is shipping.py's. Nothing here polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import os
 import secrets
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
 from . import blocking, checks, live, origin, records, results, shipping, ui
 from .backends import Backend, make_backend
 from .errors import CmlClusterError, ConfigError
-from .events import Event, Subscriber
+from .events import CallStarted, Event, Subscriber
 from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
 from .supervisor import STOP_GRACE
@@ -66,7 +69,9 @@ class Session:
         self._rt = Runtime(self.id, self.backend, on_folder=self._start_record, silence_timeout=silence_timeout)
         self._events = self._rt.events
         self._supervisor = self._rt.supervisor
-        self._on_show: list[Callable[[], None]] = []
+        self._on_show: list[Callable[[CallStarted], None]] = []
+        self._calls = itertools.count()
+        self._in_call = threading.local()  # .depth: the calls of `showing` this thread is within
         self._on_close: list[Callable[[], None]] = []
         self._record: records.Recorder | None = None  # for `cmlcluster list` / `cleanup`
         self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI
@@ -121,8 +126,9 @@ class Session:
                 files_in_cwd=shipment.in_cwd,
             )
         resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
-        self.show()
-        return self._run(self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces, paths, name))
+        with self.showing("launch_workers"):
+            launch = self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces, paths, name)
+            return self._run(launch)
 
     def ship(self, scripts: Iterable[str] = (), *, working_folder: bool = False) -> Shipment:
         """What must travel so that workers can run these scripts (and, if asked, see the working folder).
@@ -147,8 +153,11 @@ class Session:
         """
         if not checks.number(timeout_seconds, low=0):
             raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give seconds >= 0 (0 waits without a limit)")
-        with blocking.blocking(self):  # the widget's Stop can end the wait (cmlcluster.blocking)
-            return self._run(self._rt.wait(list(ids), wait_for_completion, float(timeout_seconds), fail_fast))
+        ids = list(ids)
+        awaited = tuple(str(i.get("id", "")) if isinstance(i, Mapping) else str(i) for i in ids)
+        # The widget's Stop can end the wait (cmlcluster.blocking).
+        with self.showing("await_workers", awaited), blocking.blocking(self):
+            return self._run(self._rt.wait(ids, wait_for_completion, float(timeout_seconds), fail_fast))
 
     def list_workers(self) -> list[dict[str, Any]]:
         return self._read(lambda: [w.to_dict() for w in self._supervisor.workers.values()])
@@ -292,20 +301,38 @@ class Session:
         """Wait (at most `timeout` s) until subscribers have handled every event so far."""
         self._events.drain(timeout)
 
-    def on_show(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` in the caller's thread whenever a call starts workers (launch_workers, and
-        the frameworks through it), so that a UI can show itself where that call was made."""
+    def on_show(self, callback: Callable[[CallStarted], None]) -> None:
+        """Call `callback(call)` in the caller's thread whenever a call that starts or waits for work
+        begins (`showing`), before its CallStarted event: a UI shows that call's view where it was made."""
         self._on_show.append(callback)
 
-    def show(self) -> None:
-        """Let the UI show this session here (in a notebook: in the cell now running)."""
-        self._call_hooks(self._on_show, "showing")
+    @contextlib.contextmanager
+    def showing(self, title: str, workers: Iterable[str] = ()) -> Iterator[None]:
+        """Mark a call that starts or waits for work (launch_workers, run_cluster, a run): its view shows
+        what it does. Calls within it (run_cluster's launches and waits) are part of it. `workers`: the
+        ids of earlier workers it is about (await_workers')."""
+        depth = getattr(self._in_call, "depth", 0)
+        if depth == 0 and not self.closed:
+            call = CallStarted(f"{self.id}-{next(self._calls)}", title, tuple(workers))
+            for hook in list(self._on_show):  # one that fails does not keep the others from running
+                try:
+                    hook(call)
+                except Exception:
+                    log.exception("cmlcluster: showing session %s: %r failed", self.id, hook)
+            self.publish(call)
+        self._in_call.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._in_call.depth = depth
 
     def _ipython_display_(self) -> None:
-        if self._on_show:
-            self.show()
+        """The whole session's view, as a cell's value (every worker, all output), or its repr without one."""
+        whole = getattr(self.view, "whole", None)
+        if whole is not None:
+            whole().display()
         else:
-            print(repr(self))  # shown without a UI (echo=False)
+            print(repr(self))  # shown without a widget (echo=False, or outside a kernel)
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Call `callback()` when the session closes, before its workers stop (a TensorBoard's stop, say)."""

@@ -130,7 +130,10 @@ def run_horovod(
     horovodrun = _horovodrun()
     if session is None and backend is not None and reuse:
         session, backend = _default_session_on(backend), None  # what is kept for reuse lives there
-    with session_for(session, backend, echo) as session, run_key(session.session_dir, bool(max_restarts)) as key:
+    with (
+        session_for(session, backend, echo, f"run_horovod {os.path.basename(script)}") as session,
+        run_key(session.session_dir, bool(max_restarts)) as key,
+    ):
         cluster: SSHCluster | None = None
         view = session if echo else None
         env = {**env, **key.rank_env}  # an elastic run's key: in the ranks' 0600 files, never a command line

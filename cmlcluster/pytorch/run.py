@@ -129,7 +129,8 @@ def run_torch(
             raise ConfigError(f"script={script!r}: give the path of the training script, or a function")
         call, path, script_args = b"", user_file(script), commands.check_script_args(args)
 
-    with session_for(session, backend, echo) as session:
+    title = f"run_torch {os.path.basename(path) or getattr(script, '__name__', 'function')}"
+    with session_for(session, backend, echo, title) as session:
         return _run_job(
             session,
             nnodes=nnodes,

@@ -289,7 +289,8 @@ def start_cluster(
         built[0]._take_back(lost, new)
 
     restarts = Restarts(max_restarts, take_back, same_address=True) if max_restarts else None
-    job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds, restarts=restarts)
+    with session.showing("start_cluster"):
+        job = launch_job(session, roles, "TensorFlow cluster", timeout_seconds=timeout_seconds, restarts=restarts)
     with ExitStack() as undo:
         undo.callback(job.stop)
         _warn_other_users(session, coordinator)  # once the backend knows where its workers are
@@ -331,23 +332,25 @@ def run_cluster(
     """
     if worker_script is not None:
         worker_script = check_script(worker_script, "worker_script")  # before the cluster starts
-    # TF1-style: clients connect to session_addr, so no coordinator task (a TF1 master
-    # would wait forever for a chief that never serves).
-    cluster = start_cluster(
-        n_workers,
-        n_ps,
-        cpu,
-        memory,
-        nvidia_gpu,
-        servers=True,
-        coordinator=False,
-        timeout_seconds=timeout_seconds,
-        **options,
-    )
-    if worker_script is None:
-        return cluster.cluster_spec, cluster.session_addr
-    with cluster:
-        cluster.run_cml_script(worker_script)
+    session = options["session"] = options.get("session") or get_session()
+    with session.showing("run_cluster"):
+        # TF1-style: clients connect to session_addr, so no coordinator task (a TF1 master
+        # would wait forever for a chief that never serves).
+        cluster = start_cluster(
+            n_workers,
+            n_ps,
+            cpu,
+            memory,
+            nvidia_gpu,
+            servers=True,
+            coordinator=False,
+            timeout_seconds=timeout_seconds,
+            **options,
+        )
+        if worker_script is None:
+            return cluster.cluster_spec, cluster.session_addr
+        with cluster:
+            cluster.run_cml_script(worker_script)
     return None, None
 
 

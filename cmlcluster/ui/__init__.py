@@ -1,7 +1,8 @@
 """How a session shows itself: widgets in a notebook kernel, progress bars or text elsewhere.
 
 A view only subscribes to the session's events and registers where it shows itself
-(Session.on_show); the session calls attach() for every session made with echo=True.
+(Session.on_show: at the start of each call that starts or waits for work); the session calls
+attach() for every session made with echo=True. Both kinds draw the same model (model.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ def attach(session: Any) -> Any:
     """Give `session` the view that fits where it runs; returns the view."""
     view: Any
     if in_kernel() and importable("ipywidgets"):
-        from .widget import WidgetView
+        from .widget import SessionViews
 
-        view = WidgetView(session)
+        view = SessionViews(session)  # a view per call, shown in the cell that makes it
     else:
         from .terminal import TerminalView
 

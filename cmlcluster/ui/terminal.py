@@ -5,6 +5,9 @@ progress bars, and output lines are written above them. Without, everything is a
 plain line, and progress is printed at most every PROGRESS_EVERY seconds a task.
 Workers' output goes to the stream it was printed on; cmlcluster's own lines (statuses,
 progress, jobs) go to stderr, so that a script's stdout stays its own.
+
+It draws the same model as the widget (model.py): the same labels, shown statuses, counts and
+reasons, and framework INFO lines folded away (said once per source; the worker's log keeps them).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from ..events import (
     WorkerStatus,
 )
 from ..progress import describe
-from ..workers import FAILED, RUNNING
+from ..workers import FAILED, RUNNING, STOPPED
+from .model import SCHEDULING, Router, is_noise, reason
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -40,9 +44,11 @@ class TerminalView:
     def __init__(self, session: Session, *, bars: bool = False):
         self._bars = bars
         self._lock = threading.Lock()
-        self._labels: dict[str, str] = {}  # worker id -> "worker 0" once a job names it
-        self._status: dict[str, str] = {}
-        self._up: set[str] = set()  # workers that came up (ran), whatever happened since
+        self._router = Router(calls=False)  # one story: the whole session's
+        self._model = self._router.whole
+        self._said: dict[str, str] = {}  # worker id -> the status last said
+        self._folded_said: set[str] = set()  # sources whose folding was said
+        self._finished: set[str] = set()  # members of jobs that finished: their stop is the job's end
         self._last_line: dict[str, float] = {}
         self._up_bar: Any = None
         self._task_bars: dict[str, Any] = {}
@@ -50,18 +56,24 @@ class TerminalView:
 
     def __call__(self, event: Event) -> None:
         with self._lock:
+            self._router.apply(event)
+            label = self._model.label
             if isinstance(event, OutputLine):
-                self._write(f"[{self._labels.get(event.source, event.source)}] {event.text}", event.stream)
+                self._on_output(event)
             elif isinstance(event, WorkerStatus):
-                self._on_status(event.worker)
+                self._on_status(event.worker["id"])
             elif isinstance(event, Progress):
                 self._on_progress(event)
             elif isinstance(event, JobChanged):
                 self._on_job(event)
             elif isinstance(event, LaunchFailed):
                 self._write(f"[cmlcluster] {event.message}")
-            elif isinstance(event, RunEnded) and not event.ok:
+            elif isinstance(event, RunEnded):
                 self._write(f"[{event.run}] {event.message}")
+                if event.ok:  # its nodes stopped with it: each did its part
+                    done = [label(i) for i in self._finished if self._model.status(i) != STOPPED]
+                    if done:
+                        self._write(f"[cmlcluster] {', '.join(sorted(done))} succeeded")
             elif isinstance(event, LinesDropped):
                 self._write(f"[cmlcluster] {event.count} output lines not shown (the display fell behind)")
             elif isinstance(event, SessionClosed):
@@ -77,24 +89,33 @@ class TerminalView:
         else:
             print(line, file=out, flush=True)
 
-    def _on_status(self, worker: dict[str, Any]) -> None:
-        worker_id, status = worker["id"], worker["status"]
-        before = self._status.get(worker_id)
-        self._status[worker_id] = status
-        if worker.get("running_at"):
-            self._up.add(worker_id)
+    def _on_output(self, event: OutputLine) -> None:
+        name = self._model.label(event.source)
+        if not is_noise(event.text):
+            self._write(f"[{name}] {event.text}", event.stream)
+        elif event.source not in self._folded_said:
+            self._folded_said.add(event.source)
+            self._write(f"[{name}] (framework INFO lines folded away here; the worker's log keeps them)")
+
+    def _on_status(self, worker_id: str) -> None:
+        model = self._model
+        worker, status = model.workers[worker_id], model.status(worker_id)
+        before = self._said.get(worker_id)
+        self._said[worker_id] = status
         if status == before:
             return
-        name = self._labels.get(worker_id, worker_id)
+        name = model.label(worker_id)
         if status == RUNNING:
             where = worker.get("hostname") or ""
             detail = f" on {where} ({worker['ip_address']})" if where else f" at {worker['ip_address']}"
             self._line(f"[{name}] running{detail}")
         elif status == FAILED:
-            self._write(f"[{name}] failed: {worker.get('message') or ''}".rstrip(": "))
-        elif before is not None or status != "scheduling":
+            self._write(f"[{name}] failed: {reason(worker)}".rstrip(": "))
+        elif status == STOPPED and worker_id in self._finished:
+            pass  # its job is over: RunEnded says how it went, and which of them succeeded
+        elif before is not None or status != SCHEDULING:
             self._line(f"[{name}] {status}")
-        if self._bars and (status == "scheduling" or self._up_bar is not None):
+        if self._bars and (status == SCHEDULING or self._up_bar is not None):
             self._update_up_bar()  # while workers come up
 
     def _line(self, text: str) -> None:
@@ -105,20 +126,21 @@ class TerminalView:
     def _update_up_bar(self) -> None:
         from tqdm import tqdm
 
-        total = len(self._status)
-        up = len(self._up)
+        model = self._model
+        total = len(model.workers)
+        up = sum(1 for r in model.workers.values() if r.get("running_at"))
         if self._up_bar is None:
             self._up_bar = tqdm(total=total, desc="workers up", unit="worker", leave=False, file=sys.stderr)
         self._up_bar.total = total
         self._up_bar.n = up
         self._up_bar.refresh()
-        if "scheduling" not in self._status.values():  # every worker came up, or will not
+        if not any(r["status"] == SCHEDULING for r in model.workers.values()):  # every worker came up, or will not
             self._up_bar.close()
             self._up_bar = None
-            self._write(f"[cmlcluster] {up} of {total} workers up")
+            self._write(f"[cmlcluster] {total} worker{'s' * (total != 1)}: {model.summary()}")
 
     def _on_progress(self, progress: Progress) -> None:
-        task = self._labels.get(progress.task, progress.task)
+        task = self._model.label(progress.task)
         if self._bars:
             self._progress_bar(task, progress)
             return
@@ -145,12 +167,10 @@ class TerminalView:
             del self._task_bars[task]
 
     def _on_job(self, event: JobChanged) -> None:
-        if event.state in ("started", "member_replaced"):
-            for member in event.members:
-                self._labels[member.worker_id] = f"{member.role} {member.index}"
         if event.state == "started":
             self._write(f"[cmlcluster] {event.job} started: {len(event.members)} workers")
         elif event.state == "finished":
+            self._finished.update(m.worker_id for m in event.members)
             self._close_bars()
             self._write(f"[cmlcluster] {event.job} finished")
         for note in event.notes():

@@ -1,84 +1,200 @@
-"""A session in a notebook: a live ipywidgets view of its workers, their output and training.
+"""A session in a notebook: live ipywidgets views of its workers, their output and training.
 
-Events only change the view's state (under a lock, on the session's delivery thread);
-a render thread copies the state into the widgets at most RENDER_HZ times a second,
-so a worker printing a flood costs the front end ten small updates a second. The loss
-curves are bqplot marks: bqplot is a native ipywidgets library (no extension build,
-works in JupyterLab 4 and Notebook 7) whose traits update in place, one point at a time.
+Each call that starts or waits for work (launch_workers, await_workers, run_cluster, %horovod,
+%torchrun, run_*) shows a view of its own in its cell: its workers, its run's output and progress
+(model.py's Router says what belongs to which call). Displaying the session (`cmlcluster.get_session()`
+as a cell's value) shows the whole session's view.
+
+Events only change the models (under the session's views' lock, on one delivery thread); one render
+thread copies what changed into the widgets at most RENDER_HZ times a second, so a worker printing a
+flood costs the front end ten small updates a second, however many views there are. The loss curves
+are bqplot marks: bqplot is a native ipywidgets library (no extension build, works in JupyterLab 4 and
+Notebook 7) whose traits update in place, one point at a time.
 """
 
 from __future__ import annotations
 
-import bisect
 import html
 import os
 import threading
 import time
 import traceback
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
 from .. import blocking, logfile, results
-from ..events import (
-    Event,
-    JobChanged,
-    LaunchFailed,
-    LinesDropped,
-    OutputLine,
-    Progress,
-    RunEnded,
-    SessionClosed,
-    WorkerStatus,
-)
+from ..events import CallStarted, Event, Progress, ResourceUse, SessionClosed
 from ..progress import describe
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
 from . import kernel_internals
+from .model import SCHEDULING, Router, ViewModel, order_key, reason
 from .shell import in_kernel, ipython
 
 if TYPE_CHECKING:
     from ..session import Session
 
-RENDER_HZ = 10  # at most this many widget updates a second
-OUTPUT_LINES = 200  # lines kept per source for the output panel
+RENDER_HZ = 10  # at most this many widget updates a second, for all of a session's views together
 # The part of a worker's log that the "show log" button loads into the widget, read at the click: the
 # widget's state (saved in the notebook) holds no log until then, and none again once hidden or another
 # worker is selected (`cmlcluster logs` shows a log whole whatever its size).
 LOG_TAIL_BYTES = 64 << 10
-CURVE_POINTS = 500  # points kept per loss curve (older ones thinned out)
+OUTPUT_HEIGHT = "18em"  # the output panel scrolls within this, its newest line in sight
 SHOW_LOG, HIDE_LOG = "show log", "hide log"
 SHOW_LOG_TIP = "Show the end of the selected worker's log here (the saved notebook holds it while it is shown)"
 HIDE_LOG_TIP = "Hide the log (the saved notebook then holds none of it)"
 STOPS_THE_CELL = "Stops these workers, and the cmlcluster call a running cell waits in"
 STOPS_BETWEEN_CELLS = "Stops these workers between cells; a running cell stops with Interrupt (■)"
+NOISE_TIP = "Show the frameworks' INFO log lines too (folded away by default; the worker's log keeps them all)"
+LOG_SCALE_TIP = (
+    "A log scale for the loss (a run that diverged no longer flattens the others; losses <= 0 are not drawn)"
+)
 COLOURS = {
-    "scheduling": "#9e9e9e",
+    SCHEDULING: "#9e9e9e",
     RUNNING: "#1e88e5",
     SUCCEEDED: "#43a047",
     FAILED: "#e53935",
     STOPPED: "#757575",
 }
+GB = 1 << 30
 
 
-class WidgetView:
-    """The widget of one session; `widget` is what is displayed (and displayed again)."""
+class SessionViews:
+    """The widget views of one session: a view per call, and the whole session's on request.
+
+    One subscriber feeds every view's model through a Router, and one thread draws them.
+    """
 
     def __init__(self, session: Session):
         self.session = session
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # the models, and the views' list
+        self.router = Router()
+        self.views: list[WidgetView] = []
+        self.latest: WidgetView | None = None  # the newest call's view: what the Stop in the last cell is
+        self.whole_view: WidgetView | None = None
+        self._uptimes_drawn = 0.0  # when running workers' uptimes were last drawn (monotonic)
         self._dirty = threading.Event()
-        self._rows: dict[str, dict[str, Any]] = {}  # worker id -> record
-        self._running_since: dict[str, float] = {}
-        self._labels: dict[str, str] = {}  # worker id -> "worker 0"
-        self._progress: dict[str, Progress] = {}  # task -> latest
-        self._curves: dict[str, tuple[list[float], list[float]]] = {}  # task -> (steps, losses)
-        self._output: dict[str, deque[str]] = {}  # source -> last lines
-        self._notes: list[str] = []
-        self._restarts: dict[str, int] = {}  # job -> workers it replaced so far
-        self._shown_in: object = None
         self._closed = threading.Event()  # the session closed: one last render, then the thread ends
+        self._cells: dict[str, object] = {}  # call -> the cell its view is shown in
+        self.errors: list[str] = []  # what failed in the delivery thread (shown by the views)
+        blocking.watch(self.redraw_all)  # a call holding the cell makes Stop useful, workers or not
+        session.subscribe(self._on_event)
+        session.on_show(self.show_call)
+        threading.Thread(target=self._render_loop, name=f"cmlcluster-{session.id}-widgets", daemon=True).start()
+
+    @classmethod
+    def of(cls, session: Session) -> SessionViews:
+        """The session's views (made at its first need)."""
+        if not isinstance(session.view, SessionViews):
+            session.view = cls(session)
+        return session.view
+
+    # ---------------------------------------------------------------- showing
+
+    def show_call(self, call: CallStarted) -> None:
+        """At a call's start, in the caller's thread: show its view in the cell now running. A call in
+        the cell of the latest view that only waits (await_workers after launch_workers) joins that view."""
+        if not in_kernel():
+            return
+        cell = _current_cell()
+        with self.lock:
+            latest = self.latest
+            if latest is not None and call.workers and cell is not None and self._cells.get(latest.call) == cell:
+                self.router.join_call(call.call)
+                return
+            model = self.router.open_call(call.call, call.title)
+        view = WidgetView(self.session, self, model, call.call)  # draws itself once: outside the lock
+        with self.lock:
+            self.views.append(view)
+            self.latest = view
+            self._cells[call.call] = cell
+        view.display()
+
+    def whole(self) -> WidgetView:
+        """The whole session's view (every worker, all output)."""
+        with self.lock:
+            if self.whole_view is not None:
+                return self.whole_view
+        view = WidgetView(self.session, self, self.router.whole, "")
+        with self.lock:
+            self.views.append(view)
+            self.whole_view = self.whole_view or view
+            return self.whole_view
+
+    # ---------------------------------------------------------------- events
+
+    def _on_event(self, event: Event) -> None:
+        try:
+            with self.lock:
+                self.router.apply(event)
+        except Exception:
+            self.errors.append(traceback.format_exc())
+        if isinstance(event, SessionClosed):
+            self._closed.set()
+            blocking.unwatch(self.redraw_all)
+        if not self._dirty.is_set():  # cheap when it is: a flood sets it once per render
+            self._dirty.set()
+
+    # ---------------------------------------------------------------- rendering
+
+    def _render_loop(self) -> None:
+        while not self._closed.is_set():
+            # Woken by a change, or each second while workers run (their uptime moves).
+            self._dirty.wait(timeout=1.0)
+            self._dirty.clear()
+            now = time.monotonic()
+            uptimes = now - self._uptimes_drawn >= 1.0
+            if uptimes:
+                self._uptimes_drawn = now
+            self._render_all(uptimes)
+            time.sleep(1 / RENDER_HZ)
+        self._render_all(uptimes=True)  # the final state: stopped rows, "closed"
+
+    def _render_all(self, uptimes: bool) -> None:
+        with self.lock:
+            views = list(self.views)
+        for view in views:
+            view.render_if_changed(uptimes)
+
+    def kick(self) -> None:
+        """Draw again soon (a user's choice in a view changed what it shows)."""
+        self._dirty.set()
+
+    def redraw_all(self) -> None:
+        """Draw every view again soon (whether a call holds the cell changed: their Stop buttons)."""
+        with self.lock:
+            for view in self.views:
+                view.stale()
+        self._dirty.set()
+
+
+class WidgetView:
+    """The widget of one model: a call's, or the whole session's. `widget` is what is displayed.
+
+    WidgetView(session) is the whole session's view (made for it if the session has none yet).
+    """
+
+    def __init__(
+        self, session: Session, views: SessionViews | None = None, model: ViewModel | None = None, call: str = ""
+    ):
+        if views is None:  # the whole session's, asked for by name
+            views = SessionViews.of(session)
+            model = views.router.whole
+            with views.lock:
+                views.views.append(self)
+                views.whole_view = views.whole_view or self
+        assert model is not None
+        self.session = session
+        self.views = views
+        self.model = model
+        self.call = call
+        self._drawn = -1  # the model's changes when last drawn
+        self._shown_log: str | None = None  # the worker whose log's tail log_view holds
         self.updates = 0  # renders that changed the widgets (the bench and tests read it)
+        self.lines: dict[str, Any] = {}  # task -> its bqplot Lines
+        self.task_bars: dict[str, w.FloatProgress] = {}
+        self.task_metrics: dict[str, w.HTML] = {}
+        self._errors_shown = 0
 
         self.title = w.HTML()
         self.up = w.IntProgress(value=0, min=0, max=1, description="workers up", bar_style="info")
@@ -89,21 +205,22 @@ class WidgetView:
         hooked = kernel_internals.on_arrival(self.stop_button.comm, self._guarded(self._on_stop_arrival))
         self.stop_button.tooltip = STOPS_THE_CELL if hooked else STOPS_BETWEEN_CELLS
         self.source = w.Dropdown(description="output", options=[])
-        self.source.observe(self._guarded(lambda _: self._dirty.set()), names="value")
+        self.source.observe(self._guarded(lambda _: self._redraw()), names="value")
+        self.noise = w.Checkbox(value=False, description="framework logs", tooltip=NOISE_TIP, indent=False)
+        self.noise.observe(self._guarded(lambda _: self._redraw()), names="value")
         self.output = w.HTML()
         self.log_hint = w.HTML()  # where the selected worker's whole log is, also after the session
         # Its tail, read on a click for the worker selected then; a second click hides it again.
         self.log_button = w.Button(description=SHOW_LOG, icon="file-text", tooltip=SHOW_LOG_TIP)
         self.log_button.on_click(self._guarded(self._on_log_click))
         self.log_view = w.HTML()
-        self._shown_log: str | None = None  # the worker whose log's tail log_view holds
         self.errors = w.Output()  # exceptions in callbacks land here, shown under the widget
         self.training = w.VBox()
-        self.task_bars: dict[str, w.FloatProgress] = {}
-        self.task_metrics: dict[str, w.HTML] = {}
         self.plot, self._scales = _new_plot()
+        self.legend = w.HTML()  # beside the plot, never over its curves
+        self.log_scale = w.ToggleButton(value=False, description="log scale", tooltip=LOG_SCALE_TIP)
+        self.log_scale.observe(self._guarded(self._on_log_scale), names="value")
         self.plot_area = w.Box()  # holds the plot from the first loss on: no empty chart where nothing trains
-        self.lines: dict[str, Any] = {}  # task -> its bqplot Lines
         self.widget = w.VBox(
             [
                 w.HBox([self.title, self.stop_button]),
@@ -111,7 +228,7 @@ class WidgetView:
                 self.table,
                 self.training,
                 self.plot_area,
-                self.source,
+                w.HBox([self.source, self.noise]),
                 self.output,
                 w.HBox([self.log_hint, self.log_button]),
                 self.log_view,
@@ -120,29 +237,14 @@ class WidgetView:
             layout=w.Layout(width="100%"),
         )
         self.widget.add_class("cmlcluster-session")
-        self._render()
-        blocking.watch(self._dirty.set)  # a call holding the cell makes Stop useful, workers or not
-        session.subscribe(self._guarded(self._on_event))
-        session.on_show(self.show)
-        threading.Thread(target=self._render_loop, name=f"cmlcluster-{session.id}-widget", daemon=True).start()
+        self._render_guarded()
 
-    # ---------------------------------------------------------------- showing
-
-    def show(self) -> None:
-        """Display the widget in the cell now running, once per cell (nowhere outside a kernel)."""
+    def display(self) -> None:
         from IPython.display import display
 
-        if not in_kernel():
-            return
-        shell = ipython()
-        header = getattr(shell, "parent_header", None) or {}
-        cell = header.get("header", {}).get("msg_id") or getattr(shell, "execution_count", None)
-        if cell is not None and cell == self._shown_in:
-            return
-        self._shown_in = cell
         display(self.widget)
 
-    # ---------------------------------------------------------------- events
+    # ---------------------------------------------------------------- user actions
 
     def _guarded(self, callback: Any) -> Any:
         """`callback`, with its exceptions shown in the widget's error area instead of lost."""
@@ -156,57 +258,17 @@ class WidgetView:
 
         return guarded
 
-    def _on_event(self, event: Event) -> None:
-        with self._lock:
-            if isinstance(event, WorkerStatus):
-                record = event.worker
-                self._rows[record["id"]] = record
-                if record["status"] == RUNNING:
-                    self._running_since.setdefault(record["id"], time.time())
-                else:
-                    self._running_since.pop(record["id"], None)  # its uptime no longer moves
-            elif isinstance(event, OutputLine):
-                lines = self._output.setdefault(event.source, deque(maxlen=OUTPUT_LINES))
-                lines.append(event.text)
-            elif isinstance(event, Progress):
-                self._on_progress(event)
-            elif isinstance(event, JobChanged):
-                if event.state in ("started", "member_replaced"):
-                    for member in event.members:
-                        self._labels[member.worker_id] = f"{member.role} {member.index}"
-                if event.restarts:
-                    self._restarts[event.job] = max(event.restarts, self._restarts.get(event.job, 0))
-                self._notes += event.notes()
-            elif isinstance(event, LaunchFailed):
-                self._notes.append(event.message)
-            elif isinstance(event, RunEnded) and not event.ok:
-                self._notes.append(f"{event.run}: {event.message}")
-            elif isinstance(event, LinesDropped):
-                self._notes.append(f"{event.count} output lines not shown (the display fell behind)")
-            elif isinstance(event, SessionClosed):
-                self._closed.set()
-                blocking.unwatch(self._dirty.set)
-        if not self._dirty.is_set():  # cheap when it is: a flood sets it once per render
-            self._dirty.set()
+    def stale(self) -> None:
+        """Drawn again at the next render, changed or not."""
+        self._drawn = -1
 
-    def _on_progress(self, progress: Progress) -> None:
-        self._progress[progress.task] = progress
-        loss = progress.metrics.get("loss", next(iter(progress.metrics.values()), None))
-        if loss is None:
-            return
-        steps, losses = self._curves.setdefault(progress.task, ([], []))
-        # A step again (a restart resumed from its last checkpoint): the steps since then are trained
-        # again, drawn once, so the curve goes on from where training resumed instead of doubling back.
-        redone = bisect.bisect_left(steps, progress.step)
-        del steps[redone:], losses[redone:]
-        steps.append(progress.step)
-        losses.append(loss)
-        if len(steps) > CURVE_POINTS:  # keep the shape, drop every other old point
-            del steps[: CURVE_POINTS // 2 : 2], losses[: CURVE_POINTS // 2 : 2]
+    def _redraw(self) -> None:
+        self.stale()
+        self.views.kick()
 
     def _live(self) -> list[str]:
-        with self._lock:
-            return [i for i, r in self._rows.items() if r["status"] not in (SUCCEEDED, FAILED, STOPPED)]
+        with self.views.lock:
+            return self.model.live()
 
     def _on_stop(self, _button: Any) -> None:
         live = self._live()
@@ -214,33 +276,36 @@ class WidgetView:
             self.session.stop_workers_soon(*live)
 
     def _on_stop_arrival(self, data: Any) -> None:
-        """A click as it reaches the kernel (ipykernel's shell-channel thread): begin stopping the workers
-        and end the call the cell waits in, if it is this session's. Only schedules; never waits."""
+        """A click as it reaches the kernel (ipykernel's shell-channel thread): begin stopping the view's
+        workers and end the call the cell waits in, if it is this session's. Only schedules; never waits."""
         content = data.get("content") if isinstance(data, dict) and data.get("method") == "custom" else None
         if not isinstance(content, dict) or content.get("event") != "click":
             return
         live = self._live()
         if live:
             self.session.stop_workers_soon(*live)
-        blocking.interrupt(self.session, lambda: self._stopped(live))
+        if self in (self.views.latest, self.views.whole_view):  # an older cell's view ends only its workers
+            blocking.interrupt(self.session, lambda: self._stopped(live))
 
     def _stopped(self, live: list[str]) -> str:
         """On the main thread, once the interrupted call let go: make sure of the stop, then say what stopped."""
         if not live:
             return "stopped from the widget: the call was interrupted (no workers were running)"
-        names = f"worker{'s' if len(live) > 1 else ''} {', '.join(live)}"
+        with self.views.lock:
+            names = ", ".join(self.model.label(i) for i in live)
+        what = f"worker{'s' if len(live) > 1 else ''} {names}"
         try:
             self.session.stop_workers(*live)
         except Exception as e:  # said, not lost: the call is over either way
-            return f"stopped from the widget: stopping {names} failed: {e}"
-        return f"stopped from the widget: {names} stopped"
+            return f"stopped from the widget: stopping {what} failed: {e}"
+        return f"stopped from the widget: {what} stopped"
 
     def _on_log_click(self, _button: Any) -> None:
         """The selected worker's log's tail into the widget, read now; or, when it is shown, hidden again."""
         worker = self.source.value
         if self._shown_log is not None:
             self._hide_log()
-        elif worker in self._rows:  # a worker's output is selected (the button shows only then)
+        elif worker in self.model.workers:  # a worker's output is selected (the button shows only then)
             self._shown_log, self.log_view.value = worker, _log_tail(self.session, worker)
             self.log_button.description, self.log_button.tooltip = HIDE_LOG, HIDE_LOG_TIP
 
@@ -248,18 +313,24 @@ class WidgetView:
         self._shown_log, self.log_view.value = None, ""
         self.log_button.description, self.log_button.tooltip = SHOW_LOG, SHOW_LOG_TIP
 
+    def _on_log_scale(self, change: Any) -> None:
+        if self.plot is None:
+            return
+        y = self._scales["log" if change["new"] else "y"]
+        with self.plot.hold_sync():
+            self.plot.axes[1].scale = y
+            for line in self.plot.marks:
+                line.scales = {**line.scales, "y": y}
+
     # ---------------------------------------------------------------- rendering
 
-    def _render_loop(self) -> None:
-        while not self._closed.is_set():
-            # Woken by a change, or each second while workers run (their uptime moves).
-            changed = self._dirty.wait(timeout=1.0)
-            if not changed and not self._running_since:
-                continue
-            self._dirty.clear()
+    def render_if_changed(self, uptimes: bool) -> None:
+        """Draw what changed (or, with `uptimes`, what moves by itself: running workers' uptime)."""
+        with self.views.lock:
+            changed = self.model.changes != self._drawn
+            moving = self.model.moving()
+        if changed or (uptimes and moving) or self._errors_shown < len(self.views.errors):
             self._render_guarded()
-            time.sleep(1 / RENDER_HZ)
-        self._render_guarded()  # the final state: stopped rows, "closed"
 
     def _render_guarded(self) -> None:
         try:
@@ -268,81 +339,124 @@ class WidgetView:
             self.errors.append_stderr(traceback.format_exc())
 
     def _render(self) -> None:
-        with self._lock:
-            rows = [dict(r) for r in self._rows.values()]
-            labels = dict(self._labels)
-            since = dict(self._running_since)
-            progress = dict(self._progress)
-            curves = {task: (list(s), list(v)) for task, (s, v) in self._curves.items()}
-            sources = list(self._output)
-            selected = self.source.value or (sources[0] if sources else None)
-            output = list(self._output.get(selected, ())) if selected else []
-            notes = list(self._notes)
-            restarts = dict(self._restarts)
-            selected_worker = selected if selected in self._rows else None
-        now = time.time()
-        up = sum(1 for r in rows if r.get("running_at"))  # came up, whatever happened since
+        with self.views.lock:
+            model = self.model
+            self._drawn = model.changes
+            rows = model.rows()
+            since = dict(model.running_since)
+            usage = dict(model.usage)
+            progress = {task: (model.label(task), report) for task, report in model.progress.items()}
+            curves = {task: (model.label(task), list(s), list(v)) for task, (s, v) in model.curves.items()}
+            sources = model.sources()
+            names = [(model.label(source), source) for source in sources]
+            selected = self.source.value if self.source.value in sources else (sources[0] if sources else None)
+            output = model.lines(selected, noise=self.noise.value) if selected else []
+            folded = model.folded[selected] if selected and not self.noise.value else 0
+            notes = list(model.notes)
+            summary = model.summary()
+            live = bool(model.live())
+            selected_worker = selected if selected in model.workers else None
+            errors = self.views.errors[self._errors_shown :]
+            self._errors_shown += len(errors)
+        for error in errors:
+            self.errors.append_stderr(error)
         session = self.session
-        state = "closed" if session.closed else f"{up} of {len(rows)} workers up"
-        state += "".join(f" · {html.escape(job)}: {n} restart{'s' * (n != 1)}" for job, n in restarts.items())
-        self.title.value = f"<b>cmlcluster session {session.id}</b> on <code>{session.backend.name}</code>: {state}"
+        what = f"<b>{html.escape(model.title)}</b> · " if model.title else "<b>cmlcluster</b> "
+        self.title.value = (
+            f"{what}session {session.id} on <code>{html.escape(session.backend.name)}</code>: {html.escape(summary)}"
+        )
+        up = sum(1 for r in rows if r.get("running_at"))  # came up, whatever happened since
         self.up.max = max(len(rows), 1)
         self.up.value = up
         self.up.bar_style = "danger" if any(r["status"] == FAILED for r in rows) else "info"
-        self.table.value = _table(rows, labels, since, now) + "".join(
+        self.up.layout.display = "none" if rows and up == len(rows) else ""  # gone once every worker came up
+        self.table.value = _table(rows, since, usage, time.time()) + "".join(
             f'<div class="cmlcluster-note" style="color:{COLOURS[FAILED]}">{html.escape(n)}</div>' for n in notes
         )
-        live = any(r["status"] not in (SUCCEEDED, FAILED, STOPPED) for r in rows)
-        self.stop_button.disabled = session.closed or not (live or blocking.busy(session))
+        # A call holding the cell is the newest view's to stop (or the whole session's), not an older cell's.
+        holds = blocking.busy(session) and self in (self.views.latest, self.views.whole_view)
+        self.stop_button.disabled = session.closed or not (live or holds)
         self.stop_button.button_style = "" if self.stop_button.disabled else "danger"  # red only when it can act
-        self._render_training(progress, labels)
+        self._render_training(progress)
         if self.plot is not None and curves:
             if not self.plot_area.children:
-                self.plot_area.children = (self.plot,)
+                self.plot_area.children = (w.HBox([self.plot, w.VBox([self.legend, self.log_scale])]),)
             self._render_curves(curves)
-        names = [(labels.get(s, s), s) for s in sources]
         if names != list(self.source.options):
             self.source.options = names
-            if selected in sources:
-                self.source.value = selected
-        self.output.value = f'<pre class="cmlcluster-output">{html.escape(chr(10).join(output))}</pre>'
+        if self.source.value != selected:
+            self.source.value = selected
+        self.output.value = _output_panel(output, folded)
+        self.noise.layout.display = "" if folded or self.noise.value else "none"
         self.log_hint.value = _log_hint(session, selected_worker) if selected_worker else ""
         self.log_button.layout.display = "" if selected_worker else "none"
         if self._shown_log is not None and self._shown_log != selected_worker:
             self._hide_log()  # another worker's: gone with its selection
         self.updates += 1
 
-    def _render_curves(self, curves: dict[str, tuple[list[float], list[float]]]) -> None:
+    def _render_curves(self, curves: dict[str, tuple[str, list[float], list[float]]]) -> None:
         import bqplot
 
-        for task, (steps, losses) in curves.items():
+        palette = bqplot.CATEGORY10
+        for task, (label, steps, losses) in curves.items():
             line = self.lines.get(task)
             if line is None:
-                palette = bqplot.CATEGORY10
+                y = self._scales["log" if self.log_scale.value else "y"]
+                colour = palette[len(self.lines) % len(palette)]
                 line = self.lines[task] = bqplot.Lines(
-                    x=[],
-                    y=[],
-                    scales=self._scales,
-                    labels=[task],
-                    display_legend=True,
-                    colors=[palette[len(self.lines) % len(palette)]],
+                    x=[], y=[], scales={"x": self._scales["x"], "y": y}, labels=[label], colors=[colour]
                 )
                 self.plot.marks = [*self.plot.marks, line]
+            if line.labels != [label]:  # a job named its worker since
+                line.labels = [label]
             if len(line.x) != len(steps) or (steps and line.x[-1] != steps[-1]):
                 with line.hold_sync():
                     line.x, line.y = steps, losses
+        ordered = sorted(self.lines.values(), key=lambda line: order_key(line.labels[0]))
+        legend = '<div class="cmlcluster-legend">{}</div>'.format(
+            "".join(
+                f'<div><span style="color:{line.colors[0]}">&#9473;&#9473;</span> {html.escape(line.labels[0])}</div>'
+                for line in ordered
+            )
+        )
+        if self.legend.value != legend:
+            self.legend.value = legend
 
-    def _render_training(self, progress: dict[str, Progress], labels: dict[str, str]) -> None:
-        for task, report in progress.items():
+    def _render_training(self, progress: dict[str, tuple[str, Progress]]) -> None:
+        for task, (label, report) in progress.items():
             bar = self.task_bars.get(task)
             if bar is None:
-                bar = self.task_bars[task] = w.FloatProgress(min=0, description=labels.get(task, task))
+                bar = self.task_bars[task] = w.FloatProgress(min=0, description=label)
                 self.task_metrics[task] = w.HTML()
                 self.training.children = (*self.training.children, w.HBox([bar, self.task_metrics[task]]))
+            bar.description = label
             bar.max = report.total or max(report.step, 1)
             bar.value = min(report.step, bar.max)
             bar.bar_style = "success" if report.total and report.step >= report.total else ""
             self.task_metrics[task].value = html.escape(describe(report))
+
+
+def _current_cell() -> object:
+    """The cell now running (its request's id), or None outside one."""
+    shell = ipython()
+    header = getattr(shell, "parent_header", None) or {}
+    return header.get("header", {}).get("msg_id") or getattr(shell, "execution_count", None)
+
+
+def _output_panel(lines: list[str], folded: int) -> str:
+    """The selected source's lines in a fixed-height panel that scrolls: column-reverse keeps its
+    newest line in sight as lines arrive, without a script."""
+    note = (
+        f'<div class="cmlcluster-folded">{folded} framework INFO line{"s" * (folded != 1)} folded away '
+        "(tick <i>framework logs</i> to show them)</div>"
+        if folded
+        else ""
+    )
+    return (
+        f'<div class="cmlcluster-output-panel" style="max-height:{OUTPUT_HEIGHT};overflow-y:auto;'
+        'display:flex;flex-direction:column-reverse">'
+        f'<pre class="cmlcluster-output" style="margin:0">{html.escape(chr(10).join(lines))}</pre></div>{note}'
+    )
 
 
 def _log_hint(session: Session, worker_id: str) -> str:
@@ -376,24 +490,30 @@ def _log_tail(session: Session, worker_id: str) -> str:
     )
 
 
-def _table(rows: list[dict[str, Any]], labels: dict[str, str], since: dict[str, float], now: float) -> str:
-    head = "".join(f"<th>{h}</th>" for h in ("worker", "status", "host", "address", "GPUs", "up for", "exit", "reason"))
+def _table(rows: list[dict[str, Any]], since: dict[str, float], usage: dict[str, ResourceUse], now: float) -> str:
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("worker", "status", "host", "address", "CPU", "memory", "GPUs", "up for", "exit", "reason")
+    )
     body = []
     for r in rows:
         started = since.get(r["id"])
         uptime = "" if started is None or r["status"] != RUNNING else f"{now - started:.0f} s"
-        name = labels.get(r["id"], r["id"])
         exit_code = "" if r.get("exit_code") is None else str(r["exit_code"])
-        reason = r.get("message", "") if r["status"] == FAILED else ""
+        why = reason(r) if r["status"] == FAILED else ""
+        name = f' <span style="color:#757575">{html.escape(r["name"])}</span>' if r.get("name") else ""
+        cpu, memory, gpus = _resource_cells(r, usage.get(r["id"]))
         cells = [
-            html.escape(name),
+            html.escape(r["label"]) + name,
             f'<span style="color:{COLOURS.get(r["status"], "inherit")}">&#9679; {r["status"]}</span>',
             html.escape(r.get("hostname") or ""),
             html.escape(r.get("ip_address") or ""),
-            str(r.get("nvidia_gpu") or ""),
+            cpu,
+            memory,
+            gpus,
             uptime,
             exit_code,
-            f'<span title="{html.escape(reason)}">{html.escape(reason.splitlines()[0] if reason else "")}</span>',
+            f'<span title="{html.escape(str(r.get("message") or ""))}">{html.escape(why)}</span>',
         ]
         body.append(
             f'<tr data-worker="{html.escape(r["id"])}" data-status="{r["status"]}">'
@@ -403,19 +523,38 @@ def _table(rows: list[dict[str, Any]], labels: dict[str, str], since: dict[str, 
     return f'<table class="cmlcluster-workers"><tr>{head}</tr>{"".join(body)}</table>'
 
 
+def _resource_cells(record: dict[str, Any], use: ResourceUse | None) -> tuple[str, str, str]:
+    """What a worker asked for and, while it runs, what it uses: "2 · 150 %", "0.4 / 4 GB", "1 · 80 %"."""
+    cpu, memory, gpus = (
+        f"{record.get('cpu') or 0:g}",
+        f"{record.get('memory') or 0:g} GB",
+        str(record.get("nvidia_gpu") or ""),
+    )
+    if use is None or record["status"] != RUNNING:
+        return cpu, memory, gpus
+    cpu += f" · {use.cpu_percent:.0f} %"
+    limit = use.memory_limit_bytes or (record.get("memory") or 0) * GB
+    memory = f"{use.memory_bytes / GB:.2g} / {limit / GB:.3g} GB" if limit else f"{use.memory_bytes / GB:.2g} GB"
+    if use.gpus:
+        busy = sum(g.utilization_percent for g in use.gpus) / len(use.gpus)
+        used = sum(g.memory_bytes for g in use.gpus) / GB
+        gpus = f"{len(use.gpus)} · {busy:.0f} % · {used:.2g} GB"
+    return cpu, memory, gpus
+
+
 def _new_plot() -> tuple[Any, dict[str, Any]]:
-    """A bqplot figure for the loss curves and its scales, or (None, {}) without bqplot."""
+    """A bqplot figure for the loss curves and its scales (a linear and a log one for y), or (None, {})
+    without bqplot. The legend is drawn beside it (WidgetView.legend): bqplot's own covers the curves."""
     try:
         import bqplot
     except ImportError:
         return None, {}
-    x, y = bqplot.LinearScale(), bqplot.LinearScale()
+    x, y, log = bqplot.LinearScale(), bqplot.LinearScale(), bqplot.LogScale()
     figure = bqplot.Figure(
         marks=[],
         axes=[bqplot.Axis(scale=x, label="step"), bqplot.Axis(scale=y, side="left", label="loss")],
         title="loss",
         layout=w.Layout(width="100%", height="300px"),
-        legend_location="top-right",
     )
     figure.add_class("cmlcluster-loss")
-    return figure, {"x": x, "y": y}
+    return figure, {"x": x, "y": y, "log": log}

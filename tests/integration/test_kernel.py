@@ -189,7 +189,7 @@ SLEEPING_WORKERS = """
 import cmlcluster as cdsw
 ws = cdsw.launch_workers(2, cpu=0.5, memory=0.5, code="import time; time.sleep(600)")
 ready = cdsw.await_workers(ws, wait_for_completion=False, timeout_seconds=60)
-stop = cdsw.get_session().view.stop_button
+stop = cdsw.get_session().view.latest.stop_button  # the cell's own view
 print(stop.comm.comm_id, *[w["id"] for w in ws], *[cdsw.get_session().worker_pid(w) for w in ws])
 """
 

@@ -135,7 +135,7 @@ with cmlcluster.Session("local") as s:
 def test_a_terminal_shows_tqdm_bars_and_the_output():
     text = run_in_terminal(TERMINAL_RUN, dict(os.environ))
     assert re.search(r"workers up: +\d+%\|", text), text  # tqdm's bar while workers come up
-    assert re.search(r"\w+-[01]: 100%\|[^\r\n]*\| 20/20 [^\r\n]*loss=0\.5", text), text  # a bar per task
+    assert re.search(r"w[01]: 100%\|[^\r\n]*\| 20/20 [^\r\n]*loss=0\.5", text), text  # a bar per task
     assert "] trained" in text
 
 
@@ -144,16 +144,19 @@ def test_without_a_terminal_the_same_run_prints_text(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "%|" not in result.stdout + result.stderr  # no bars into a pipe
     # The workers' output on stdout; cmlcluster's own lines on stderr.
-    assert len(re.findall(r"^\[\w+-[01]\] trained$", result.stdout, re.M)) == 2, result.stdout
-    assert len(re.findall(r"^\[\w+-[01]\] running on ", result.stderr, re.M)) == 2, result.stderr
-    assert len(re.findall(r"^\[\w+-[01]\] step 20/20 loss=0.5$", result.stderr, re.M)) == 2
-    assert len(re.findall(r"^\[\w+-[01]\] succeeded$", result.stderr, re.M)) == 2
+    assert len(re.findall(r"^\[w[01]\] trained$", result.stdout, re.M)) == 2, result.stdout
+    assert len(re.findall(r"^\[w[01]\] running on ", result.stderr, re.M)) == 2, result.stderr
+    assert len(re.findall(r"^\[w[01]\] step 20/20 loss=0.5$", result.stderr, re.M)) == 2
+    assert len(re.findall(r"^\[w[01]\] succeeded$", result.stderr, re.M)) == 2
 
 
 @pytest.fixture
 def kernel():
     with running_kernel(cwd=str(ROOT)) as (_, kc):
         yield kc
+
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
 def execute(kc, code: str) -> list[dict]:
@@ -181,26 +184,31 @@ assert not result["failures"], result
 """
 
 
-def test_in_a_kernel_the_widget_shows_once_per_launching_cell_and_follows_the_workers(kernel):
+def test_in_a_kernel_each_call_shows_a_view_of_its_own_and_the_whole_session_on_request(kernel):
     outputs = execute(kernel, LAUNCH_AND_WAIT + "cdsw.launch_workers(1, cpu=0.5, memory=0.5, code='pass')\n")
-    widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
-    assert len(widgets) == 1  # two launches in one cell: shown once
-    assert text_of(outputs) == ""  # output and progress are in the widget, not printed
+    shown = [o["data"][WIDGET]["model_id"] for o in outputs if WIDGET in o.get("data", {})]
+    # launch_workers and the await_workers of its workers: one view; the second launch: one of its own.
+    assert len(shown) == 2 and len(set(shown)) == 2
+    assert text_of(outputs) == ""  # output and progress are in the widgets, not printed
     state = execute(
         kernel,
-        "import json, re\nview = cdsw.get_session().view\n"
+        "import json, re\nviews = cdsw.get_session().view\n"
         "cdsw.await_workers(cdsw.list_workers(), timeout_seconds=60)\nimport time; time.sleep(1)\n"
-        "print(json.dumps({'rows': re.findall(r'data-status=\"(\\w+)\"', view.table.value),"
-        " 'curves': {t: len(l.y) for t, l in view.lines.items()}, 'model': view.widget.model_id}))",
+        "rows = lambda v: re.findall(r'data-status=\"(\\w+)\"', v.table.value)\n"
+        "print(json.dumps({'rows': [rows(v) for v in views.views], 'models': [v.widget.model_id for v in views.views],"
+        " 'curves': {t: len(l.y) for t, l in views.views[0].lines.items()}, 'labels': views.views[0].source.options}))",
     )
     seen = json.loads(text_of(state))
-    assert seen["rows"] == ["succeeded"] * 3
-    assert sorted(seen["curves"].values()) == [20, 20]
-    assert widgets[0]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] == seen["model"]
-    again = execute(kernel, "cdsw.get_session()")  # display(session) shows the same widget again
-    assert [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for o in again if "data" in o] == [
-        seen["model"]
-    ]
+    assert seen["models"][:2] == shown
+    # The first call's two workers, the second's one, and the later cell's await: all three it waited for.
+    assert seen["rows"] == [["succeeded"] * 2, ["succeeded"], ["succeeded"] * 3]
+    assert sorted(seen["curves"].values()) == [20, 20]  # the first call's workers reported: its curves
+    assert [label for label, _ in seen["labels"]] == ["w0", "w1"]
+    again = execute(kernel, "cdsw.get_session()")  # the whole session's view, on request
+    [whole] = [o["data"][WIDGET]["model_id"] for o in again if "data" in o]
+    assert whole not in seen["models"]
+    rows = execute(kernel, "print(rows(views.whole_view))")
+    assert text_of(rows).strip() == str(["succeeded"] * 3)
     execute(kernel, "cdsw.stop_session()")
 
 
@@ -209,9 +217,9 @@ def test_in_a_kernel_without_ipywidgets_the_same_run_prints_text(kernel):
     outputs = execute(kernel, LAUNCH_AND_WAIT)
     assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     text = text_of(outputs)
-    assert len(re.findall(r"^\[\w+-[01]\] running on ", text, re.M)) == 2, text
-    assert len(re.findall(r"^\[\w+-[01]\] step 20/20 loss=0.5$", text, re.M)) == 2, text
-    assert len(re.findall(r"^\[\w+-[01]\] trained$", text, re.M)) == 2, text
+    assert len(re.findall(r"^\[w[01]\] running on ", text, re.M)) == 2, text
+    assert len(re.findall(r"^\[w[01]\] step 20/20 loss=0.5$", text, re.M)) == 2, text
+    assert len(re.findall(r"^\[w[01]\] trained$", text, re.M)) == 2, text
     execute(kernel, "cdsw.stop_session()")
 
 

@@ -124,7 +124,7 @@ def test_a_click_arriving_during_await_workers_stops_the_workers_and_the_call(ke
         with pytest.raises(blocking.StoppedFromWidget) as stopped:
             s.await_workers(idle, wait_for_completion=True, timeout_seconds=0)
         assert time.monotonic() - clicked[0] < 5
-        assert str(stopped.value) == f"stopped from the widget: workers {idle[0]['id']}, {idle[1]['id']} stopped"
+        assert str(stopped.value) == "stopped from the widget: workers w0, w1 stopped"  # the views' labels
         assert {w["status"] for w in s.list_workers()} == {"stopped"}  # before the call raised
         settled(lambda: view.stop_button.disabled and view.stop_button.button_style == "")
 

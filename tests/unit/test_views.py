@@ -139,7 +139,7 @@ def test_an_exception_in_a_widget_callback_is_shown_in_the_widget(monkeypatch):
         def broken(progress):
             raise RuntimeError("drawing failed")
 
-        monkeypatch.setattr(view, "_on_progress", broken)
+        monkeypatch.setattr(view.model, "_on_progress", broken)  # the reducer, on the delivery thread
         s.publish(Progress("worker 0", 1, 2, {"loss": 1.0}))
         settled(view, lambda: any("drawing failed" in o.get("text", "") for o in view.errors.outputs))
 
@@ -153,9 +153,9 @@ def test_terminal_view_prints_status_output_and_throttled_progress(capsys):
             s.publish(Progress("rank 0", step, 100, {"loss": 1.0 / step}))
         s.stop_workers()
     out, err = capsys.readouterr()
-    assert f"[{w['id']}] hello" in out  # the worker's output on its stream, cmlcluster's lines on stderr
-    assert f"[{w['id']}] running on fake-0 (10.0.0.1)" in err
-    assert f"[{w['id']}] failed: worker {w['id']} exited with code 2" in err
+    assert "[w0] hello" in out  # the worker's output on its stream, cmlcluster's lines on stderr
+    assert "[w0] running on fake-0 (10.0.0.1)" in err
+    assert f"[w0] failed: worker {w['id']} exited with code 2" in err
     progress = [line for line in err.splitlines() if line.startswith("[rank 0] step")]
     assert progress[0] == "[rank 0] step 1/100 loss=1"
     assert progress[-1] == "[rank 0] step 100/100 loss=0.01"
