@@ -10,6 +10,11 @@ namespaces (a shared home folder, a devcontainer) are listed and left alone.
 
 The folder is refused unless it is the user's own and only the user may write to it:
 cleanup kills the pids a record names, so a record others could write would be theirs to aim.
+
+The record keeper also keeps the session's summary beside its workers' logs (session_summary.py: its
+notebook and how its workers ended, for `cmlcluster logs` and the JupyterLab panel once it is over), and
+serves the session's stop endpoint (lab/endpoint.py: how the panel stops its workers), whose path the
+record names under "control".
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import origin
+from . import origin, session_summary
 from .errors import ConfigError
 from .events import Event, ResourceUse, WorkerStatus
+from .lab import endpoint
+from .workers import TERMINAL
 
 if TYPE_CHECKING:
     from .session import Session
@@ -80,8 +87,37 @@ class Recorder:
         self._lock = threading.Lock()  # a write in flight never recreates the record after close()
         self._closed = False
         self._written = 0.0  # when the record was last written (monotonic)
+        self._notebook = session_summary.notebook()
+        self._endpoint = self._serve_stops()
         self._write()
+        self._write_summary()
         self._unsubscribe = session.subscribe(self._on_event)
+
+    def _serve_stops(self) -> endpoint.StopEndpoint | None:
+        """The session's stop endpoint, in its folder; closed as the session begins to close (before its
+        workers stop), so that no request reaches a session that is going. None where none can be served."""
+        if not self.session.session_dir:
+            return None
+        try:
+            served = endpoint.StopEndpoint(os.path.join(self.session.session_dir, endpoint.SOCKET_NAME), self.stop)
+        except OSError as e:
+            log.info("cmlcluster: no stop endpoint for the JupyterLab panel (its Stop will not show): %s", e)
+            return None
+        self.session.on_close(served.close)
+        return served
+
+    def stop(self, ids: list[str] | None) -> list[str]:
+        """Begin stopping these workers of the session (None: all of them), as the session's own Stop does;
+        the ids of those that had not ended. ConfigError naming an id that is no worker of the session."""
+        workers = {w["id"]: w for w in self.session.list_workers()}
+        chosen = list(workers) if ids is None else ids
+        unknown = [i for i in chosen if i not in workers]
+        if unknown:
+            raise ConfigError(f"no worker {', '.join(map(repr, unknown))} in session {self.session.id}")
+        going = [i for i in dict.fromkeys(chosen) if workers[i]["status"] not in TERMINAL]
+        if going:
+            self.session.stop_workers_soon(*going)
+        return going
 
     def _on_event(self, event: Event) -> None:
         with self._lock:
@@ -103,6 +139,8 @@ class Recorder:
                 self._write()
             except OSError as e:
                 log.warning("cmlcluster: could not update %s (cmlcluster list will not show it): %s", self.path, e)
+            if isinstance(event, WorkerStatus):
+                self._write_summary()
 
     def _write(self) -> None:
         here = origin.this_process()
@@ -115,6 +153,8 @@ class Recorder:
             "backend": self.session.backend.name,
             "started": self._started,
             "session_dir": self.session.session_dir,
+            "notebook": self._notebook,
+            "control": self._endpoint.path if self._endpoint is not None else "",  # lab/endpoint.py
             "workers": list(self._workers.values()),
         }
         temporary = f"{self.path}.{os.getpid()}.tmp"
@@ -123,12 +163,39 @@ class Recorder:
         os.replace(temporary, self.path)  # readers never see half a record
         self._written = time.monotonic()
 
+    def _write_summary(self, workers: list[dict[str, Any]] | None = None, ended: float | None = None) -> None:
+        """The session's summary beside its workers' logs (session_summary.py); `ended` at close only."""
+        logs = self.session.log_folder
+        if not logs:
+            return
+        kept = [
+            {k: w.get(k) for k in ("id", "status", "exit_code", "hostname")}
+            for w in (self._workers.values() if workers is None else workers)
+        ]
+        summary = {
+            "id": self.session.id,
+            "notebook": self._notebook,
+            "backend": self.session.backend.name,
+            "started": self._started,
+            "ended": ended,
+            "outcome": session_summary.outcome(kept),
+            "workers": kept,
+        }
+        try:
+            session_summary.write(logs, summary)
+        except OSError as e:
+            log.warning("cmlcluster: could not write the summary of session %s in %s: %s", self.session.id, logs, e)
+
     def close(self) -> None:
+        """At the session's close, after its workers ended: its record goes, its summary says how it ended."""
         self._unsubscribe()
+        if self._endpoint is not None:
+            self._endpoint.close()
         with self._lock:
             self._closed = True
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
+            self._write_summary(self.session.list_workers(), ended=time.time())
 
 
 def usage_fields(use: ResourceUse) -> dict[str, Any]:
@@ -207,3 +274,20 @@ def _is_worker_of(pid: int, session_id: str) -> bool:
             return f"CDSW_MASTER_ID={session_id}".encode() in f.read().split(b"\0")
     except OSError:
         return False
+
+
+def backend_leftovers(dry_run: bool = False, options: dict[str, Any] | None = None) -> list[str]:
+    """What each registered backend that has something to look at here ended for sessions that are gone
+    (containers, pods): the rest of what `cmlcluster cleanup` does. A backend with nothing here (no engine,
+    no cluster configured, no client installed) is skipped; one that fails is logged, and the rest go on."""
+    from .backends import backend_class, known_backends
+
+    done: list[str] = []
+    for name in known_backends():
+        try:
+            done += backend_class(name).cleanup(dry_run, dict(options or {}))
+        except ConfigError:
+            continue
+        except Exception as e:
+            log.warning("cmlcluster: the %s backend was not checked for leftovers: %s", name, e)
+    return done

@@ -14,6 +14,9 @@ CMLCLUSTER_KEEP_LOGS=0 keeps nothing: the workers' logs then go into the session
 when the session ends (its controller's lifeline removes it even after a kill -9), so the session still
 shows and quotes them while it runs. `cmlcluster logs --delete SESSION` (or `--all`) removes kept logs.
 
+Beside the logs, `session.json` (session_summary.py) says which notebook the session ran in and how its
+workers ended; `cmlcluster logs` lists the sessions by these.
+
 Retention, applied when a session makes its folder (its first launch), oldest first: at most
 KEEP_SESSIONS sessions, none whose newest file is older than KEEP_DAYS, KEEP_BYTES in all. Only
 folders named like a session id go, and never one whose session's record says it still runs.
@@ -31,8 +34,9 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from . import origin, records
+from . import origin, records, session_summary
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ KEEP_DAYS = 14
 KEEP_BYTES = 2 << 30  # 2 GiB
 _SESSION_ID = re.compile(r"[0-9a-f]{16}")  # session.py's token_hex(8): nothing else in the folder is removed
 KEEP_ENV = "CMLCLUSTER_KEEP_LOGS"
+# What became of a kept session (Kept.state).
+RUNNING, CLOSED, DIED, UNKNOWN = "running", "closed", "died", "unknown"
 
 
 def keep() -> bool:
@@ -109,9 +115,20 @@ class Kept:
     newest: float = 0.0  # the newest modification time of the folder and its files
     size: int = 0
     workers: list[str] = field(default_factory=list)  # worker ids, in launch order
+    summary: dict[str, Any] | None = None  # its session.json (session_summary.py); None for an older session's
 
     def log(self, worker_id: str) -> str:
         return os.path.join(self.path, f"{worker_id}.log")
+
+    def state(self, running: set[str]) -> str:
+        """RUNNING (its session's record says it may still run: `running`, from running_sessions()),
+        CLOSED (its session closed: the summary says when), DIED (its process ended without closing: a
+        killed kernel), or UNKNOWN (no summary: an older cmlcluster's)."""
+        if self.session_id in running:
+            return RUNNING
+        if self.summary is None:
+            return UNKNOWN
+        return CLOSED if self.summary.get("ended") else DIED
 
 
 def kept_sessions(root: str) -> list[Kept]:
@@ -133,6 +150,7 @@ def kept_sessions(root: str) -> list[Kept]:
             except FileNotFoundError:
                 continue
             kept.workers.sort(key=_launch_order)
+            kept.summary = session_summary.read(entry.path)
             found.append(kept)
     return sorted(found, key=lambda k: k.newest, reverse=True)
 
@@ -163,7 +181,7 @@ def prune(
     old = {k.session_id for k in found if now - k.newest > days * 86400}
     if len(found) <= sessions and total <= max_bytes and not old:
         return []
-    spared = set(keep) | (running or _running)()
+    spared = set(keep) | (running or running_sessions)()
     doomed = {k.session_id for i, k in enumerate(found) if i >= sessions or k.session_id in old} - spared
     total -= sum(k.size for k in found if k.session_id in doomed)
     for k in reversed(found):  # then the oldest, until the rest fits
@@ -178,7 +196,7 @@ def prune(
     return [k.session_id for k in removed]
 
 
-def _running() -> set[str]:
+def running_sessions() -> set[str]:
     """Sessions whose record says they may still run (this machine's, another's, or one that answers)."""
     return {str(r["id"]) for r in records.records() if r["state"] != origin.GONE}
 
@@ -218,7 +236,7 @@ def delete(session: str | None, everything: bool = False, running: Callable[[], 
     root = folder()
     found = kept_sessions(root)
     chosen = found if everything else [_find(found, session or "", root)]
-    live = (running or _running)()
+    live = (running or running_sessions)()
     uid = os.geteuid() if hasattr(os, "geteuid") else None
     for kept in chosen:
         if kept.session_id in live:
@@ -267,10 +285,44 @@ def _list(root: str, found: list[Kept]) -> int:
         print(f"no worker logs kept in {root}")
         return 0
     print(f"worker logs in {root} (newest first; `cmlcluster logs SESSION [WORKER]` shows them):")
+    running = running_sessions()
+    rows = [("session", "notebook", "started", "duration", "outcome", "workers", "size")]
     for k in found:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.newest))
-        print(f"session {k.session_id}  {when}  {len(k.workers)} workers  {_size(k.size)}")
+        summary = k.summary or {}
+        started = summary.get("started")
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(started or k.newest))
+        took, outcome = _outcome(k, k.state(running), now=time.time())
+        notebook = _short_path(str(summary.get("notebook") or "?"))
+        rows.append((k.session_id, notebook, when, took, outcome, str(len(k.workers)), _size(k.size)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _outcome(kept: Kept, state: str, now: float) -> tuple[str, str]:
+    """(duration, outcome) of a kept session, as `cmlcluster logs` lists them."""
+    summary = kept.summary or {}
+    started, ended = summary.get("started"), summary.get("ended")
+    counts = session_summary.describe(summary.get("outcome") or {})
+    if state == RUNNING:
+        return session_summary.duration(now - started) if started else "?", f"running: {counts}"
+    if state == CLOSED:
+        return session_summary.duration(ended - started) if started else "?", counts
+    if state == DIED:  # its last log write is the latest it was seen alive
+        return f"~{session_summary.duration(kept.newest - started)}" if started else "?", f"died ({counts})"
+    return "?", "unknown (an older cmlcluster's session)"
+
+
+def _short_path(path: str) -> str:
+    """A notebook's path as a person reads it: relative to here when below it, ~ for the home folder."""
+    if not os.path.isabs(path):
+        return path
+    here = os.getcwd()
+    if path.startswith(here + os.sep):
+        return os.path.relpath(path, here)
+    home = os.path.expanduser("~")
+    return "~" + path[len(home) :] if home != os.sep and path.startswith(home + os.sep) else path
 
 
 def _size(n: int) -> str:

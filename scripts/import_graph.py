@@ -49,6 +49,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "usage",  # what a worker uses: sampled by its agent, read back by the session
             "lines",
             "logfile",
+            "session_summary",  # a session's notebook and outcome, beside its kept logs
+            "lab.endpoint",  # the stop socket for the JupyterLab panel: served by a session, asked by the panel
             "_controller",
             "ssh",
             "ssh.config",
@@ -113,7 +115,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("jobs", ("jobs", "runs", "api")),
     ("frameworks", ("tensorflow", "horovod", "pytorch")),
     # "": the package itself; cml_shim.cml: CML's `cml` package, over api.
-    ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml")),
+    ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml", "lab")),
 ]
 
 

@@ -76,6 +76,8 @@ if $tensorflow && [ "${#pins[@]}" -eq 0 ]; then
     pins=("${TENSORFLOW[@]}")
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}" "${pins[@]}"
+# The JupyterLab panel's data files, which an editable install leaves out (the script says why).
+.venv/bin/python scripts/link_labextension.py >/dev/null
 
 if $dev; then
     # The newest TensorFlow beside the pinned one, for tests/integration/test_tensorflow_versions.py.
