@@ -42,7 +42,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-from . import checks
+from . import checks, server_proxy
 from .errors import CmlClusterError, ConfigError
 from .tensorboard_process import (
     HOST,
@@ -260,7 +260,7 @@ class TensorBoard:
         - $TENSORBOARD_PROXY_URL, TensorBoard's own setting (its %PORT% replaced),
           as Jupyter's docker-stacks images set it, then the token;
         - else, where jupyter-server-proxy is installed, ``{prefix}proxy/{port}/{token}/``
-          with the prefix from $JUPYTERHUB_SERVICE_PREFIX ("/" without JupyterHub).
+          with the notebook server's base URL (server_proxy.base_url; "/" outside one).
           That form strips ``{prefix}proxy/{port}`` before TensorBoard sees the
           request, which then begins with the token TensorBoard serves under; its
           page loads everything by relative URL, and the trailing slash is needed
@@ -269,11 +269,8 @@ class TensorBoard:
         template = os.environ.get("TENSORBOARD_PROXY_URL")
         if template:
             return template.replace("%PORT%", str(self._port)).rstrip("/") + self._prefix + "/"
-        if importlib.util.find_spec("jupyter_server_proxy") is not None:
-            prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX") or "/"
-            if not prefix.endswith("/"):
-                prefix += "/"
-            return f"{prefix}proxy/{self._port}{self._prefix}/"
+        if server_proxy.installed():
+            return server_proxy.url(HOST, self._port, self._prefix, prefix=server_proxy.base_url() or "/")
         return self.url
 
     # ------------------------------------------------------------- lifecycle

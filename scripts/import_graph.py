@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_redact",  # secrets out of log records (the controller and the agent)
             "origin",
             "ports",
+            "server_proxy",  # links through the notebook server's jupyter-server-proxy
             "app_ports",  # CML's web-app ports and app_url: a worker dict's field
             "cml_shim",  # the finder that answers for `cml` where no real CML is installed
             "workers",
@@ -115,7 +116,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("jobs", ("jobs", "runs", "api")),
     ("frameworks", ("tensorflow", "horovod", "pytorch")),
     # "": the package itself; cml_shim.cml: CML's `cml` package, over api.
-    ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml", "lab")),
+    ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml", "lab", "proxy_hosts")),
 ]
 
 

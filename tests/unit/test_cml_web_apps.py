@@ -12,11 +12,12 @@ import importlib
 import inspect
 import subprocess
 import sys
+import time
 
 import pytest
 
 import cmlcluster
-from cmlcluster import ConfigError, Session, app_ports
+from cmlcluster import ConfigError, Session, app_ports, proxy_hosts, server_proxy
 from cmlcluster.backends import Capabilities
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
 from cmlcluster.backends.ssh_remote import short_tmpdir
@@ -53,13 +54,41 @@ def test_workers_sharing_an_address_get_distinct_free_ports_each(monkeypatch):
 
 
 def test_app_url_goes_through_jupyter_server_proxy_under_jupyterhub(monkeypatch):
-    monkeypatch.setattr(app_ports, "_has_server_proxy", lambda: True)
+    monkeypatch.setattr(server_proxy, "installed", lambda: True)
     hub = {"JUPYTERHUB_SERVICE_PREFIX": "/user/ada/"}
     assert app_ports.app_url("127.0.0.1", 12345, hub) == "/user/ada/proxy/12345/"
     assert app_ports.app_url("10.0.0.7", 8100, hub) == "/user/ada/proxy/10.0.0.7:8100/"
+    assert app_ports.app_url("fd00::7", 8100, hub) == "/user/ada/proxy/[fd00::7]:8100/"
     assert app_ports.app_url("10.0.0.7", 8100, {}) == "http://10.0.0.7:8100/"
-    monkeypatch.setattr(app_ports, "_has_server_proxy", lambda: False)
+    monkeypatch.setattr(server_proxy, "installed", lambda: False)
     assert app_ports.app_url("127.0.0.1", 12345, hub) == "http://127.0.0.1:12345/"  # no proxy to go through
+
+
+def test_app_url_goes_through_the_jupyter_server_that_started_the_kernel(monkeypatch, tmp_path):
+    """A kernel of a plain Jupyter server: its parent's jpserver-<pid>.json names the server's base URL."""
+    monkeypatch.setattr(server_proxy, "installed", lambda: True)
+    (tmp_path / "jpserver-4242.json").write_text('{"base_url": "/lab-here/", "port": 8888}')
+    kernel = {"JPY_PARENT_PID": "4242", "JUPYTER_RUNTIME_DIR": str(tmp_path)}
+    assert app_ports.app_url("172.18.0.2", 8100, kernel) == "/lab-here/proxy/172.18.0.2:8100/"
+    assert app_ports.app_url("127.0.0.1", 40123, kernel) == "/lab-here/proxy/40123/"
+    # nbclient's and a console's kernels have a parent that is no server: the worker's own address.
+    orphan = {"JPY_PARENT_PID": "4343", "JUPYTER_RUNTIME_DIR": str(tmp_path)}
+    assert app_ports.app_url("172.18.0.2", 8100, orphan) == "http://172.18.0.2:8100/"
+
+
+def test_only_running_workers_of_live_sessions_are_admitted_to_the_proxy():
+    with fake_session(FakeWorker(), FakeWorker()) as s:
+        a, b = s.await_workers(s.launch_workers(2, cpu=1, memory=1), False, 10)["workers"]
+        assert proxy_hosts.allow_workers(None, a["ip_address"]) and proxy_hosts.allow_workers(None, b["ip_address"])
+        assert not proxy_hosts.allow_workers(None, "10.9.9.9")
+        assert proxy_hosts.allow_workers(None, "localhost")  # jupyter-server-proxy's own default stays
+        s.stop_workers(a)
+        deadline = time.monotonic() + 10
+        while proxy_hosts.allow_workers(None, a["ip_address"]) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the record is rewritten on the session's loop
+        assert not proxy_hosts.allow_workers(None, a["ip_address"])
+        assert proxy_hosts.allow_workers(None, b["ip_address"])
+    assert not proxy_hosts.allow_workers(None, b["ip_address"])  # the session closed: its record is gone
 
 
 def test_stop_workers_returns_one_response_per_worker_with_status_code_and_ok():
