@@ -71,7 +71,8 @@ class Session:
         self._supervisor = self._rt.supervisor
         self._on_show: list[Callable[[CallStarted], None]] = []
         self._calls = itertools.count()
-        self._in_call = threading.local()  # .depth: the calls of `showing` this thread is within
+        self._in_call = threading.local()  # .depth: the calls of `showing` this thread is within; .call: its id
+        self._launched_by: dict[str, str] = {}  # worker id -> the call that launched it
         self._on_close: list[Callable[[], None]] = []
         self._record: records.Recorder | None = None  # for `cmlcluster list` / `cleanup`
         self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI
@@ -128,7 +129,9 @@ class Session:
         resources = Resources(cpu=float(cpu), memory=float(memory), nvidia_gpu=nvidia_gpu)
         with self.showing("launch_workers"):
             launch = self._rt.launch(n, resources, kernel, program, dict(env or {}), cwd, replaces, paths, name)
-            return self._run(launch)
+            launched = self._run(launch)
+            self._launched_by.update((w["id"], self._in_call.call) for w in launched if "id" in w)
+            return launched
 
     def ship(self, scripts: Iterable[str] = (), *, working_folder: bool = False) -> Shipment:
         """What must travel so that workers can run these scripts (and, if asked, see the working folder).
@@ -312,19 +315,25 @@ class Session:
         what it does. Calls within it (run_cluster's launches and waits) are part of it. `workers`: the
         ids of earlier workers it is about (await_workers')."""
         depth = getattr(self._in_call, "depth", 0)
-        if depth == 0 and not self.closed:
+        if depth == 0:
             call = CallStarted(f"{self.id}-{next(self._calls)}", title, tuple(workers))
-            for hook in list(self._on_show):  # one that fails does not keep the others from running
-                try:
-                    hook(call)
-                except Exception:
-                    log.exception("cmlcluster: showing session %s: %r failed", self.id, hook)
-            self.publish(call)
+            self._in_call.call = call.call
+            if not self.closed:
+                for hook in list(self._on_show):  # one that fails does not keep the others from running
+                    try:
+                        hook(call)
+                    except Exception:
+                        log.exception("cmlcluster: showing session %s: %r failed", self.id, hook)
+                self.publish(call)
         self._in_call.depth = depth + 1
         try:
             yield
         finally:
             self._in_call.depth = depth
+
+    def launched_by(self, worker: str | Mapping[str, Any]) -> str | None:
+        """The call (CallStarted.call) that launched this worker; None for an id it does not know."""
+        return self._launched_by.get(str(worker.get("id", "")) if isinstance(worker, Mapping) else str(worker))
 
     def _ipython_display_(self) -> None:
         """The whole session's view, as a cell's value (every worker, all output), or its repr without one."""

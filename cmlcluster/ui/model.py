@@ -47,12 +47,14 @@ CURVE_POINTS = 500  # points kept per loss curve (older ones thinned out)
 # TensorFlow's tasks, torch's nodes and Horovod's hosts, plain workers, then the rest.
 ROLE_ORDER = ("rank", "chief", "worker", "node", "host", "w", "ps", "evaluator")
 # Framework INFO lines nobody reads while training: TensorFlow's C++ log ("2024-01-01 10:00:00.123: I
-# tensorflow/..."), absl/glog ("I0101 10:00:00.123456 ..."), Python logging's INFO of the frameworks.
+# tensorflow/..."), absl/glog ("I0101 10:00:00.123456 ..."), Python logging's INFO of the frameworks, and
+# the second line of TensorFlow's INFO about CPU instructions, which every TensorFlow process prints.
 # Folded away by default: the widget shows them on request, the worker's log keeps them all.
 NOISE = re.compile(
     r"^(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: I \S+\]"
     r"|I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]"
-    r"|INFO:(?:tensorflow|absl|torch|horovod)\b)"
+    r"|INFO:(?:tensorflow|absl|torch|horovod)\b"
+    r"|To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.$)"
 )
 # The order a title counts statuses in, and the words it uses.
 COUNTED = ((SCHEDULING, "starting"), (RUNNING, "running"), (SUCCEEDED, "succeeded"), (FAILED, "failed"))
@@ -201,7 +203,12 @@ class ViewModel:
 
     def rows(self) -> list[dict[str, Any]]:
         """The workers' records in table order, each with "label" and the shown "status"."""
-        rows = [{**record, "label": self.label(i), "status": self.status(i)} for i, record in self.workers.items()]
+        rows = []
+        for worker_id, record in self.workers.items():
+            row = {**record, "label": self.label(worker_id), "status": self.status(worker_id)}
+            if row["status"] != record["status"]:
+                row["exit_code"] = None  # a run's end stopped it (-15): no exit of its own to show
+            rows.append(row)
         return sorted(rows, key=lambda r: order_key(r["label"]))
 
     def counts(self) -> Counter[str]:
@@ -241,7 +248,8 @@ class Router:
         self.names = Names()
         self.whole = ViewModel(self.names)
         self._with_calls = calls  # False: the whole model only (a terminal tells one story)
-        self._opened: dict[str, ViewModel | None] = {}  # calls opened by their callers (None: joins the current)
+        self._opened: dict[str, ViewModel | str] = {}  # calls opened by their callers (a call's id: joins it)
+        self._models: dict[str, ViewModel] = {}  # call id -> its model, for the calls started so far
         self._run_members: set[str] = set()  # members of the jobs started since the last run ended
         self._calls: list[ViewModel] = []
         self._current: ViewModel | None = None
@@ -252,10 +260,10 @@ class Router:
         model = self._opened[call] = ViewModel(self.names, title)
         return model
 
-    def join_call(self, call: str) -> None:
-        """The call its caller is about to start joins the current one's model (an await_workers in the
-        cell that launched its workers): its workers are added to it, and no view of its own is made."""
-        self._opened[call] = None
+    def join_call(self, call: str, into: str) -> None:
+        """The call its caller is about to start joins the model of an earlier call, `into` (an await_workers
+        in the cell that launched its workers): it becomes the current one again, and no view is made."""
+        self._opened[call] = into
 
     def apply(self, event: Event) -> list[ViewModel]:
         """Apply `event`; returns the models it changed (the whole one first)."""
@@ -282,14 +290,15 @@ class Router:
         return list(self._calls)
 
     def _start_call(self, event: CallStarted) -> list[ViewModel]:
-        joins = event.call in self._opened and self._opened[event.call] is None
-        model = self._opened.pop(event.call, None)
-        if joins and self._current is not None:
-            model = self._current
-        else:
-            model = model or ViewModel(self.names, event.title)  # nobody opened it: a view may come later
+        opened = self._opened.pop(event.call, None)
+        joined = self._models.get(opened) if isinstance(opened, str) else None
+        if joined is not None:
+            model = joined
+        else:  # nobody opened it (no view): a model all the same, for a view asked for later
+            model = opened if isinstance(opened, ViewModel) else ViewModel(self.names, event.title)
             self._calls.append(model)
-            self._current = model
+        self._models[event.call] = model
+        self._current = model
         for worker_id in event.workers:
             record = self.whole.workers.get(worker_id)
             owners = self._of_worker.get(worker_id)

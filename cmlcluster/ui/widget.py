@@ -92,16 +92,19 @@ class SessionViews:
     # ---------------------------------------------------------------- showing
 
     def show_call(self, call: CallStarted) -> None:
-        """At a call's start, in the caller's thread: show its view in the cell now running. A call in
-        the cell of the latest view that only waits (await_workers after launch_workers) joins that view."""
+        """At a call's start, in the caller's thread: show its view in the cell now running. A wait for
+        workers that one call launched in this same cell (await_workers after launch_workers) joins
+        that call's view instead."""
         if not in_kernel():
             return
         cell = _current_cell()
+        launchers = {self.session.launched_by(worker) for worker in call.workers}
         with self.lock:
-            latest = self.latest
-            if latest is not None and call.workers and cell is not None and self._cells.get(latest.call) == cell:
-                self.router.join_call(call.call)
-                return
+            if len(launchers) == 1 and cell is not None:
+                [launcher] = launchers
+                if launcher is not None and self._cells.get(launcher) == cell:
+                    self.router.join_call(call.call, launcher)
+                    return
             model = self.router.open_call(call.call, call.title)
         view = WidgetView(self.session, self, model, call.call)  # draws itself once: outside the lock
         with self.lock:
@@ -205,13 +208,18 @@ class WidgetView:
         hooked = kernel_internals.on_arrival(self.stop_button.comm, self._guarded(self._on_stop_arrival))
         self.stop_button.tooltip = STOPS_THE_CELL if hooked else STOPS_BETWEEN_CELLS
         self.source = w.Dropdown(description="output", options=[])
-        self.source.observe(self._guarded(lambda _: self._redraw()), names="value")
+        self.source.observe(self._guarded(self._on_pick), names="value")
+        self._picked = False  # the user chose a source: kept; until then the first in order (w0, rank 0)
+        self._drawing = False  # set while _render assigns the dropdown (not the user's pick)
         self.noise = w.Checkbox(value=False, description="framework logs", tooltip=NOISE_TIP, indent=False)
         self.noise.observe(self._guarded(lambda _: self._redraw()), names="value")
         self.output = w.HTML()
-        self.log_hint = w.HTML()  # where the selected worker's whole log is, also after the session
+        # Where the selected worker's whole log is, also after the session.
+        self.log_hint = w.HTML(layout=w.Layout(flex="1 1 auto"))
         # Its tail, read on a click for the worker selected then; a second click hides it again.
-        self.log_button = w.Button(description=SHOW_LOG, icon="file-text", tooltip=SHOW_LOG_TIP)
+        self.log_button = w.Button(
+            description=SHOW_LOG, icon="file-text", tooltip=SHOW_LOG_TIP, layout=w.Layout(flex="0 0 auto")
+        )
         self.log_button.on_click(self._guarded(self._on_log_click))
         self.log_view = w.HTML()
         self.errors = w.Output()  # exceptions in callbacks land here, shown under the widget
@@ -230,7 +238,7 @@ class WidgetView:
                 self.plot_area,
                 w.HBox([self.source, self.noise]),
                 self.output,
-                w.HBox([self.log_hint, self.log_button]),
+                w.HBox([self.log_hint, self.log_button]),  # the button keeps its width: the hint wraps
                 self.log_view,
                 self.errors,
             ],
@@ -261,6 +269,11 @@ class WidgetView:
     def stale(self) -> None:
         """Drawn again at the next render, changed or not."""
         self._drawn = -1
+
+    def _on_pick(self, _change: Any) -> None:
+        if not self._drawing:
+            self._picked = True
+        self._redraw()
 
     def _redraw(self) -> None:
         self.stale()
@@ -349,7 +362,8 @@ class WidgetView:
             curves = {task: (model.label(task), list(s), list(v)) for task, (s, v) in model.curves.items()}
             sources = model.sources()
             names = [(model.label(source), source) for source in sources]
-            selected = self.source.value if self.source.value in sources else (sources[0] if sources else None)
+            picked = self._picked and self.source.value in sources
+            selected = self.source.value if picked else (sources[0] if sources else None)
             output = model.lines(selected, noise=self.noise.value) if selected else []
             folded = model.folded[selected] if selected and not self.noise.value else 0
             notes = list(model.notes)
@@ -380,12 +394,17 @@ class WidgetView:
         self._render_training(progress)
         if self.plot is not None and curves:
             if not self.plot_area.children:
-                self.plot_area.children = (w.HBox([self.plot, w.VBox([self.legend, self.log_scale])]),)
+                beside = w.VBox([self.legend, self.log_scale], layout=w.Layout(flex="0 0 auto"))
+                self.plot_area.children = (w.HBox([self.plot, beside], layout=w.Layout(width="100%")),)
             self._render_curves(curves)
-        if names != list(self.source.options):
-            self.source.options = names
-        if self.source.value != selected:
-            self.source.value = selected
+        self._drawing = True
+        try:
+            if names != list(self.source.options):
+                self.source.options = names
+            if self.source.value != selected:
+                self.source.value = selected
+        finally:
+            self._drawing = False
         self.output.value = _output_panel(output, folded)
         self.noise.layout.display = "" if folded or self.noise.value else "none"
         self.log_hint.value = _log_hint(session, selected_worker) if selected_worker else ""
@@ -554,7 +573,7 @@ def _new_plot() -> tuple[Any, dict[str, Any]]:
         marks=[],
         axes=[bqplot.Axis(scale=x, label="step"), bqplot.Axis(scale=y, side="left", label="loss")],
         title="loss",
-        layout=w.Layout(width="100%", height="300px"),
+        layout=w.Layout(flex="1 1 auto", min_width="320px", height="300px"),
     )
     figure.add_class("cmlcluster-loss")
     return figure, {"x": x, "y": y, "log": log}

@@ -185,9 +185,16 @@ assert not result["failures"], result
 
 
 def test_in_a_kernel_each_call_shows_a_view_of_its_own_and_the_whole_session_on_request(kernel):
-    outputs = execute(kernel, LAUNCH_AND_WAIT + "cdsw.launch_workers(1, cpu=0.5, memory=0.5, code='pass')\n")
+    cell = f"""
+import cmlcluster as cdsw
+ws = cdsw.launch_workers(2, cpu=0.5, memory=0.5, code={REPORTING!r})
+one = cdsw.launch_workers(1, cpu=0.5, memory=0.5, code='pass')
+assert not cdsw.await_workers(ws, timeout_seconds=60)["failures"]
+assert not cdsw.await_workers(one, timeout_seconds=60)["failures"]
+"""
+    outputs = execute(kernel, cell)
     shown = [o["data"][WIDGET]["model_id"] for o in outputs if WIDGET in o.get("data", {})]
-    # launch_workers and the await_workers of its workers: one view; the second launch: one of its own.
+    # Each launch: a view; each await_workers of one launch's workers in its cell joins that launch's view.
     assert len(shown) == 2 and len(set(shown)) == 2
     assert text_of(outputs) == ""  # output and progress are in the widgets, not printed
     state = execute(
