@@ -22,7 +22,7 @@ MODULE = "_cmlcluster_cml.py"
 STARTUP = os.path.join("cmlcluster", "cml_shim", "startup.py")
 
 
-class build_cml_startup(Command):  # noqa: N801 (setuptools' commands are named so)
+class build_cml_startup(Command):  # lower case, as setuptools names its commands
     description = "write cmlcluster-cml.pth and _cmlcluster_cml.py beside the packages"
     user_options: list[tuple[str, str | None, str]] = []
     editable_mode = False  # set by setuptools' editable_wheel
@@ -53,7 +53,7 @@ class build_cml_startup(Command):  # noqa: N801 (setuptools' commands are named 
         return [STARTUP]
 
 
-class build_with_cml_startup(build):  # noqa: N801
+class build_with_cml_startup(build):
     sub_commands = [*build.sub_commands, ("build_cml_startup", None)]
 
 
