@@ -159,7 +159,6 @@ class SshdAnswer:
 
     host_key: str  # "type base64", no comment
     user: str  # the login name it admits
-    workdir: str  # the folder ranks start in
     addresses: tuple[str, ...] = ()  # the worker's own interface addresses, as ipaddress writes them
     interface: str | None = None  # the name of its interface holding the address the session reaches it at
 
@@ -176,19 +175,17 @@ def sshd_answer(worker: str, answer: object) -> SshdAnswer:
             worker,
         )
 
-    fields = {"host_key", "user", "workdir", "addresses", "interface"}
+    # Where ranks start is not asked: the worker's sshd sets CMLCLUSTER_WORKDIR in their environment.
+    fields = {"host_key", "user", "addresses", "interface"}
     if not isinstance(answer, Mapping) or set(answer) != fields:
         keys = sorted(map(str, answer)) if isinstance(answer, Mapping) else type(answer).__name__
-        raise refuse(f"expected a dict of host_key, user, workdir, addresses and interface, got {keys}")
+        raise refuse(f"expected a dict of host_key, user, addresses and interface, got {keys}")
     try:
         kind, blob = public_key(answer["host_key"])
     except ValueError as e:
         raise refuse(f"host_key is not an OpenSSH public key: {e}") from None
     if not is_login_name(answer["user"]):
         raise refuse("user is not a login name (letters, digits, '_', '.', '-')")
-    workdir = answer["workdir"]
-    if not isinstance(workdir, str) or not workdir.startswith("/") or not workdir.isprintable():
-        raise refuse("workdir is not an absolute path of printable characters")
     try:
         addresses = interface_addresses(answer["addresses"])
     except ValueError as e:
@@ -197,9 +194,7 @@ def sshd_answer(worker: str, answer: object) -> SshdAnswer:
     if interface is not None and not checks.interface_name(interface):
         # horovodrun puts it unquoted in the shell command that starts each rank.
         raise refuse("interface is not an interface name (1 to 15 letters, digits, '_', '.', ':', '-')")
-    return SshdAnswer(
-        host_key=f"{kind} {blob}", user=answer["user"], workdir=workdir, addresses=addresses, interface=interface
-    )
+    return SshdAnswer(host_key=f"{kind} {blob}", user=answer["user"], addresses=addresses, interface=interface)
 
 
 def interface_addresses(given: object) -> tuple[str, ...]:

@@ -76,7 +76,6 @@ def start(authorized_key: str, port: int = 2222, listen: str | None = None) -> d
     return {
         "host_key": host_public,
         "user": user,
-        "workdir": os.getcwd(),
         "addresses": interface_addresses(),
         "interface": interface_of(listen) if listen is not None else None,
     }

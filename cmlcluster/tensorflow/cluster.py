@@ -367,14 +367,14 @@ def check_script(script: object, name: str = "script") -> str:
 def _warn_other_users(session: Session, coordinator: bool) -> None:
     """Once per session: TensorFlow's gRPC servers run the graphs anyone connecting sends (TensorFlow's
     SECURITY.md) and listen on every interface, so every user of this machine reaches those that run here:
-    the workers' on a backend whose workers are on this machine, the notebook's own when it coordinates."""
+    the workers' on a backend whose workers are on this machine, this process's own when it coordinates."""
     workers_here = session.backend.capabilities().session_machine
     if not (workers_here or coordinator) or session in _TOLD:
         return
     _TOLD.add(session)
     here = " and ".join(
         ([f"the workers' ({session.backend.name} backend)"] if workers_here else [])
-        + (["the notebook's own, as coordinator"] if coordinator else [])
+        + (["this process's own (the notebook's or the script's), as coordinator"] if coordinator else [])
     )
     frame = _callers_frame()
     # warn_explicit with a registry of its own: shown for each session, where warnings.warn would say it

@@ -229,46 +229,43 @@ A = ["10.0.0.2"]  # a good answer's addresses
 @pytest.mark.parametrize(
     ("answer", "says"),
     [
-        ({"host_key": "*", "user": "alice", "workdir": "/w", "addresses": A}, "host_key is not an OpenSSH public key"),
-        ({"host_key": "GOOD\n* GOOD", "user": "alice", "workdir": "/w", "addresses": A}, "line break"),
-        ({"host_key": "GOOD", "user": "alice\nHost *", "workdir": "/w", "addresses": A}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": "root@evil", "workdir": "/w", "addresses": A}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": "-oProxyCommand=x", "workdir": "/w", "addresses": A}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": 0, "workdir": "/w", "addresses": A}, "user is not a login name"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "w", "addresses": A}, "workdir is not an absolute path"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w\n", "addresses": A}, "workdir is not an absolute path"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "more": 1}, "expected a dict of"),
+        ({"host_key": "*", "user": "alice", "addresses": A}, "host_key is not an OpenSSH public key"),
+        ({"host_key": "GOOD\n* GOOD", "user": "alice", "addresses": A}, "line break"),
+        ({"host_key": "GOOD", "user": "alice\nHost *", "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": "root@evil", "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": "-oProxyCommand=x", "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": 0, "addresses": A}, "user is not a login name"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "more": 1}, "expected a dict of"),
         (
-            {"host_key": "GOOD", "user": "alice", "workdir": "/w"},
-            "expected a dict of host_key, user, workdir, addresses",
+            {"host_key": "GOOD", "user": "alice"},
+            "expected a dict of host_key, user, addresses",
         ),
-        (["GOOD", "alice", "/w"], "expected a dict of host_key, user, workdir, addresses and interface, got list"),
+        (["GOOD", "alice"], "expected a dict of host_key, user, addresses and interface, got list"),
         # The name of its interface toward the session: horovodrun puts it unquoted in a shell command.
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "eth0;id"}, "interface"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "-eth0"}, "interface"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "e" * 16}, "interface"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "eth 0"}, "interface"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": "eth0\n"}, "interface"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": ""}, "interface"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": A, "interface": 0}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "interface": "eth0;id"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "interface": "-eth0"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "interface": "e" * 16}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "interface": "eth 0"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "interface": "eth0\n"}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "interface": ""}, "interface"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": A, "interface": 0}, "interface"),
         # The worker's interface addresses: IP addresses only, a bounded list, none loopback or catch-all.
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": "10.0.0.2"}, "addresses: expected a list"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2", "*"]}, "item 1 is not an IP"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.0/8"]}, "item 0 is not an IP"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["fe80::1%eth0"]}, "item 0 is not an IP"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": [" 10.0.0.2"]}, "item 0 is not an IP"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2\n"]}, "item 0 is not an IP"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": [167772162]}, "item 0 is not an IP"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["1" * 100]}, "item 0 is not an IP"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["127.0.0.1"]}, "item 0 is a loopback"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["0.0.0.0"]}, "item 0 is a loopback"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["::"]}, "item 0 is a loopback"),
-        ({"host_key": "GOOD", "user": "alice", "workdir": "/w", "addresses": ["224.0.0.1"]}, "item 0 is a loopback"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": "10.0.0.2"}, "addresses: expected a list"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["10.0.0.2", "*"]}, "item 1 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["10.0.0.0/8"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["fe80::1%eth0"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": [" 10.0.0.2"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["10.0.0.2\n"]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": [167772162]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["1" * 100]}, "item 0 is not an IP"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["127.0.0.1"]}, "item 0 is a loopback"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["0.0.0.0"]}, "item 0 is a loopback"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["::"]}, "item 0 is a loopback"),
+        ({"host_key": "GOOD", "user": "alice", "addresses": ["224.0.0.1"]}, "item 0 is a loopback"),
         (
             {
                 "host_key": "GOOD",
                 "user": "alice",
-                "workdir": "/w",
                 "addresses": [f"10.0.{i // 256}.{i % 256}" for i in range(257)],
             },
             "addresses: 257 of them, more than 256",
@@ -286,18 +283,17 @@ def test_a_workers_sshd_answer_is_checked_and_a_bad_one_fails_that_worker_by_nam
     assert says in str(e.value) and e.value.worker_id == "s1-3"
     assert "\n" not in str(e.value) and "1111111111" not in str(e.value)  # never the answer's own text
     addresses = ["10.0.0.2", "192.168.50.2", "10.0.0.2", "fe80::1", "2001:DB8::1"]
-    answer = {"host_key": good, "user": "alice", "workdir": "/home/alice/my project", "addresses": addresses}
+    answer = {"host_key": good, "user": "alice", "addresses": addresses}
     checked = sshd_answer("s1-3", {**answer, "interface": "ens5"})
     assert checked == SshdAnswer(
         " ".join(good.split()[:2]),
         "alice",
-        "/home/alice/my project",
         ("10.0.0.2", "192.168.50.2", "fe80::1", "2001:db8::1"),  # each once, as ipaddress writes it
         "ens5",
     )
     for name in ("eth0", "ib0", "eth0:1", "enp0s31f6", "br-b45386a32c3", "eth0.100"):
         assert sshd_answer("s1-3", {**answer, "interface": name}).interface == name
-    empty = {"host_key": good, "user": "alice", "workdir": "/w", "addresses": [], "interface": None}  # no psutil
+    empty = {"host_key": good, "user": "alice", "addresses": [], "interface": None}  # no psutil
     assert sshd_answer("s1-3", empty).addresses == () and sshd_answer("s1-3", empty).interface is None
 
 
@@ -331,12 +327,11 @@ def test_a_hostile_sshd_answer_never_reaches_the_sessions_known_hosts(tmp_path):
     class Workers:  # the session, as far as serve() asks it: each worker's answer to sshd.start
         def call_each(self, calls):
             return [
-                {"host_key": good, "user": "alice", "workdir": "/w", "addresses": ["10.0.0.2"], "interface": "eth0"}
+                {"host_key": good, "user": "alice", "addresses": ["10.0.0.2"], "interface": "eth0"}
                 if worker == "s-0"
                 else {
                     "host_key": f"{good}\n* {good}",
                     "user": "alice",
-                    "workdir": "/w",
                     "addresses": ["10.0.0.3"],
                     "interface": "eth0",
                 }
