@@ -59,9 +59,9 @@ def _notebook(path: str, root_dir: str) -> dict[str, str | None]:
 
 
 def label(worker_id: str) -> str:
-    """ "worker 3" for "<session>-3": the id's number, as the widget's rows show it."""
-    match = WORKER_NUMBER.search(worker_id[16:]) if SESSION_ID.match(worker_id) else None
-    return f"worker {match.group(1)}" if match else worker_id
+    """ "w3" for "<session>-3": the short label the session's widget gives the worker."""
+    match = WORKER_NUMBER.fullmatch(worker_id[16:]) if SESSION_ID.match(worker_id) else None
+    return f"w{match.group(1)}" if match else worker_id
 
 
 def _live(record: dict[str, Any], root_dir: str) -> dict[str, Any]:

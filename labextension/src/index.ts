@@ -8,7 +8,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { SessionsModel } from './model';
 import { SessionsPanel } from './panel';
 
-const PANEL_ID = 'cmlcluster-panel';
+const PANEL_ID = 'cmlcluster-lab-panel';
 
 // Three workers under a session: the panel's icon in the left sidebar.
 const ICON_SVG = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 16 16">

@@ -15,7 +15,7 @@ export class SessionsPanel extends ReactWidget {
     private _open: OpenNotebook
   ) {
     super();
-    this.addClass('cmlcluster-panel');
+    this.addClass('cmlcluster-lab-panel');
   }
 
   protected onAfterShow(msg: Message): void {
@@ -51,17 +51,17 @@ function Sessions(props: { model: SessionsModel; open: OpenNotebook }): JSX.Elem
   const { model, open } = props;
   const snapshot = model.snapshot;
   if (!snapshot) {
-    return <div className="cmlcluster-note">{model.error || 'reading the sessions…'}</div>;
+    return <div className="cmlcluster-lab-note">{model.error || 'reading the sessions…'}</div>;
   }
   const live = snapshot.live.filter(s => s.state !== 'gone');
   const gone = snapshot.live.filter(s => s.state === 'gone');
   return (
     <div>
-      <h2 className="cmlcluster-title">cmlcluster</h2>
-      {model.error && <div className="cmlcluster-error">{model.error}</div>}
-      {model.notice && <pre className="cmlcluster-notice">{model.notice}</pre>}
+      <h2 className="cmlcluster-lab-title">cmlcluster</h2>
+      {model.error && <div className="cmlcluster-lab-error">{model.error}</div>}
+      {model.notice && <pre className="cmlcluster-lab-notice">{model.notice}</pre>}
       <h3>Live sessions</h3>
-      {live.length === 0 && <div className="cmlcluster-note">none on this machine</div>}
+      {live.length === 0 && <div className="cmlcluster-lab-note">none on this machine</div>}
       {live.map(s => (
         <Live key={s.id} session={s} now={snapshot.now} model={model} open={open} />
       ))}
@@ -69,23 +69,25 @@ function Sessions(props: { model: SessionsModel; open: OpenNotebook }): JSX.Elem
         <>
           <h3>
             Gone sessions{' '}
-            <button className="jp-mod-styled jp-mod-warn cmlcluster-cleanup" onClick={() => void model.cleanup()}>
+            <button className="jp-mod-styled jp-mod-warn cmlcluster-lab-cleanup" onClick={() => void model.cleanup()}>
               Clean up
             </button>
           </h3>
-          <div className="cmlcluster-note">
+          <div className="cmlcluster-lab-note">
             Their process ended without closing: Clean up ends what they left (workers, folders, containers).
           </div>
           {gone.map(s => (
-            <div key={s.id} className="cmlcluster-session cmlcluster-gone" data-session={s.id} data-state={s.state}>
+            <div key={s.id} className="cmlcluster-lab-session cmlcluster-lab-gone" data-session={s.id} data-state={s.state}>
               <Heading notebook={s.notebook} open={open} details={`${s.backend} · pid ${s.pid} gone`} />
-              <div className="cmlcluster-note">{s.workers.length} workers recorded</div>
+              <div className="cmlcluster-lab-note">
+                {s.workers.map(w => `${w.label} ${w.status}`).join(', ') || 'no workers'} when last recorded
+              </div>
             </div>
           ))}
         </>
       )}
       <h3>Kept sessions</h3>
-      {snapshot.kept.length === 0 && <div className="cmlcluster-note">no worker logs kept</div>}
+      {snapshot.kept.length === 0 && <div className="cmlcluster-lab-note">no worker logs kept</div>}
       {snapshot.kept.map(s => (
         <Kept key={s.id} session={s} model={model} open={open} />
       ))}
@@ -97,15 +99,15 @@ function Heading(props: { notebook: INotebook; open: OpenNotebook; details: stri
   const { notebook, open, details } = props;
   const path = notebook.path;
   return (
-    <div className="cmlcluster-heading">
+    <div className="cmlcluster-lab-heading">
       {path ? (
-        <a className="cmlcluster-notebook" title={`open ${path}`} onClick={() => open(path)}>
+        <a className="cmlcluster-lab-notebook" title={`open ${path}`} onClick={() => open(path)}>
           {notebook.name}
         </a>
       ) : (
-        <span className="cmlcluster-notebook">{notebook.name}</span>
+        <span className="cmlcluster-lab-notebook">{notebook.name}</span>
       )}
-      <span className="cmlcluster-details"> · {details}</span>
+      <span className="cmlcluster-lab-details"> · {details}</span>
     </div>
   );
 }
@@ -119,14 +121,14 @@ function Live(props: { session: ILiveSession; now: number; model: SessionsModel;
   const { session, now, model, open } = props;
   const unfinished = session.workers.filter(w => !ENDED.includes(w.status));
   return (
-    <div className="cmlcluster-session" data-session={session.id} data-state={session.state}>
+    <div className="cmlcluster-lab-session" data-session={session.id} data-state={session.state}>
       <Heading
         notebook={session.notebook}
         open={open}
         details={`${session.backend} · up ${duration(now - session.started)}`}
       />
-      {STATE_NOTES[session.state] && <div className="cmlcluster-note">{STATE_NOTES[session.state]}</div>}
-      <table className="cmlcluster-workers">
+      {STATE_NOTES[session.state] && <div className="cmlcluster-lab-note">{STATE_NOTES[session.state]}</div>}
+      <table className="cmlcluster-lab-workers">
         <thead>
           <tr>
             <th>worker</th>
@@ -146,7 +148,7 @@ function Live(props: { session: ILiveSession; now: number; model: SessionsModel;
       </table>
       {session.can_stop && (
         <button
-          className="jp-mod-styled jp-mod-warn cmlcluster-stop-all"
+          className="jp-mod-styled jp-mod-warn cmlcluster-lab-stop-all"
           disabled={unfinished.length === 0}
           onClick={() => void model.stopWorkers(session.id, 'all')}
         >
@@ -164,15 +166,17 @@ function WorkerRow(props: { session: ILiveSession; worker: ILiveWorker; model: S
   return (
     <tr data-worker={worker.id} data-status={worker.status}>
       <td title={worker.id}>{worker.label}</td>
-      <td className={`cmlcluster-status cmlcluster-${worker.status}`}>
+      <td
+        className={`cmlcluster-lab-status cmlcluster-lab-${worker.status}`}
+        title={worker.exit_code === null ? '' : `exit code ${worker.exit_code}`}
+      >
         {worker.status}
-        {worker.exit_code !== null && worker.exit_code !== undefined ? ` (${worker.exit_code})` : ''}
       </td>
       <td>{worker.host}</td>
-      <td className="cmlcluster-cpu">{usage ? `${usage.cpu_percent.toFixed(0)}%` : '–'}</td>
-      <td className="cmlcluster-memory">{usage ? memory(usage) : '–'}</td>
-      <td className="cmlcluster-gpu">{usage && usage.gpus.length ? gpus(usage) : '–'}</td>
-      <td className="cmlcluster-actions">
+      <td className="cmlcluster-lab-cpu">{usage ? `${usage.cpu_percent.toFixed(0)}%` : '–'}</td>
+      <td className="cmlcluster-lab-memory">{usage ? memory(usage) : '–'}</td>
+      <td className="cmlcluster-lab-gpu">{usage && usage.gpus.length ? gpus(usage) : '–'}</td>
+      <td className="cmlcluster-lab-actions">
         {session.can_stop && !ENDED.includes(worker.status) && (
           <button className="jp-mod-styled jp-mod-warn" onClick={() => void model.stopWorkers(session.id, [worker.id])}>
             Stop
@@ -197,16 +201,16 @@ function Kept(props: { session: IKeptSession; model: SessionsModel; open: OpenNo
   const took = session.started ? `${session.ended ? '' : '~'}${duration(end - session.started)}` : '?';
   const when = new Date(end * 1000).toLocaleString();
   return (
-    <div className="cmlcluster-session cmlcluster-kept" data-session={session.id} data-state={session.state}>
+    <div className="cmlcluster-lab-session cmlcluster-lab-kept" data-session={session.id} data-state={session.state}>
       <Heading notebook={session.notebook} open={open} details={`${session.backend ?? '?'} · ${took}`} />
-      <div className="cmlcluster-outcome">
+      <div className="cmlcluster-lab-outcome">
         {KEPT_NOTES[session.state] ? `${KEPT_NOTES[session.state]} · ` : ''}
-        {session.outcome} · ended {when}
+        {session.outcome} · {session.ended ? 'ended' : 'last seen'} {when}
       </div>
-      <div className="cmlcluster-kept-workers">
+      <div className="cmlcluster-lab-kept-workers">
         {session.workers.map(w => (
-          <span key={w.id} className="cmlcluster-kept-worker" data-worker={w.id} data-status={w.status ?? ''}>
-            {w.label}: <span className={`cmlcluster-status cmlcluster-${w.status}`}>{w.status ?? '?'}</span>{' '}
+          <span key={w.id} className="cmlcluster-lab-kept-worker" data-worker={w.id} data-status={w.status ?? ''}>
+            {w.label}: <span className={`cmlcluster-lab-status cmlcluster-lab-${w.status}`}>{w.status ?? '?'}</span>{' '}
             {w.log && (
               <button className="jp-mod-styled" onClick={() => void model.showLog(session.id, w.id, w.label)}>
                 log
@@ -228,14 +232,14 @@ function LogView(props: { session: string; model: SessionsModel }): JSX.Element 
   }
   const kib = (log.size / 1024).toFixed(1);
   return (
-    <div className="cmlcluster-log" data-worker={log.worker}>
-      <div className="cmlcluster-log-heading">
+    <div className="cmlcluster-lab-log" data-worker={log.worker}>
+      <div className="cmlcluster-lab-log-heading">
         {log.label}'s log {log.truncated ? `(its last 64 KiB of ${kib} KiB)` : `(${kib} KiB)`}{' '}
         <button className="jp-mod-styled" onClick={() => model.hideLog()}>
           close
         </button>
       </div>
-      {log.error ? <div className="cmlcluster-error">{log.error}</div> : <pre>{log.text}</pre>}
+      {log.error ? <div className="cmlcluster-lab-error">{log.error}</div> : <pre>{log.text}</pre>}
     </div>
   );
 }
@@ -253,21 +257,21 @@ export function duration(seconds: number): string {
 
 function bytes(n: number): string {
   const units: [string, number][] = [
-    ['GiB', 2 ** 30],
-    ['MiB', 2 ** 20],
-    ['KiB', 2 ** 10]
+    ['G', 2 ** 30],
+    ['M', 2 ** 20],
+    ['K', 2 ** 10]
   ];
   for (const [unit, size] of units) {
     if (n >= size) {
-      return `${(n / size).toFixed(n >= 10 * size ? 0 : 1)} ${unit}`;
+      return `${(n / size).toFixed(n >= 10 * size ? 0 : 1)}${unit}`;
     }
   }
-  return `${n} B`;
+  return `${n}B`;
 }
 
 function memory(usage: IUsage): string {
   return usage.memory_limit_bytes
-    ? `${bytes(usage.memory_bytes)} / ${bytes(usage.memory_limit_bytes)}`
+    ? `${bytes(usage.memory_bytes)}/${bytes(usage.memory_limit_bytes)}`
     : bytes(usage.memory_bytes);
 }
 
@@ -276,7 +280,7 @@ function gpus(usage: IUsage): string {
     .map(g => {
       const use = g.utilization_percent === null ? '' : ` ${g.utilization_percent.toFixed(0)}%`;
       const mem =
-        g.memory_bytes === null ? '' : ` ${bytes(g.memory_bytes)}${g.memory_total_bytes ? ` / ${bytes(g.memory_total_bytes)}` : ''}`;
+        g.memory_bytes === null ? '' : ` ${bytes(g.memory_bytes)}${g.memory_total_bytes ? `/${bytes(g.memory_total_bytes)}` : ''}`;
       return `${g.index}:${use}${mem}`;
     })
     .join(', ');
