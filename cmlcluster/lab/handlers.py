@@ -36,22 +36,31 @@ class Handler(APIHandler):
     def root_dir(self) -> str:
         return str(self.settings.get("cmlcluster_root_dir", ""))
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, Any] | None:
+        """The request's JSON object; None when it is none (the client was told so)."""
         try:
             body = json.loads(self.request.body or b"{}")
         except ValueError as e:
-            raise web.HTTPError(400, "the request's body is not JSON: %s", e) from e
+            self.refuse(400, f"the request's body is not JSON: {e}")
+            return None
         if not isinstance(body, dict):
-            raise web.HTTPError(400, "the request's body is a %s, not a JSON object", type(body).__name__)
+            self.refuse(400, f"the request's body is a {type(body).__name__}, not a JSON object")
+            return None
         return body
+
+    def refuse(self, status: int, message: str) -> None:
+        """An error as jupyter_server's APIs send theirs ({"message": ...}), written here rather than
+        raised as an HTTPError, whose message tornado would %-format (a worker id may hold a %)."""
+        self.set_status(status)
+        self.finish(json.dumps({"message": message}))
 
     async def answer(self, call: Any, *args: Any) -> None:
         try:
             result = await asyncio.to_thread(call, *args)
         except sessions.NotFound as e:
-            raise web.HTTPError(404, "%s", e) from e
+            return self.refuse(404, str(e))
         except ConfigError as e:
-            raise web.HTTPError(400, "%s", e) from e
+            return self.refuse(400, str(e))
         self.finish(json.dumps(result))
 
 
@@ -66,9 +75,12 @@ class StopHandler(Handler):
     @web.authenticated
     @authorized
     async def post(self, session_id: str) -> None:
-        workers = self.body().get("workers", "all")
+        body = self.body()
+        if body is None:
+            return
+        workers = body.get("workers", "all")
         if workers != "all" and not (isinstance(workers, list) and all(isinstance(w, str) for w in workers)):
-            raise web.HTTPError(400, 'workers=%r: give "all" or a list of worker ids', workers)
+            return self.refuse(400, f'workers={workers!r}: give "all" or a list of worker ids')
         await self.answer(_stop, session_id, None if workers == "all" else workers)
 
 
@@ -80,11 +92,10 @@ class LogHandler(Handler):
     @web.authenticated
     @authorized
     async def get(self, session_id: str, worker_id: str) -> None:
-        try:
-            limit = int(self.get_argument("bytes", str(sessions.LOG_BYTES)))
-        except ValueError as e:
-            raise web.HTTPError(400, "bytes=%r: give a number of bytes", self.get_argument("bytes")) from e
-        await self.answer(sessions.log_tail, session_id, worker_id, limit)
+        asked = self.get_argument("bytes", str(sessions.LOG_BYTES))
+        if not asked.isdigit():
+            return self.refuse(400, f"bytes={asked!r}: give a number of bytes")
+        await self.answer(sessions.log_tail, session_id, worker_id, int(asked))
 
 
 class CleanupHandler(Handler):

@@ -1,0 +1,196 @@
+"""The JupyterLab panel's Python side without a server (cmlcluster/lab/sessions.py), and its committed
+bundle: built from the sources as they are, and shipped by pip where Jupyter looks."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import sys
+
+import pytest
+import tomllib
+
+from cmlcluster import lab, origin, records, session_summary
+from cmlcluster.errors import ConfigError
+from cmlcluster.lab import endpoint, sessions
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import labextension_sources  # noqa: E402
+
+SESSION = "0123456789abcdef"
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    folder = tmp_path / "state"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv("CMLCLUSTER_STATE_DIR", str(folder))
+    return folder
+
+
+# ---------------------------------------------------------------- the bundle
+
+
+def test_the_committed_bundle_is_built_from_the_sources_as_they_are():
+    assert labextension_sources.recorded() == labextension_sources.digest(), (
+        "labextension/ changed since the bundle in cmlcluster/lab/labextension was built: "
+        "run `bash scripts/build_labextension.sh` and commit what it writes"
+    )
+
+
+def test_a_changed_source_changes_the_hash(tmp_path, monkeypatch):
+    copy = tmp_path / "labextension"
+    shutil.copytree(labextension_sources.SOURCES, copy, ignore=shutil.ignore_patterns("node_modules", "lib"))
+    monkeypatch.setattr(labextension_sources, "SOURCES", copy)
+    before = labextension_sources.digest()
+    panel = copy / "src" / "panel.tsx"
+    panel.write_text(panel.read_text().replace("Stop all", "Stop everything"))
+    assert labextension_sources.digest() != before
+
+
+def test_the_bundle_loads_only_files_it_has():
+    bundle = labextension_sources.BUNDLE
+    package = json.loads((bundle / "package.json").read_text())
+    assert package["name"] == lab.LABEXTENSION
+    entry = bundle / package["jupyterlab"]["_build"]["load"]
+    # webpack's chunk names, {id: "hash"}, joined as "<id>.<hash>.js" when loaded
+    chunks = {f"{i}.{h}.js" for i, h in re.findall(r'(\d+):"([0-9a-f]{20})"', entry.read_text())}
+    assert chunks and all((bundle / "static" / c).is_file() for c in chunks), chunks
+    assert {p["dest"] for p in lab._jupyter_labextension_paths()} == {lab.LABEXTENSION}
+    assert (ROOT / "cmlcluster" / "lab" / lab._jupyter_labextension_paths()[0]["src"] / "package.json").is_file()
+
+
+def test_pip_installs_the_whole_bundle_where_jupyterlab_looks_and_enables_the_server_extension():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    installed = {
+        f"{target}/{path.name}"
+        for target, patterns in setuptools["data-files"].items()
+        for pattern in patterns
+        for path in ROOT.glob(pattern)
+    }
+    bundle = labextension_sources.BUNDLE
+    shipped = {
+        f"share/jupyter/labextensions/{lab.LABEXTENSION}/{p.relative_to(bundle).as_posix()}"
+        for p in bundle.rglob("*")
+        if p.is_file() and p.name != labextension_sources.RECORD.name
+    }
+    assert shipped <= installed, shipped - installed
+    [config] = [p for p in installed if p.startswith("etc/jupyter/jupyter_server_config.d/")]
+    switch = json.loads((ROOT / "jupyter-config" / "jupyter_server_config.d" / config.rpartition("/")[2]).read_text())
+    [point] = lab._jupyter_server_extension_points()
+    assert switch == {"ServerApp": {"jpserver_extensions": {point["module"]: True}}}
+
+
+# ---------------------------------------------------------------- a worker log's tail
+
+
+def kept_log(state: pathlib.Path, worker: str, text: str) -> pathlib.Path:
+    folder = state / "logs" / SESSION
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = folder / f"{worker}.log"
+    path.write_text(text)
+    return path
+
+
+def test_a_log_tail_is_bounded_and_begins_at_a_line(state):
+    kept_log(state, f"{SESSION}-0", "".join(f"line {i}\n" for i in range(10_000)))
+    tail = sessions.log_tail(SESSION, f"{SESSION}-0", limit=100)
+    assert tail["truncated"] and tail["size"] > 100
+    assert tail["text"].startswith("line ") and tail["text"].endswith("line 9999\n")
+    assert len(tail["text"]) <= 100
+    assert sessions.log_tail(SESSION, f"{SESSION}-0")["text"].endswith("line 9999\n")
+    for limit in (0, -1, sessions.MAX_LOG_BYTES + 1):
+        with pytest.raises(ConfigError, match=f"bytes={limit}"):
+            sessions.log_tail(SESSION, f"{SESSION}-0", limit=limit)
+
+
+@pytest.mark.parametrize(
+    ("session", "worker"),
+    [
+        ("../../etc", f"{SESSION}-0"),
+        (SESSION, "../../../etc/passwd"),
+        (SESSION, f"{SESSION}-0/../../x"),
+        (SESSION, "fedcba9876543210-0"),  # another session's worker
+        (SESSION, f"{SESSION}-0.log"),
+        (SESSION.upper(), f"{SESSION.upper()}-0"),
+    ],
+)
+def test_a_log_tail_refuses_anything_but_a_worker_id_of_that_session(state, session, worker):
+    kept_log(state, f"{SESSION}-0", "mine\n")
+    with pytest.raises(ConfigError, match=r"a session id is|a worker of session"):
+        sessions.log_tail(session, worker)
+
+
+def test_a_log_tail_follows_no_link_out_of_the_kept_logs(state, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a log\n")
+    log = kept_log(state, f"{SESSION}-0", "")
+    log.unlink()
+    log.symlink_to(secret)
+    with pytest.raises(sessions.NotFound):
+        sessions.log_tail(SESSION, f"{SESSION}-0")
+    other = "fedcba9876543210"
+    (state / "logs" / other).symlink_to(tmp_path)  # a session's folder that is a link
+    (tmp_path / f"{other}-0.log").write_text("not a log either\n")
+    with pytest.raises(sessions.NotFound):
+        sessions.log_tail(other, f"{other}-0")
+
+
+# ---------------------------------------------------------------- what the panel lists
+
+
+def write_record(state: pathlib.Path, session_id: str, **fields) -> None:
+    mine = origin.this_process().as_strings()
+    record = {"id": session_id, "pid": int(mine["pid"]), "origin": mine, "controller": "", "backend": "local"}
+    record.update({"started": 1.0, "session_dir": str(state / f"cmlcluster-{session_id}-x"), "workers": [], **fields})
+    (state / f"{session_id}.json").write_text(json.dumps(record))
+
+
+def test_the_snapshot_lists_live_sessions_with_their_notebook_and_kept_ones_without_a_record(state, tmp_path):
+    root = tmp_path / "notebooks"
+    worker = {"id": f"{SESSION}-2", "status": "running", "hostname": "h", "ip_address": "10.0.0.3", "usage": None}
+    write_record(state, SESSION, notebook=str(root / "sub" / "train.ipynb"), workers=[worker], control="")
+    kept_log(state, f"{SESSION}-2", "x\n")  # a live session's logs: listed once, as live
+    closed = "fedcba9876543210"
+    (state / "logs" / closed).mkdir(mode=0o700)
+    (state / "logs" / closed / f"{closed}-0.log").write_text("done\n")
+    summary = {"notebook": "/elsewhere/a.ipynb", "backend": "docker", "started": 10.0, "ended": 70.0}
+    session_summary.write(
+        str(state / "logs" / closed),
+        {**summary, "outcome": {"failed": 1}, "workers": [{"id": f"{closed}-0", "status": "failed", "exit_code": 1}]},
+    )
+    snapshot = sessions.snapshot(str(root))
+    [live] = snapshot["live"]
+    assert live["notebook"] == {"name": "sub/train.ipynb", "path": "sub/train.ipynb"}
+    assert live["state"] == origin.ALIVE and live["can_stop"] is False  # no endpoint named
+    assert live["workers"] == [
+        {"id": f"{SESSION}-2", "label": "w2", "status": "running", "host": "h", "exit_code": None, "usage": None}
+    ]
+    [kept] = snapshot["kept"]
+    assert kept["id"] == closed and kept["state"] == "closed" and kept["outcome"] == "1 failed"
+    assert kept["notebook"] == {"name": "/elsewhere/a.ipynb", "path": None}  # outside the server's root
+    assert kept["workers"] == [{"id": f"{closed}-0", "label": "w0", "status": "failed", "exit_code": 1, "log": True}]
+
+
+def test_stop_asks_only_a_live_session_and_only_the_socket_in_its_own_folder(state, tmp_path):
+    with pytest.raises(sessions.NotFound, match="no live session"):
+        sessions.stop(SESSION, None)
+    elsewhere = tmp_path / "elsewhere.sock"
+    stopped: list = []
+    served = endpoint.StopEndpoint(str(elsewhere), lambda ids: stopped.append(ids) or [])
+    try:
+        write_record(state, SESSION, control=str(elsewhere))  # a record naming a socket outside its folder
+        assert records.records()[0]["state"] == origin.ALIVE
+        with pytest.raises(sessions.NotFound, match="serves no stop endpoint"):
+            sessions.stop(SESSION, None)
+        assert stopped == []
+        assert endpoint.request(str(elsewhere), ["a"]) == []  # it serves: only the record's claim was refused
+        assert stopped == [["a"]]
+    finally:
+        served.close()
+    assert not os.path.exists(elsewhere)
