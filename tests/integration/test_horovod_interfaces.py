@@ -20,40 +20,12 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import ssh_backend
+from horovod_scripts import ALLREDUCE, ELASTIC_ALLREDUCE
 
 from cmlcluster._proc import descendants
 from cmlcluster.horovod import run_horovod
 
 pytestmark = pytest.mark.integration
-
-STATIC = """\
-import os
-import horovod.tensorflow as hvd
-import tensorflow as tf
-
-hvd.init()
-total = hvd.allreduce(tf.constant([float(hvd.rank() + 1)]), op=hvd.Sum)
-print(f"rank {hvd.rank()} of {hvd.size()} sum {float(total[0]):g} iface {os.environ['HOROVOD_GLOO_IFACE']}", flush=True)
-"""
-
-ELASTIC = """\
-import horovod.tensorflow as hvd
-import tensorflow as tf
-
-hvd.init()
-state = hvd.elastic.TensorFlowState([tf.Variable(0.0)], rounds=0)
-
-
-@hvd.elastic.run
-def train(state):
-    total = hvd.allreduce(tf.constant([float(hvd.rank() + 1)]), op=hvd.Sum)
-    state.rounds += 1
-    state.commit()
-    print(f"rank {hvd.rank()} of {hvd.size()} sum {float(total[0]):g}", flush=True)
-
-
-train(state)
-"""
 
 
 class CommandLines:
@@ -112,7 +84,7 @@ def check_no_probe(seen: set[str]) -> None:
 def test_no_command_line_carries_horovods_service_key_on_ssh_hosts(watched_hosts, tmp_path, elastic):
     hosts, roots = watched_hosts
     script = tmp_path / "allreduce.py"
-    script.write_text(ELASTIC if elastic else STATIC)
+    script.write_text(ELASTIC_ALLREDUCE if elastic else ALLREDUCE)
     backend = ssh_backend(hosts, slots=1)
     with CommandLines(roots) as watcher:
         result = run_horovod(

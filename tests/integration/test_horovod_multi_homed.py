@@ -22,42 +22,11 @@ from typing import Any
 
 import pytest
 from conftest import ssh_backend
+from horovod_scripts import ALLREDUCE, ELASTIC_ALLREDUCE
 
 from cmlcluster.horovod import run_horovod
 
 pytestmark = pytest.mark.integration
-
-STATIC = """\
-import os
-import horovod.tensorflow as hvd
-import tensorflow as tf
-
-hvd.init()
-total = hvd.allreduce(tf.constant([float(hvd.rank() + 1)]), op=hvd.Sum)
-print(f"rank {hvd.rank()} of {hvd.size()} sum {float(total[0]):g} "
-      f"rendezvous {os.environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']} iface {os.environ['HOROVOD_GLOO_IFACE']}", flush=True)
-"""
-
-ELASTIC = """\
-import os
-import horovod.tensorflow as hvd
-import tensorflow as tf
-
-hvd.init()
-state = hvd.elastic.TensorFlowState([tf.Variable(0.0)], rounds=0)
-
-
-@hvd.elastic.run
-def train(state):
-    total = hvd.allreduce(tf.constant([float(hvd.rank() + 1)]), op=hvd.Sum)
-    state.rounds += 1
-    state.commit()
-    print(f"rank {hvd.rank()} of {hvd.size()} sum {float(total[0]):g} "
-          f"rendezvous {os.environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}", flush=True)
-
-
-train(state)
-"""
 
 
 @dataclass
@@ -132,7 +101,7 @@ def check_ranks(result: Any, second: SecondNetwork) -> None:
 def test_a_static_run_whose_ranks_dial_the_rendezvous_from_a_second_nic_passes(two_nic_hosts, tmp_path):
     hosts, second = two_nic_hosts
     script = tmp_path / "allreduce.py"
-    script.write_text(STATIC)
+    script.write_text(ALLREDUCE)
     result = run_horovod(str(script), np=2, workers=2, backend=backend_on(hosts, second.nic), start_timeout=40)
     check_ranks(result, second)
     assert f"iface {second.nic}" in "\n".join(result.output[0])
@@ -141,7 +110,7 @@ def test_a_static_run_whose_ranks_dial_the_rendezvous_from_a_second_nic_passes(t
 def test_an_elastic_run_whose_ranks_dial_the_rendezvous_from_a_second_nic_passes(two_nic_hosts, tmp_path):
     hosts, second = two_nic_hosts
     script = tmp_path / "elastic_allreduce.py"
-    script.write_text(ELASTIC)
+    script.write_text(ELASTIC_ALLREDUCE)
     backend = backend_on(hosts, second.nic)
     result = run_horovod(str(script), np=2, workers=2, max_restarts=1, backend=backend, start_timeout=40)
     check_ranks(result, second)
