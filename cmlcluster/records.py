@@ -165,9 +165,9 @@ class Recorder:
 
     def _write_summary(self, workers: list[dict[str, Any]] | None = None, ended: float | None = None) -> None:
         """The session's summary beside its workers' logs (session_summary.py); `ended` at close only."""
-        logs = self.session.log_folder
-        if not logs:
-            return
+        logs, own = self.session.log_folder, self.session.session_dir
+        if not logs or (own and logs.startswith(os.path.join(own, ""))):
+            return  # no logs, or logs that go with the session's folder (CMLCLUSTER_KEEP_LOGS=0): nothing kept
         kept = [
             {k: w.get(k) for k in ("id", "status", "exit_code", "hostname")}
             for w in (self._workers.values() if workers is None else workers)
