@@ -162,7 +162,7 @@ function Live(props: { session: ILiveSession; now: number; model: SessionsModel;
 
 function WorkerRow(props: { session: ILiveSession; worker: ILiveWorker; model: SessionsModel }): JSX.Element {
   const { session, worker, model } = props;
-  const usage = worker.usage;
+  const usage = ENDED.includes(worker.status) ? null : worker.usage; // an ended worker's last sample is no use now
   return (
     <tr data-worker={worker.id} data-status={worker.status}>
       <td title={worker.id}>{worker.label}</td>

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,9 +30,11 @@ SLEEPER = "import time; print('sleeper up', flush=True); time.sleep(600)"
 
 LAUNCH = f"""\
 import cmlcluster as cdsw
-sleepers = cdsw.launch_workers(3, cpu=0.5, memory=0.5, code={SLEEPER!r})
+sleepers = cdsw.launch_workers(2, cpu=0.5, memory=0.5, code={SLEEPER!r})
+# Its agent samples nothing (CMLCLUSTER_USAGE_SECONDS=0): the test sends a sample of its own for it.
+unsampled = cdsw.launch_workers(1, cpu=0.5, memory=0.5, code={SLEEPER!r}, env={{"CMLCLUSTER_USAGE_SECONDS": "0"}})
 quick = cdsw.launch_workers(1, cpu=0.5, memory=0.5, code="print('the quick worker is done', flush=True)")
-cdsw.await_workers(sleepers, wait_for_completion=False, timeout_seconds=120)
+cdsw.await_workers(sleepers + unsampled, wait_for_completion=False, timeout_seconds=120)
 cdsw.await_workers(quick, wait_for_completion=True, timeout_seconds=120)
 """
 
@@ -160,6 +163,26 @@ def test_the_panel_shows_stops_and_keeps_a_notebooks_session(tmp_path, monkeypat
         box = session_box(nb, session_id, "alive")
         assert box.locator(".cmlcluster-lab-notebook").inner_text() == "train.ipynb"
         assert "local" in box.locator(".cmlcluster-lab-heading").inner_text()
+
+        # Each worker's agent samples what it uses (cmlcluster/usage.py): CPU %, and memory against the
+        # limit of its cgroup (0.5 GB asked: 512 MiB).
+        sampling = box.locator(f'tr[data-worker="{sleepers[0]}"]')
+        wait(lambda: re.fullmatch(r"\d+%", sampling.locator(".cmlcluster-lab-cpu").inner_text()), "a CPU sample")
+        assert re.fullmatch(r"[0-9.]+[KMG]/512M", sampling.locator(".cmlcluster-lab-memory").inner_text())
+        # A sample with a GPU, as an agent with NVML sends it (no GPU here: the values are made up, the way
+        # is real: an event of the session, its record, the REST API, the row), for the worker that sends
+        # none of its own, which would replace it.
+        sampled = sleepers[2]
+        in_kernel(
+            nb,
+            "from cmlcluster.events import GpuUse, ResourceUse\n"
+            f"cdsw.get_session().publish(ResourceUse({sampled!r}, 37.6, 200 << 20, 512 << 20,"
+            " (GpuUse(0, 71.0, 2 << 30, 16 << 30),)))",
+        )
+        row = box.locator(f'tr[data-worker="{sampled}"]')
+        wait(lambda: row.locator(".cmlcluster-lab-cpu").inner_text() == "38%", "the sample's CPU in the row")
+        assert row.locator(".cmlcluster-lab-memory").inner_text() == "200M/512M"
+        assert row.locator(".cmlcluster-lab-gpu").inner_text() == "0: 71% 2.0G/16G"
         nb.screenshot("live")
 
         # Stop one worker: its process ends, and the session (record, kernel, its widget) says stopped.
