@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from ..errors import CmlClusterError, ConfigError
@@ -111,6 +112,7 @@ class StopEndpoint:
         if uid != self._uid:
             log.warning("cmlcluster: the stop endpoint %s refused a process of uid %d (not yours)", self.path, uid)
             _send(conn, {"error": f"refused: uid {uid} is not the session's user"})
+            _discard(conn)
             return
         conn.settimeout(READ_TIMEOUT)
         try:
@@ -170,6 +172,18 @@ def _receive(conn: socket.socket) -> bytes:
         if len(data) > MAX_REQUEST:
             raise ConfigError(f"a request of more than {MAX_REQUEST} bytes: refused")
     return data.partition(b"\n")[0]
+
+
+def _discard(conn: socket.socket) -> None:
+    """Read what a refused peer sent, unparsed, until it closes (a second at most): Linux resets a Unix
+    socket closed with unread data, and the peer's reset would lose the reply that says why."""
+    deadline = time.monotonic() + 1.0
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        while (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            if not conn.recv(4096):
+                return
 
 
 def _send(conn: socket.socket, reply: dict[str, object]) -> None:

@@ -35,7 +35,10 @@ try:
 except OSError as e:
     print(json.dumps({"connect": type(e).__name__}))
     sys.exit()
-s.sendall(b'{"stop": "all"}\\n')
+try:
+    s.sendall(b'{"stop": "all"}\\n')
+except BrokenPipeError:
+    pass  # refused before its request was read: the reply waits in the socket all the same
 print(json.dumps({"reply": s.recv(4096).decode()}))
 """
 
