@@ -16,6 +16,20 @@ from typing import Any
 TB_HINT = "(cmlcluster's own error: %tb shows where it was raised)"
 
 
+def install_hint(extra: str, packages: str) -> str:
+    """How to get what one of cmlcluster's extras brings, true to how cmlcluster is installed: from its
+    clone (it is not on PyPI), so the packages themselves, or the clone's install script."""
+    return f"pip install {packages} into this Python (in cmlcluster's clone: bash scripts/install.sh {extra})"
+
+
+def host_install_hint(python: str) -> str:
+    """How to put this cmlcluster on another host (it is not on PyPI: a wheel built from its clone)."""
+    return (
+        "build a wheel in cmlcluster's clone (python -m pip wheel --no-deps -w dist .), copy it to the host "
+        f"and install it there with {python} -m pip install <the wheel>"
+    )
+
+
 class CmlClusterError(Exception):
     """Base class of every error cmlcluster raises on purpose."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import origin
-from ..errors import BackendError, ConfigError
+from ..errors import BackendError, ConfigError, install_hint
 from ..wire import CONNECTION_ENV
 from . import docker_gateway, docker_ranges
 from .base import run_tag_labels
@@ -39,7 +39,8 @@ def connect(timeout: int = 30) -> Any:
     try:
         import docker
     except ImportError as e:
-        raise ConfigError("the docker backend needs the docker SDK: pip install 'cmlcluster[docker]'") from e
+        hint = install_hint("docker", "'docker>=7'")
+        raise ConfigError(f"the docker backend needs the docker SDK: {hint}") from e
     try:
         client = docker.from_env(timeout=timeout, max_pool_size=64)
         client.ping()

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, install_hint
 from .base import Backend
 
 ENTRY_POINT_GROUP = "cmlcluster.backends"
@@ -27,9 +27,12 @@ ENTRY_POINT_GROUP = "cmlcluster.backends"
 BUILTIN: dict[str, tuple[str, str]] = {
     "local": ("cmlcluster.backends.local:LocalBackend", ""),
     "fake": ("cmlcluster.backends.fake:FakeBackend", ""),
-    "docker": ("cmlcluster.backends.docker:DockerBackend", "pip install 'cmlcluster[docker]'"),
+    "docker": ("cmlcluster.backends.docker:DockerBackend", install_hint("docker", "'docker>=7'")),
     "ssh": ("cmlcluster.backends.ssh:SSHBackend", ""),
-    "kubernetes": ("cmlcluster.backends.kubernetes.backend:KubernetesBackend", "pip install 'cmlcluster[kubernetes]'"),
+    "kubernetes": (
+        "cmlcluster.backends.kubernetes.backend:KubernetesBackend",
+        install_hint("kubernetes", "'kubernetes>=29'"),
+    ),
 }
 
 

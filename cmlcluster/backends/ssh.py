@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from .. import checks
 from .._version import __version__
-from ..errors import BackendError, ConfigError
+from ..errors import BackendError, ConfigError, host_install_hint
 from ..ports import route_address
 from ..ssh.config import keepalive_options, keepalive_seconds, ssh_path
 from ..ssh.keys import tofu_known_hosts
@@ -291,7 +291,7 @@ class SSHBackend(Backend[SSHHandle]):
             if found.group(1) != __version__:
                 return (
                     f"it has cmlcluster {found.group(1)}, this session {__version__}; install the same version "
-                    f"there: {self.python} -m pip install 'cmlcluster=={__version__}'"
+                    f"there: {host_install_hint(self.python)}"
                 )
             return None
         last = (err.strip().splitlines() or [f"exit code {code}"])[-1]
@@ -308,8 +308,7 @@ class SSHBackend(Backend[SSHHandle]):
         if "No module named" in err and "cmlcluster" in err:
             return (
                 f"cmlcluster is not installed for {self.python} there; install it on every host: "
-                f"{self.python} -m pip install 'cmlcluster=={__version__}' (or pass python= for an "
-                "interpreter that has it)"
+                f"{host_install_hint(self.python)} (or pass python= for an interpreter that has it)"
             )
         if code == 127 or "not found" in err:
             return f"{self.python} is not there ({last}); pass python= with the interpreter's path on the hosts"

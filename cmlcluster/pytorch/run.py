@@ -38,7 +38,7 @@ from typing import Any
 
 from .. import checks
 from ..backends import Backend
-from ..errors import CmlClusterError, ConfigError
+from ..errors import CmlClusterError, ConfigError, install_hint
 from ..events import Event, OutputLine
 from ..jobs import Job, JobFailure, Member, Restarts, Role, launch_job
 from ..results import check_collect
@@ -161,7 +161,7 @@ def _pickled_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     try:
         import cloudpickle  # functions defined in a notebook travel by value
     except ImportError:
-        raise ConfigError("run_torch(function) needs cloudpickle: pip install 'cmlcluster[pytorch]'") from None
+        raise ConfigError(f"run_torch(function) needs cloudpickle: {install_hint('pytorch', 'cloudpickle')}") from None
     try:
         return bytes(cloudpickle.dumps((fn, args, kwargs)))
     except Exception as e:

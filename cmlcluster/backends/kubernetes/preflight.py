@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, install_hint
 from .manifests import GPU_RESOURCE
 from .pods import api_message, quantity_int
 
@@ -71,9 +71,8 @@ def load_configuration(configuration: Any) -> tuple[Any, bool]:
     try:
         from kubernetes import client, config
     except ImportError as e:
-        raise ConfigError(
-            f"the kubernetes backend needs the kubernetes client ({e}): pip install 'cmlcluster[kubernetes]'"
-        ) from e
+        hint = install_hint("kubernetes", "'kubernetes>=29'")
+        raise ConfigError(f"the kubernetes backend needs the kubernetes client ({e}): {hint}") from e
     if configuration is not None:
         return configuration, False
     configuration = client.Configuration()
