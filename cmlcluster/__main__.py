@@ -4,7 +4,8 @@ cmlcluster demo          the main job: parameter-server training on local worker
 cmlcluster run-cluster   a TensorFlow cluster whose worker tasks run a script
 cmlcluster horovod       a script under horovodrun on fresh workers
 cmlcluster torchrun      a script under torchrun (PyTorch distributed) on fresh workers
-cmlcluster list          the sessions running on this machine, and their workers
+cmlcluster list          the sessions running on this machine, and their workers (--watch: what they use, live)
+cmlcluster top           the same as list --watch
 cmlcluster logs          the workers' logs, kept after their session (which sessions, without one)
 cmlcluster backends      where workers can run, and each backend's options
 cmlcluster cleanup       end what sessions that no longer run left behind
@@ -13,6 +14,7 @@ cmlcluster cleanup       end what sessions that no longer run left behind
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -65,7 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     torchrun.add_argument("script")
     torchrun.add_argument("args", nargs=argparse.REMAINDER)
 
-    commands.add_parser("list", help="the sessions running on this machine (any backend) and their workers")
+    listing = commands.add_parser("list", help="the sessions running on this machine (any backend) and their workers")
+    listing.add_argument(
+        "--watch",
+        action="store_true",
+        help="every second, what each live session's workers use (CPU, memory, GPUs) beside what they asked for; "
+        "Ctrl-C ends it",
+    )
+    commands.add_parser("top", help="the same as list --watch")
     logs = commands.add_parser(
         "logs",
         help="a session's worker logs, kept after it ended (without SESSION: the sessions kept)",
@@ -101,8 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return result.exit_code
         if args.command == "torchrun":
             return torch_options.run(args, args.script, args.args).exit_code
-        if args.command == "list":
+        if args.command == "list" and not args.watch:
             return list_sessions()
+        if args.command in ("list", "top"):
+            return watch_sessions()
         if args.command == "logs":
             from . import worker_logs
 
@@ -168,6 +179,107 @@ def list_sessions() -> int:
             ]
             print("  " + table(rows).replace("\n", "\n  "))
     return 0
+
+
+WATCH_SECONDS = (
+    1.0  # how often `list --watch` reads the records again (a session rewrites its own at most once a second)
+)
+
+
+def watch_sessions(seconds: float = WATCH_SECONDS) -> int:
+    """`list --watch`: the live sessions' workers and what they use, again every `seconds`, until Ctrl-C
+    (or SIGTERM), which ends it with exit code 0. On a terminal each refresh replaces the last."""
+    import signal
+    import threading
+
+    done = threading.Event()
+    ending = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    try:
+        while not done.is_set():
+            screen = usage_screen(_live_records(), time.time())
+            try:
+                sys.stdout.write(f"{clear}{screen}\n" if clear else f"{screen}\n\n")
+                sys.stdout.flush()
+            except BrokenPipeError:  # `cmlcluster top | head`: its reader has what it wanted
+                with contextlib.suppress(OSError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 0
+            done.wait(seconds)
+    finally:
+        for sig, handler in ending.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _live_records() -> list[dict[str, Any]]:
+    from . import origin, records
+
+    return [r for r in records.records() if r["state"] == origin.ALIVE]
+
+
+def usage_screen(found: list[dict[str, Any]], now: float) -> str:
+    """One refresh of `list --watch`: per session, its workers' status, what each asked for (cpu, memory in
+    GB, GPUs) and what it uses (CPU in % of one core, memory against its limit, each GPU's utilization and
+    memory). A record says what the session last wrote (at most once a second): no sample yet, or a
+    worker that ended, shows "-"."""
+    from .demo import table
+    from .workers import TERMINAL
+
+    sessions = f"{len(found)} live session{'s' if len(found) != 1 else ''}"
+    lines = [f"cmlcluster: {sessions}, {time.strftime('%H:%M:%S', time.localtime(now))} (Ctrl-C ends)"]
+    for record in found:
+        age = now - record.get("started", now)
+        lines.append(f"session {record['id']}  pid {record.get('pid')}  {record.get('backend')}  up {age:.0f} s")
+        workers = record.get("workers", [])
+        if not workers:
+            continue
+        rows = [("worker", "status", "cpu", "memory", "gpus", "cpu %", "memory used / limit", "gpu util", "gpu memory")]
+        for w in workers:
+            use = w.get("usage") if w.get("status") not in TERMINAL else None
+            rows.append(
+                (
+                    str(w["id"]),
+                    str(w["status"]),
+                    _asked(w.get("cpu")),
+                    _asked(w.get("memory"), " GB"),
+                    _asked(w.get("nvidia_gpu")),
+                    *_used(use),
+                )
+            )
+        lines += [f"  {row}".rstrip() for row in table(rows).splitlines()]
+    return "\n".join(lines)
+
+
+def _asked(value: Any, unit: str = "") -> str:
+    return "-" if value is None else f"{value:g}{unit}"
+
+
+def _used(use: dict[str, Any] | None) -> tuple[str, str, str, str]:
+    """CPU %, memory used / limit, GPU utilization and GPU memory, as `list --watch` shows them."""
+    if not use:
+        return "-", "-", "-", "-"
+    limit = use.get("memory_limit_bytes")
+    memory = f"{_bytes(use.get('memory_bytes'))} / {_bytes(limit) if limit else 'no limit'}"
+    gpus = use.get("gpus") or []
+    busy = ", ".join(f"{g['index']}: {_percent(g.get('utilization_percent'))}" for g in gpus) or "-"
+    held = ", ".join(
+        f"{g['index']}: {_bytes(g.get('memory_bytes'))} / {_bytes(g.get('memory_total_bytes'))}" for g in gpus
+    )
+    return _percent(use.get("cpu_percent")), memory, busy, held or "-"
+
+
+def _percent(value: Any) -> str:
+    return "-" if not isinstance(value, (int, float)) or value != value else f"{value:.0f} %"  # NaN: unknown
+
+
+def _bytes(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
 
 
 def _note(record: dict[str, Any]) -> str:

@@ -16,7 +16,8 @@ disk; removed from the environment before any user code runs), CDSW_MASTER_IP
 registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's silence_timeout:
 seconds without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_OWN_FOLDER
 ("1": the working folder is the worker's own, removed with it; agent_files.leftovers), CMLCLUSTER_COLLECT
-(its collect= paths, as JSON: they come home, so they are not said to be left behind).
+(its collect= paths, as JSON: they come home, so they are not said to be left behind), CMLCLUSTER_USAGE_SECONDS
+(how often it samples what the worker uses, 2 s by default, 0 for never; usage.py).
 """
 
 from __future__ import annotations

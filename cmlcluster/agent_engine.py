@@ -4,7 +4,8 @@ The engine's own heartbeat check runs on its event loop, which user code
 blocks for as long as it runs. A worker whose session is gone must not train
 on for hours, so a watchdog thread listens to the controller's heartbeat pings
 (the same ones the engine answers) and ends the worker's whole process group
-once they have been silent for the session's silence_timeout. A stop signal
+once they have been silent for the session's silence_timeout. Once registered, a sampler thread sends what
+the worker uses (usage.py) on the engine's iopub channel, beside its output. A stop signal
 ends the running program (agent_program) and sends what the engine holds
 before the agent dies of it. An interrupt request (the Jupyter protocol's, on the
 control channel, which a thread of its own serves while the program runs) ends the
@@ -123,6 +124,7 @@ class AgentEngine(IPEngine):
     log_fd = 2
     silence_seconds = wire.DEFAULT_SILENCE_TIMEOUT  # the session's silence_timeout (wire.SILENCE_ENV)
     interrupting = False  # the next SIGTERM is an interrupt request's: it ends the program, not the engine
+    sampler: Any = None  # usage.Sampler, started once the engine has registered
 
     def _signal_stop(self, sig: int, frame: Any) -> None:
         if AgentEngine.interrupting:
@@ -130,6 +132,8 @@ class AgentEngine(IPEngine):
             agent_program.stop_program(sig)
             return
         AgentEngine.stop_signal = sig
+        if AgentEngine.sampler is not None:
+            AgentEngine.sampler.stop()
         super()._signal_stop(sig, frame)
         # The engine stops once the program returns: end it now (its finally blocks run), not
         # when the backend's grace runs out and the worker is killed. Once: a second signal
@@ -218,10 +222,34 @@ class AgentEngine(IPEngine):
             name="controller-watch",
             daemon=True,
         ).start()
+        if AgentEngine.sampler is None:
+            from . import usage
+
+            AgentEngine.sampler = usage.start(self._send_usage, _say)
+
+    def _send_usage(self, content: dict[str, Any]) -> None:
+        """A resource sample, from the sampler's thread, as a message of its own on the iopub channel: no
+        parent request (ipyparallel's client and hub pass such messages by), a topic of its own (the
+        session's control plane takes it by that). The IOPub thread sends it: any thread may hand it over."""
+        kernel = self.kernel
+        iopub = kernel.iopub_socket
+        # Once a stop began, the agent stops its IOPub thread (_send_what_is_queued), and a send after that
+        # would run on this thread, on the socket the main thread's last sends use: none is made then.
+        thread = getattr(iopub, "thread", None)  # ipykernel's IOPubThread: it sends for any thread while it runs
+        if AgentEngine.stop_signal is not None or thread is None or not thread.is_alive():
+            return
+        content["engine"] = self.id
+        kernel.session.send(iopub, wire.USAGE_MSG_TYPE, content, ident=wire.USAGE_TOPIC)
 
 
 def _print_nothing(*args: Any, **kwargs: Any) -> None:
     pass
+
+
+def _say(text: str) -> None:
+    """One line of the agent's into the worker's log (never its output: the engine sends that to the session)."""
+    with contextlib.suppress(OSError):
+        os.write(AgentEngine.log_fd, f"cmlcluster agent: {text}\n".encode())
 
 
 def import_kernel_without_debugger() -> None:

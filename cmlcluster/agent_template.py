@@ -48,8 +48,9 @@ TEMPLATE_FLAG = "--template"
 AGENT_MODULE = "cmlcluster.agent"
 MAX_TEMPLATES = 4  # environments per session: each template is a process as long as the session lives
 # Imported by an engine as it starts (its shell's history database, completer and inspector, tornado's
-# asyncio loop, the IDNA codec of getaddrinfo), so imported once by the template too. Not numpy, which a
-# worker imports only if its program does (engine_imports.py): its OpenBLAS starts threads as it loads.
+# asyncio loop, the IDNA codec of getaddrinfo) or soon after (psutil, by its resource sampler: usage.py),
+# so imported once by the template too. Not numpy, which a worker imports only if its program does
+# (engine_imports.py): its OpenBLAS starts threads as it loads.
 WARM_MODULES = (
     "IPython.core.completerlib",
     "IPython.core.oinspect",
@@ -57,6 +58,7 @@ WARM_MODULES = (
     "encodings.idna",
     "sqlite3",
     "tornado.platform.asyncio",
+    "psutil",
 )
 # A worker's own variables, never in a template's environment: ids, its GPUs, its temp folder, its
 # web-app ports, what it imports early, and the controller's key, which the agent takes out of its

@@ -1,4 +1,5 @@
-"""CPU and memory limits for a worker's processes, through cgroups, where this process may make them.
+"""CPU and memory limits for a worker's processes, through cgroups, where this process may make them; and
+the memory limit a process is under (memory_limit: what a worker's agent reports beside its use, usage.py).
 
 Imported by the local backend in the session and by each SSH worker's relay on its host (ssh_remote):
 only the standard library's os, so that it adds nothing to a worker's start there."""
@@ -9,6 +10,9 @@ import os
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 CPU_PERIOD_US = 100_000
+# cgroup v1 writes "no limit" as the largest page-aligned 64-bit number (9223372036854771712); anything this
+# large is no limit a machine could reach.
+UNLIMITED_FROM = 1 << 60
 
 
 def _own_cgroup(controller: str) -> str | None:
@@ -85,3 +89,41 @@ class CgroupLimits:
                 except OSError:
                     break
         self.paths = []
+
+
+def memory_limit(root: str = CGROUP_ROOT) -> int | None:
+    """The bytes of memory this process may use under its cgroups: the lowest limit set on its cgroup or on
+    any above it (cgroup v2's memory.max, v1's memory.limit_in_bytes; an ancestor's binds too). None when
+    none is set or none can be read (no cgroups: macOS; a limit nothing enforces is not one).
+
+    A container sees its own cgroup at the root of its mount while /proc/self/cgroup may name the host's
+    path (cgroup v1, or v2 without a cgroup namespace): the walk up from that path ends at the mount's
+    root, so the container's limit is read there.
+    """
+    found: list[int] = []
+    for controller, name in (("", "memory.max"), ("memory", "memory.limit_in_bytes")):
+        own = _own_cgroup(controller)
+        if own is None:
+            continue
+        base = os.path.join(root, controller) if controller else root
+        path = "/" + own.strip("/")
+        while True:
+            value = _read_limit(os.path.join(base, path.lstrip("/"), name))
+            if value is not None:
+                found.append(value)
+            if path == "/":
+                break
+            path = os.path.dirname(path)
+    return min(found) if found else None
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text.isdigit():
+        return None  # v2's "max": no limit here
+    value = int(text)
+    return value if value < UNLIMITED_FROM else None

@@ -3,7 +3,8 @@
 The real one is ipyparallel: the session owns a controller process, every
 worker's agent connects an engine to it, and the session holds a Client.
 Registration notifications tell the session a worker is up; apply requests
-ask its address and run its program; iopub streams carry its output live.
+ask its address and run its program; iopub streams carry its output live, and each
+agent's resource samples (usage.py).
 
 The fake backend brings a control plane of its own (see backends/fake.py), so
 the session is written against the small interface below.
@@ -36,6 +37,7 @@ from .wire import (
     HEARTBEAT_MS,
     LOG_LEVEL_ENV,
     SILENCE_ENV,
+    USAGE_TOPIC,
 )
 from .workers import Program
 
@@ -54,6 +56,7 @@ INTERRUPT_TIMEOUT = 5.0  # seconds for an agent's control thread to answer an in
 
 EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
 OutputCallback = Callable[[str, str], None]  # (stream name, text)
+UsageCallback = Callable[[int, dict[str, Any]], None]  # (engine id, a resource sample's content: usage.decode)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class ControlPlane(abc.ABC):
     """What the session needs from a control plane. Callbacks run on the session's loop."""
 
     on_engine: EngineCallback | None = None
+    on_usage: UsageCallback | None = None  # a worker's agent sent a resource sample (usage.py)
 
     @abc.abstractmethod
     async def start(self, listen_ip: str, session_dir: str) -> None:
@@ -257,12 +261,22 @@ class IPyParallelControl(ControlPlane):
         # ipyparallel's own wait_for_engines uses this hook; it is the only way to
         # hear of registrations as they happen rather than by polling client.ids.
         ipyparallel_internals.registration_callbacks(client).append(self._on_registration)
+        ipyparallel_internals.route_iopub_topic(client, USAGE_TOPIC, self._on_usage_message)
         return client
 
     def _on_registration(self, event: dict[str, Any]) -> None:
         # Runs on the client's IO thread.
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._announce, event["event"], int(event["id"]))
+
+    def _on_usage_message(self, message: dict[str, Any]) -> None:
+        # Runs on the client's IO thread: one sample per worker every few seconds.
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._usage, message["content"])
+
+    def _usage(self, content: dict[str, Any]) -> None:
+        if self.on_usage is not None and isinstance(content, dict) and isinstance(content.get("engine"), int):
+            self.on_usage(content["engine"], content)
 
     def _announce(self, kind: str, engine_id: int) -> None:
         # On the session's loop. An engine that registers while the client connects is both in

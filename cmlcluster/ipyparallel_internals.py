@@ -1,7 +1,8 @@
 """Every name of ipyparallel (and ipykernel) beyond their documented API that cmlcluster relies on.
 
 The session's client sends each request through the client's own mux stream, hears of
-registrations as they happen and asks the hub for those it missed (control.py says why); the
+registrations as they happen and asks the hub for those it missed (control.py says why), and takes the
+agents' resource samples off its iopub stream (usage.py); the
 worker's engine overrides how it stops, restores its output and starts its heartbeat
 (agent_engine.py says why). probe_client() and probe_engine() check each of these names on the
 ipyparallel installed, once per process, before it is used: an ipyparallel that renamed one is an
@@ -83,6 +84,29 @@ def forget_stream_text(client: Any, message: dict[str, Any]) -> None:
     metadata = client.metadata.get(message["parent_header"].get("msg_id"))
     if metadata is not None:
         metadata[message["content"]["name"]] = ""
+
+
+def route_iopub_topic(client: Any, topic: bytes, callback: Callable[[dict[str, Any]], None]) -> None:
+    """Hand the client's iopub messages whose topic starts with `topic` to callback(message) (deserialized,
+    their signature checked), on the client's IO thread; every other message goes on to the client's own
+    dispatch. The agents' resource samples travel so (usage.py): messages of no request, which the client's
+    dispatch would only parse and drop. Installed on the IO thread, where the stream's callback is read."""
+    stream, dispatch, session = client._iopub_stream, client._dispatch_iopub, client.session
+
+    def route(frames: list[Any]) -> None:
+        first = frames[0] if frames else b""
+        if not bytes(getattr(first, "bytes", first)).startswith(topic):
+            dispatch(frames)
+            return
+        try:
+            _, message = session.feed_identities(frames, copy=False)
+            message = session.deserialize(message, content=True, copy=False)
+        except Exception:
+            log.warning("cmlcluster: an iopub message of topic %r could not be read", topic, exc_info=True)
+            return
+        callback(message)
+
+    client._io_loop.add_callback(lambda: stream.on_recv(route, copy=False))
 
 
 def captured_fd_unread(stream: Any) -> int:
@@ -259,6 +283,13 @@ def _client_checks() -> list[probes.Check]:
         ("Client._io_loop", lambda: "_io_loop" in client().class_trait_names()),
         ("Client._send_control_request(targets, msg_type, content, block)", _send_control_request),
         ("Client._dispatch_iopub stores a stream's text, then runs the iopub callbacks", _stream_text_then_callbacks),
+        (
+            "Client._iopub_stream, read by Client._dispatch_iopub (copy=False)",
+            lambda: (
+                "self._iopub_stream.on_recv(self._dispatch_iopub, copy=False)"
+                in inspect.getsource(client()._setup_streams)
+            ),
+        ),
         (
             "Client.send_apply_request(..., ident=, message_future_hook=)",
             lambda: {"ident", "message_future_hook"} <= set(inspect.signature(client().send_apply_request).parameters),

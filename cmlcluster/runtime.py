@@ -122,6 +122,7 @@ class Runtime:
             self._attached = True
         control = self.backend.control_plane() or IPyParallelControl(silence_timeout=silence)
         control.on_engine = self.supervisor.on_engine
+        control.on_usage = self.supervisor.on_usage
         await control.start(self.backend.controller_ip(), self.dir)
         self.supervisor.control = control
         return control

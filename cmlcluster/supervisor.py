@@ -25,6 +25,8 @@ from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
 from .leftovers import Leftovers
 from .lines import LineSplitter
 from .progress import output_event
+from .records import usage_fields
+from .usage import decode as decode_usage
 from .waiting import Changes
 from .wire import DEFAULT_SILENCE_TIMEOUT, SILENCE_EXIT
 from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
@@ -183,6 +185,18 @@ class Supervisor:
         )
         if await self._end(worker, Ending(FAILED, exit_code=code, message=message)):
             log.warning("cmlcluster: %s", message)
+
+    def on_usage(self, engine_id: int, sample: Mapping[str, Any]) -> None:
+        """The control plane's report: a worker's agent sent what the worker uses now (usage.py). Kept as
+        its dict's fields (list_workers) until it ends, and published."""
+        worker = self._by_engine.get(engine_id)
+        if worker is None or worker.finished:
+            return
+        use = decode_usage(worker.id, sample)
+        if use is None:
+            return
+        worker.usage = usage_fields(use)
+        self._events.publish(use)
 
     # ------------------------------------------------------------ programs and calls
 

@@ -42,3 +42,12 @@ CONTROLLER_START_TIMEOUT = 60.0
 # (ssh_relay.py); a pipe is read READ_CHUNK at a time on both sides.
 TAIL_BYTES = 8 << 20
 READ_CHUNK = 64 << 10
+
+# What a worker uses (its process tree's CPU and memory, its GPUs): each agent samples it every
+# USAGE_SECONDS (the worker's CMLCLUSTER_USAGE_SECONDS, settable through env=; 0 turns sampling off)
+# and sends each sample as one iopub message of its own type and topic, beside the engine's output:
+# never a line of the worker's output or of its kept log (usage.py).
+USAGE_SECONDS_ENV = "CMLCLUSTER_USAGE_SECONDS"
+DEFAULT_USAGE_SECONDS = 2.0
+USAGE_MSG_TYPE = "cmlcluster_usage"
+USAGE_TOPIC = b"cmlcluster.usage"

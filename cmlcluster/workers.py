@@ -129,6 +129,7 @@ class Worker:
     stop_requested: bool = False
     ending: Ending | None = None  # decided, reported once its process is gone
     handle: Any = None
+    usage: dict[str, Any] | None = None  # its latest resource sample (records.usage_fields), while it runs
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES_KEPT))
 
     @property
@@ -188,6 +189,8 @@ class Worker:
         }
         if self.message:
             record["message"] = self.message
+        if self.usage is not None and not self.finished:  # what it uses now: nothing once it has ended
+            record.update(self.usage)
         return record
 
 
@@ -300,8 +303,9 @@ def _from_above(folder: str, value: str) -> str:
 RESERVED_ENV_PREFIX = "CMLCLUSTER_"
 # Those of them a launch may set: documented knobs, never a secret.
 # The modules the worker imports while it registers; its agent's log level (a worker elsewhere has no
-# other way to get the session's CMLCLUSTER_LOG_LEVEL).
-SETTABLE_ENV = frozenset({wire.PRELOAD_ENV, wire.LOG_LEVEL_ENV})
+# other way to get the session's CMLCLUSTER_LOG_LEVEL); how often its agent samples what it uses (usage.py;
+# "0" turns sampling off).
+SETTABLE_ENV = frozenset({wire.PRELOAD_ENV, wire.LOG_LEVEL_ENV, wire.USAGE_SECONDS_ENV})
 
 
 def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
