@@ -172,18 +172,17 @@ def list_sessions() -> int:
         )
         workers = record.get("workers", [])
         if workers:
-            rows = [("worker", "status", "address", "host", "exit_code")]
+            rows = [("worker", "id", "status", "address", "host", "exit_code")]
             rows += [
-                (w["id"], w["status"], str(w["ip_address"]), w.get("hostname") or "", str(w["exit_code"]))
+                (_label(w), w["id"], w["status"], str(w["ip_address"]), w.get("hostname") or "", str(w["exit_code"]))
                 for w in workers
             ]
             print("  " + table(rows).replace("\n", "\n  "))
     return 0
 
 
-WATCH_SECONDS = (
-    1.0  # how often `list --watch` reads the records again (a session rewrites its own at most once a second)
-)
+# How often `list --watch` reads the records again (a session rewrites its own at most once a second).
+WATCH_SECONDS = 1.0
 
 
 def watch_sessions(seconds: float = WATCH_SECONDS) -> int:
@@ -234,11 +233,25 @@ def usage_screen(found: list[dict[str, Any]], now: float) -> str:
         workers = record.get("workers", [])
         if not workers:
             continue
-        rows = [("worker", "status", "cpu", "memory", "gpus", "cpu %", "memory used / limit", "gpu util", "gpu memory")]
+        rows = [
+            (
+                "worker",
+                "id",
+                "status",
+                "cpu",
+                "memory",
+                "gpus",
+                "cpu %",
+                "memory used / limit",
+                "gpu util",
+                "gpu memory",
+            )
+        ]
         for w in workers:
             use = w.get("usage") if w.get("status") not in TERMINAL else None
             rows.append(
                 (
+                    _label(w),
                     str(w["id"]),
                     str(w["status"]),
                     _asked(w.get("cpu")),
@@ -249,6 +262,13 @@ def usage_screen(found: list[dict[str, Any]], now: float) -> str:
             )
         lines += [f"  {row}".rstrip() for row in table(rows).splitlines()]
     return "\n".join(lines)
+
+
+def _label(worker: dict[str, Any]) -> str:
+    """The worker's name in the session's views: its job's ("ps 0"), else w<n>."""
+    from .worker_env import short_label
+
+    return str(worker.get("label") or short_label(str(worker["id"])))
 
 
 def _asked(value: Any, unit: str = "") -> str:

@@ -111,8 +111,8 @@ class GpuUse:
 
 @dataclass(frozen=True)
 class ResourceUse(Event):
-    """What a worker uses now, sampled by its agent at a low rate (the worker's process tree, its agent's
-    own Python excluded)."""
+    """What a worker uses now, sampled by its agent at a low rate: its whole process tree, the agent
+    included (the program runs in it: code=, a script, a called function)."""
 
     kind: ClassVar[str] = "usage"
     worker_id: str

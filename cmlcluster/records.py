@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import origin, session_summary
 from .errors import ConfigError
-from .events import Event, ResourceUse, WorkerStatus
+from .events import Event, JobChanged, ResourceUse, WorkerStatus
 from .lab import endpoint
+from .worker_env import short_label
 from .workers import TERMINAL
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A worker's fields a record keeps: where it runs and how it ended, what it asked for (`list --watch`
+# shows it beside what it uses), and its name (launch_workers(name=...)).
+RECORDED = ("id", "status", "ip_address", "hostname", "exit_code", "cpu", "memory", "nvidia_gpu", "name")
 USAGE_WRITE_SECONDS = 1.0  # a record is rewritten for resource samples at most this often
 
 
@@ -83,6 +87,7 @@ class Recorder:
         self.session = session
         self.path = os.path.join(folder(), f"{session.id}.json")
         self._workers: dict[str, dict[str, Any]] = {}
+        self._labels: dict[str, str] = {}  # worker id -> its job's name for it ("ps 0"), as the views say
         self._started = time.time()
         self._lock = threading.Lock()  # a write in flight never recreates the record after close()
         self._closed = False
@@ -125,10 +130,16 @@ class Recorder:
                 return
             if isinstance(event, WorkerStatus):
                 w = event.worker
-                kept = {k: w.get(k) for k in ("id", "status", "ip_address", "hostname", "exit_code")}
+                kept = {k: w.get(k) for k in RECORDED}
+                kept["label"] = self._labels.get(w["id"]) or short_label(w["id"])
                 kept["pid"] = self.session.worker_pid(w["id"])
                 kept["usage"] = self._workers.get(w["id"], {}).get("usage")
                 self._workers[w["id"]] = kept
+            elif isinstance(event, JobChanged) and event.state in ("started", "member_replaced"):
+                for member in event.members:
+                    self._labels[member.worker_id] = f"{member.role} {member.index}"
+                    if member.worker_id in self._workers:
+                        self._workers[member.worker_id]["label"] = self._labels[member.worker_id]
             elif isinstance(event, ResourceUse) and event.worker_id in self._workers:
                 self._workers[event.worker_id]["usage"] = usage_fields(event)
                 if time.monotonic() - self._written < USAGE_WRITE_SECONDS:

@@ -21,6 +21,13 @@ def worker_id(session_id: str, engine_id: int) -> str:
     return f"{session_id}-{engine_id}"
 
 
+def short_label(worker: str) -> str:
+    """ "w3" for the worker "<session id>-3": how views, the panel and the CLI name a worker that no job
+    names (a job's member is "ps 0", "node 1"); the id itself when it is not one of worker_id's."""
+    session, _, engine = worker.rpartition("-")
+    return f"w{engine}" if session and engine.isdigit() else worker
+
+
 def build_spec(
     *,
     session_id: str,

@@ -15,7 +15,9 @@ if ! docker info >/dev/null 2>&1; then
     echo "starting dockerd in the background (log: /var/log/cmlcluster-dockerd.log)"
     # Every Docker session makes a network of its own, and the default pools hold about 30: give it
     # 256 ranges of /24, so that a test run's sessions, the stand-in cluster and SSH hosts all fit.
-    nohup dockerd --default-address-pool base=10.200.0.0/16,size=24 >/var/log/cmlcluster-dockerd.log 2>&1 &
+    # setsid: a session and process group of its own, so that nothing that signals the group of whatever
+    # ran this script (timeout(1) on expiry, a shell's job control) takes the engine down with it.
+    nohup setsid dockerd --default-address-pool base=10.200.0.0/16,size=24 >/var/log/cmlcluster-dockerd.log 2>&1 &
     for _ in $(seq 60); do
         docker info >/dev/null 2>&1 && break
         sleep 0.5

@@ -20,10 +20,10 @@ from typing import Any
 
 from .. import origin, records, session_summary, worker_logs
 from ..errors import ConfigError
+from ..worker_env import short_label
 from . import endpoint
 
 SESSION_ID = re.compile(r"[0-9a-f]{16}")  # session.py's token_hex(8)
-WORKER_NUMBER = re.compile(r"-(\d+)")  # a worker id is "<session id>-<n>" (worker_env.worker_id)
 LOG_BYTES = 64 << 10  # a log view's default: what a screen of lines needs
 MAX_LOG_BYTES = 1 << 20
 
@@ -58,10 +58,10 @@ def _notebook(path: str, root_dir: str) -> dict[str, str | None]:
     return {"name": path or "?", "path": None}
 
 
-def label(worker_id: str) -> str:
-    """ "w3" for "<session>-3": the short label the session's widget gives the worker."""
-    match = WORKER_NUMBER.fullmatch(worker_id[16:]) if SESSION_ID.match(worker_id) else None
-    return f"w{match.group(1)}" if match else worker_id
+def label(worker: dict[str, Any]) -> str:
+    """The worker's label as the session's widget shows it: its job's ("ps 0", kept by the record), else
+    "w3" for "<session>-3"."""
+    return str(worker.get("label") or short_label(str(worker.get("id"))))
 
 
 def _live(record: dict[str, Any], root_dir: str) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def _live(record: dict[str, Any], root_dir: str) -> dict[str, Any]:
         "workers": [
             {
                 "id": w.get("id"),
-                "label": label(str(w.get("id"))),
+                "label": label(w),
                 "status": w.get("status"),
                 "host": w.get("hostname") or w.get("ip_address") or "",
                 "exit_code": w.get("exit_code"),
@@ -108,7 +108,7 @@ def _kept(kept: worker_logs.Kept, root_dir: str) -> dict[str, Any]:
         "workers": [
             {
                 "id": i,
-                "label": label(i),
+                "label": label({"id": i, **statuses.get(i, {})}),
                 "status": statuses.get(i, {}).get("status"),
                 "exit_code": statuses.get(i, {}).get("exit_code"),
                 "log": i in kept.workers,

@@ -38,6 +38,7 @@ from ..events import (
     SessionClosed,
     WorkerStatus,
 )
+from ..worker_env import short_label
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
 
 SCHEDULING = "scheduling"
@@ -91,16 +92,13 @@ def reason(record: dict[str, Any]) -> str:
 @dataclass
 class Names:
     """What every model of one session shares: each worker's label and which ended with a run that went
-    well. One owner (the Router, or a terminal's model) names a worker, once, as it first appears."""
+    well. One owner (the Router) names a worker as it first appears, and again when a job names it."""
 
     labels: dict[str, str] = field(default_factory=dict)  # worker id -> "w0", "ps 1", "node 0"
-    plain: int = 0  # plain workers named so far: the next is w<plain>
     ran_ok: set[str] = field(default_factory=set)  # members of a run that ended well: "stopped" is its end
 
     def first_seen(self, worker_id: str) -> None:
-        if worker_id not in self.labels:
-            self.labels[worker_id] = f"w{self.plain}"
-            self.plain += 1
+        self.labels.setdefault(worker_id, short_label(worker_id))
 
     def label(self, source: str) -> str:
         return self.labels.get(source, source)

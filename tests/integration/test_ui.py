@@ -247,7 +247,7 @@ def test_cli_list_sees_another_process_session_and_cleanup_ends_what_a_killed_on
         session_id, *pids = other.stdout.readline().split()
         listed = subprocess.run([CLI, "list"], env=env, capture_output=True, text=True, check=True).stdout
         assert re.search(rf"^session {session_id}  pid {other.pid}  local  up \d+ s$", listed, re.M), listed
-        assert len(re.findall(rf"^  {session_id}-[01] +running +127\.0\.0\.1 ", listed, re.M)) == 2, listed
+        assert len(re.findall(rf"^  w[01] +{session_id}-[01] +running +127\.0\.0\.1 ", listed, re.M)) == 2, listed
         # The record says which process the session is and where its controller listens (cleanup asks it).
         record = json.loads((tmp_path / "state" / f"{session_id}.json").read_text())
         assert record["origin"]["pid"] == str(other.pid) and origin.answers(record["controller"]), record

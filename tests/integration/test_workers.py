@@ -87,7 +87,7 @@ def test_what_a_child_process_prints_last_is_in_the_output():
 
 
 def test_program_output_is_streamed_live_and_prefixed(backend, capsys):
-    with Session(backend) as s:  # echo on: lines are printed with the worker id
+    with Session(backend) as s:  # echo on: lines are printed with the worker's label, w<n> for "<session>-<n>"
         [w] = s.launch_workers(
             1,
             cpu=1,
@@ -100,9 +100,10 @@ def test_program_output_is_streamed_live_and_prefixed(backend, capsys):
         # stdout and stderr travel separately, so only each stream's own order is kept.
         assert sorted(s.output(w).splitlines()) == ["from a child process", "from python", "to stderr"]
     out, err = capsys.readouterr()
-    assert f"[{w['id']}] from python" in out
-    assert f"[{w['id']}] to stderr" in err
-    assert f"[{w['id']}] from a child process" in out
+    label = f"w{w['id'].rpartition('-')[2]}"
+    assert f"[{label}] from python" in out
+    assert f"[{label}] to stderr" in err
+    assert f"[{label}] from a child process" in out
 
 
 @pytest.mark.parametrize("backend", on("local"), indirect=True)  # the agent's or the session's, not the backend's

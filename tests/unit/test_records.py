@@ -176,6 +176,34 @@ def test_a_session_s_record_says_which_process_it_is(state):
     assert records.records() == []
 
 
+def test_a_record_names_each_worker_as_the_views_do_and_keeps_what_it_asked_for(state):
+    import time
+
+    from cmlcluster.events import JobChanged
+    from cmlcluster.jobs import Member
+
+    with Session(FakeBackend([FakeWorker(run_time=60), FakeWorker(run_time=60)]), echo=False) as s:
+        ps, plain = s.launch_workers(2, cpu=0.5, memory=1.5, name="trainer")
+        s.await_workers([ps, plain], wait_for_completion=False, timeout_seconds=30)
+        s.publish(JobChanged("TensorFlow cluster", "started", (Member(ps["id"], "ps", 0),)))
+        s.drain()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            [record] = records.records()
+            workers = {w["id"]: w for w in record["workers"]}
+            if workers.get(ps["id"], {}).get("label") == "ps 0":
+                break
+            time.sleep(0.05)
+        assert workers[ps["id"]]["label"] == "ps 0"  # the job's name for it, as the widget's table says
+        assert workers[plain["id"]]["label"] == f"w{plain['id'].rpartition('-')[2]}"
+        assert {k: workers[plain["id"]][k] for k in ("cpu", "memory", "nvidia_gpu", "name")} == {
+            "cpu": 0.5,
+            "memory": 1.5,
+            "nvidia_gpu": 0,
+            "name": "trainer",
+        }
+
+
 # ---------------------------------------------------------------- the state folder
 
 

@@ -62,13 +62,10 @@ def test_await_workers_in_a_later_cell_gets_a_view_of_the_workers_it_waits_for_a
 def test_short_labels_in_table_order_and_a_job_names_its_members():
     router = Router()
     router.apply(CallStarted("c0", "start_cluster"))
-    for worker_id in ("p", "x", "y", "z"):
+    for worker_id in ("s-0", "s-1", "s-2", "s-3"):
         router.apply(status(worker_id, "running"))
-    router.apply(
-        JobChanged(
-            "TensorFlow cluster", "started", (Member("p", "ps", 0), Member("y", "worker", 1), Member("x", "worker", 0))
-        )
-    )
+    members = (Member("s-0", "ps", 0), Member("s-2", "worker", 1), Member("s-1", "worker", 0))
+    router.apply(JobChanged("TensorFlow cluster", "started", members))
     model = router.calls()[0]
     assert [row["label"] for row in model.rows()] == ["worker 0", "worker 1", "w3", "ps 0"]
     assert sorted(["rank 10", "rank 2", "w10", "w9", "horovodrun"], key=order_key) == [
