@@ -17,7 +17,9 @@ registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's
 seconds without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_OWN_FOLDER
 ("1": the working folder is the worker's own, removed with it; agent_files.leftovers), CMLCLUSTER_COLLECT
 (its collect= paths, as JSON: they come home, so they are not said to be left behind), CMLCLUSTER_USAGE_SECONDS
-(how often it samples what the worker uses, 2 s by default, 0 for never; usage.py).
+(how often it samples what the worker uses, 2 s by default, 0 for never; usage.py), CMLCLUSTER_APP_FORWARD_PORT
+(where its address is not the session machine's loopback: the port on it that relays to its CDSW_APP_PORT;
+app_forward.py).
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def main() -> None:
     engine_id = os.environ[wire.ENGINE_ID_ENV]
     master = os.environ["CDSW_MASTER_IP"]
     os.environ["CDSW_IP_ADDRESS"] = route_address(master)
+    AgentEngine.app_forward_port = os.environ.pop(wire.APP_FORWARD_PORT_ENV, "")  # app_forward.py
     engine = AgentEngine.instance()
     engine.initialize(
         [

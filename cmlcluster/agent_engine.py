@@ -5,7 +5,8 @@ blocks for as long as it runs. A worker whose session is gone must not train
 on for hours, so a watchdog thread listens to the controller's heartbeat pings
 (the same ones the engine answers) and ends the worker's whole process group
 once they have been silent for the session's silence_timeout. Once registered, a sampler thread sends what
-the worker uses (usage.py) on the engine's iopub channel, beside its output. A stop signal
+the worker uses (usage.py) on the engine's iopub channel, beside its output, and, where the session gave it
+a port for it, a forwarder relays its own address to its app on 127.0.0.1 (app_forward.py). A stop signal
 ends the running program (agent_program) and sends what the engine holds
 before the agent dies of it. An interrupt request (the Jupyter protocol's, on the
 control channel, which a thread of its own serves while the program runs) ends the
@@ -125,6 +126,8 @@ class AgentEngine(IPEngine):
     silence_seconds = wire.DEFAULT_SILENCE_TIMEOUT  # the session's silence_timeout (wire.SILENCE_ENV)
     interrupting = False  # the next SIGTERM is an interrupt request's: it ends the program, not the engine
     sampler: Any = None  # usage.Sampler, started once the engine has registered
+    app_forward_port = ""  # wire.APP_FORWARD_PORT_ENV's value, "" for none
+    forwarder: Any = None  # app_forward.Forwarder, started with the sampler
 
     def _signal_stop(self, sig: int, frame: Any) -> None:
         if AgentEngine.interrupting:
@@ -132,8 +135,9 @@ class AgentEngine(IPEngine):
             agent_program.stop_program(sig)
             return
         AgentEngine.stop_signal = sig
-        if AgentEngine.sampler is not None:
-            AgentEngine.sampler.stop()
+        for helper in (AgentEngine.sampler, AgentEngine.forwarder):
+            if helper is not None:
+                helper.stop()
         super()._signal_stop(sig, frame)
         # The engine stops once the program returns: end it now (its finally blocks run), not
         # when the backend's grace runs out and the worker is killed. Once: a second signal
@@ -226,6 +230,10 @@ class AgentEngine(IPEngine):
             from . import usage
 
             AgentEngine.sampler = usage.start(self._send_usage, _say)
+        if AgentEngine.forwarder is None and AgentEngine.app_forward_port:
+            from . import app_forward
+
+            AgentEngine.forwarder = app_forward.start(os.environ, AgentEngine.app_forward_port, _say)
 
     def _send_usage(self, content: dict[str, Any]) -> None:
         """A resource sample, from the sampler's thread, as a message of its own on the iopub channel: no

@@ -95,7 +95,7 @@ class Runtime:
                 replaces=replaces,
                 collect=collect,
                 name=name,
-                app_ports=app_ports.pick(capabilities.own_address),
+                app_ports=app_ports.pick(capabilities.own_address, capabilities.session_host),
             )
             for _ in range(n)
         ]

@@ -13,6 +13,9 @@ PRELOAD_ENV = "CMLCLUSTER_PRELOAD"  # modules the agent imports while its engine
 LOG_LEVEL_ENV = "CMLCLUSTER_LOG_LEVEL"  # the controller's and the agents' log level (WARN; DEBUG to look inside)
 # CML's web-app ports, a worker's own (app_ports.py): where it serves an app, read-only, and public.
 APP_PORT_ENVS = ("CDSW_APP_PORT", "CDSW_READONLY_PORT", "CDSW_PUBLIC_PORT")
+# Where a worker's address is not this machine's loopback: the port on that address at which its agent
+# relays connections to 127.0.0.1:<CDSW_APP_PORT> (app_forward.py); taken out of the program's environment.
+APP_FORWARD_PORT_ENV = "CMLCLUSTER_APP_FORWARD_PORT"
 # "1" when the worker's working folder is its own, removed when it ends: a stopped program names what it leaves.
 OWN_FOLDER_ENV = "CMLCLUSTER_OWN_FOLDER"
 # Its collect= paths, as JSON: they come home when it ends, so what it leaves is said without them.

@@ -67,7 +67,7 @@ class WorkerSpec:
     replaces: str = ""  # a lost worker's id: where the backend can, this one starts where that one ran
     collect: tuple[str, ...] = ()  # paths under its working folder that come home to cwd (results.py)
     name: str = ""  # launch_workers(name=...), as CML's newer workspaces take it
-    app_ports: tuple[int, ...] = ()  # CDSW_APP_PORT, CDSW_READONLY_PORT, CDSW_PUBLIC_PORT (app_ports.py)
+    app_ports: tuple[int, ...] = ()  # CDSW_APP_PORT, CDSW_READONLY_PORT, CDSW_PUBLIC_PORT[, forwarder] (app_ports.pick)
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Worker:
             "name": self.spec.name,
             # Where a browser opens what listens on its CDSW_APP_PORT; None until its address is known.
             "app_url": (
-                app_ports.app_url(self.ip_address, self.spec.app_ports[0])
+                app_ports.worker_app_url(self.ip_address, self.spec.app_ports)
                 if self.spec.app_ports and self.ip_address != UNKNOWN_ADDRESS
                 else None
             ),

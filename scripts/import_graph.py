@@ -81,6 +81,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "agent_program",
             "agent_results",  # in a pod's agent: its collect= files, for the session to take
             "agent_template",
+            "app_forward",  # relays a worker's own address to its web app on 127.0.0.1
             "pytorch.node",
             "pytorch.rank",
             "pytorch.launch",

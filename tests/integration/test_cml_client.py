@@ -1,6 +1,7 @@
 """A CML client, written against CML's documented worker API only, run unchanged on the local, Docker and
-SSH backends: a web app on each worker's CDSW_APP_PORT reached through its `app_url`, and stop_workers'
-responses checked, as Cloudera's cmlextensions does for its Ray and Dask dashboards. And what a notebook
+SSH backends: a web app on each worker's CDSW_APP_PORT, bound to 127.0.0.1 as CML's docs show it, reached
+through its `app_url` (on Docker workers and SSH hosts through the agent's forwarder: app_forward.py), and
+stop_workers' responses checked, as Cloudera's cmlextensions does for its Ray and Dask dashboards. And what a notebook
 gets: in a kernel of a Jupyter server with jupyter-server-proxy, `app_url` goes through that server, which
 reaches a worker's address only while proxy_hosts.allow_workers admits it."""
 
@@ -21,11 +22,13 @@ import urllib.request
 import pytest
 from conftest import DOCKER_TEST_IMAGE, ssh_backend
 
+from cmlcluster import app_ports
+
 pytestmark = pytest.mark.integration
 
-# What a worker serves on its CDSW_APP_PORT. It listens on every address of the worker: its loopback (what
-# CML's engine proxy reaches) and its own, the one app_url names where the worker has one (a container, an
-# SSH host): an app bound to 127.0.0.1 alone is reached on local workers only (docs/guide/cml.md).
+# What a worker serves on its CDSW_APP_PORT, in CML's documented form: on 127.0.0.1, where CML's engine proxy
+# reaches it. Where the worker has an address of its own (a container, an SSH host), app_url names its agent's
+# forwarder from that address to this port (docs/guide/cml.md).
 APP = textwrap.dedent(
     """
     import http.server, os
@@ -37,7 +40,7 @@ APP = textwrap.dedent(
             self.wfile.write(body)
     port = int(os.environ['CDSW_APP_PORT'])
     assert os.environ['CDSW_READONLY_PORT'] and os.environ['CDSW_PUBLIC_PORT']
-    http.server.HTTPServer(('0.0.0.0', port), Hello).serve_forever()
+    http.server.HTTPServer(('127.0.0.1', port), Hello).serve_forever()
     """
 )
 
@@ -117,8 +120,8 @@ def test_a_cml_client_reaches_its_workers_web_app_through_app_url_and_checks_sto
     for url, ip in apps:
         if backend == "local":  # each its own free port on this machine's loopback
             assert ip == "127.0.0.1" and url.startswith("http://127.0.0.1:"), url
-        else:  # each its own address, and CML's fixed ports
-            assert not ip.startswith("127.") and url == f"http://{ip}:8100/", url
+        else:  # each its own address, and the agent's forwarder to CML's fixed 8100 on its loopback
+            assert not ip.startswith("127.") and url == f"http://{ip}:{app_ports.FORWARD_FIXED}/", url
     assert "stopped [200, 200]" in done.stdout
 
 
@@ -136,7 +139,7 @@ def test_the_same_client_on_ssh_hosts_reaches_each_app_at_its_hosts_address(ssh_
     apps = fetched(out)
     assert len(apps) == 2, out
     for url, ip in apps:
-        # The host's address, and the port the worker was given (drawn free on the session's machine).
+        # The host's address, and the port its forwarder was given (drawn free on the session's machine).
         assert ip in hosts and url.startswith(f"http://{ip}:") and url != f"http://{ip}:8100/", url
     assert "stopped [200, 200]" in out
 
@@ -239,7 +242,7 @@ def test_a_notebook_opens_a_docker_workers_app_url_through_jupyter_server_proxy_
             "print(w['app_url'], w['ip_address'], w['id'])\n"
         )
         app_url, ip, worker_id = run_cell(client, cell).split()
-        assert app_url == f"/proxy/{ip}:8100/"  # the server's base URL is "/"
+        assert app_url == f"/proxy/{ip}:{app_ports.FORWARD_FIXED}/"  # the server's base URL is "/"
 
         deadline = time.monotonic() + 30
         while (answer := server.get(app_url))[0] != 200 and time.monotonic() < deadline:

@@ -36,9 +36,11 @@ def test_workers_with_an_address_of_their_own_get_cmls_ports_and_an_app_url_on_i
         workers = s.launch_workers(2, cpu=1, memory=1)
         assert [w["app_url"] for w in workers] == [None, None]  # no address yet
         running = s.await_workers(workers, wait_for_completion=False, timeout_seconds=10)["workers"]
-        assert [w["app_url"] for w in running] == ["http://10.0.0.1:8100/", "http://10.0.0.2:8100/"]
+        # Its agent's forwarder to its app on 127.0.0.1 (app_forward.py), beside CDSW_APP_PORT.
+        assert [w["app_url"] for w in running] == ["http://10.0.0.1:8101/", "http://10.0.0.2:8101/"]
         for handle in backend.handles.values():
             assert [handle.spec.env[name] for name in PORT_NAMES] == ["8100", "8090", "8080"]
+            assert handle.spec.env["CMLCLUSTER_APP_FORWARD_PORT"] == "8101"
 
 
 def test_workers_sharing_an_address_get_distinct_free_ports_each(monkeypatch):
@@ -47,9 +49,10 @@ def test_workers_sharing_an_address_get_distinct_free_ports_each(monkeypatch):
     backend = FakeBackend([FakeWorker(), FakeWorker()], capabilities=shared)
     with Session(backend, echo=False) as s:
         workers = s.await_workers(s.launch_workers(2, cpu=1, memory=1), False, 10)["workers"]
-        ports = [[int(h.spec.env[name]) for name in PORT_NAMES] for h in backend.handles.values()]
-        assert len({p for each in ports for p in each}) == 6
-        expected = [f"http://{w['ip_address']}:{p[0]}/" for w, p in zip(workers, ports, strict=True)]
+        names = (*PORT_NAMES, "CMLCLUSTER_APP_FORWARD_PORT")  # the last: its agent's forwarder's, app_url's
+        ports = [[int(h.spec.env[name]) for name in names] for h in backend.handles.values()]
+        assert len({p for each in ports for p in each}) == 8
+        expected = [f"http://{w['ip_address']}:{p[3]}/" for w, p in zip(workers, ports, strict=True)]
         assert [w["app_url"] for w in workers] == expected
 
 
