@@ -218,12 +218,12 @@ def _live_records() -> list[dict[str, Any]]:
 
 
 def usage_screen(found: list[dict[str, Any]], now: float) -> str:
-    """One refresh of `list --watch`: per session, its workers' status, what each asked for (cpu, memory in
-    GB, GPUs) and what it uses (CPU in % of one core, memory against its limit, each GPU's utilization and
-    memory). A record says what the session last wrote (at most once a second): no sample yet, or a
-    worker that ended, shows "-"."""
+    """One refresh of `list --watch`: per session, its workers' status and what each asked for and uses, in
+    the words of the notebook's views (ui/model.resource_texts: CPU in % of one core, memory against its
+    limit, GPUs' utilization and memory). A record says what the session last wrote (at most once a
+    second): a worker without a sample yet, or one that ended, shows only what it asked for."""
     from .demo import table
-    from .workers import TERMINAL
+    from .ui.model import resource_texts
 
     sessions = f"{len(found)} live session{'s' if len(found) != 1 else ''}"
     lines = [f"cmlcluster: {sessions}, {time.strftime('%H:%M:%S', time.localtime(now))} (Ctrl-C ends)"]
@@ -233,33 +233,8 @@ def usage_screen(found: list[dict[str, Any]], now: float) -> str:
         workers = record.get("workers", [])
         if not workers:
             continue
-        rows = [
-            (
-                "worker",
-                "id",
-                "status",
-                "cpu",
-                "memory",
-                "gpus",
-                "cpu %",
-                "memory used / limit",
-                "gpu util",
-                "gpu memory",
-            )
-        ]
-        for w in workers:
-            use = w.get("usage") if w.get("status") not in TERMINAL else None
-            rows.append(
-                (
-                    _label(w),
-                    str(w["id"]),
-                    str(w["status"]),
-                    _asked(w.get("cpu")),
-                    _asked(w.get("memory"), " GB"),
-                    _asked(w.get("nvidia_gpu")),
-                    *_used(use),
-                )
-            )
+        rows = [("worker", "id", "status", "cpu", "memory", "gpus")]
+        rows += [(_label(w), str(w["id"]), str(w["status"]), *resource_texts(w)) for w in workers]
         lines += [f"  {row}".rstrip() for row in table(rows).splitlines()]
     return "\n".join(lines)
 
@@ -269,37 +244,6 @@ def _label(worker: dict[str, Any]) -> str:
     from .worker_env import short_label
 
     return str(worker.get("label") or short_label(str(worker["id"])))
-
-
-def _asked(value: Any, unit: str = "") -> str:
-    return "-" if value is None else f"{value:g}{unit}"
-
-
-def _used(use: dict[str, Any] | None) -> tuple[str, str, str, str]:
-    """CPU %, memory used / limit, GPU utilization and GPU memory, as `list --watch` shows them."""
-    if not use:
-        return "-", "-", "-", "-"
-    limit = use.get("memory_limit_bytes")
-    memory = f"{_bytes(use.get('memory_bytes'))} / {_bytes(limit) if limit else 'no limit'}"
-    gpus = use.get("gpus") or []
-    busy = ", ".join(f"{g['index']}: {_percent(g.get('utilization_percent'))}" for g in gpus) or "-"
-    held = ", ".join(
-        f"{g['index']}: {_bytes(g.get('memory_bytes'))} / {_bytes(g.get('memory_total_bytes'))}" for g in gpus
-    )
-    return _percent(use.get("cpu_percent")), memory, busy, held or "-"
-
-
-def _percent(value: Any) -> str:
-    return "-" if not isinstance(value, (int, float)) or value != value else f"{value:.0f} %"  # NaN: unknown
-
-
-def _bytes(value: Any) -> str:
-    if not isinstance(value, (int, float)):
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= size:
-            return f"{value / size:.1f} {unit}"
-    return f"{value:.0f} B"
 
 
 def _note(record: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import origin, records, session_summary, worker_logs
 from ..errors import ConfigError
+from ..ui.model import resource_texts
 from ..worker_env import short_label
 from . import endpoint
 
@@ -83,6 +84,8 @@ def _live(record: dict[str, Any], root_dir: str) -> dict[str, Any]:
                 "host": w.get("hostname") or w.get("ip_address") or "",
                 "exit_code": w.get("exit_code"),
                 "usage": w.get("usage"),  # the latest resource sample (records.usage_fields), or None
+                # What it asked for and uses, in the widget's words (ui/model.py): "0.5 · 38 %", ...
+                **dict(zip(("cpu_text", "memory_text", "gpu_text"), resource_texts(w), strict=True)),
             }
             for w in record.get("workers", [])
         ],

@@ -21,7 +21,7 @@ import bisect
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,47 @@ NOISE = re.compile(
 )
 # The order a title counts statuses in, and the words it uses.
 COUNTED = ((SCHEDULING, "starting"), (RUNNING, "running"), (SUCCEEDED, "succeeded"), (FAILED, "failed"))
+
+
+GIB = 1 << 30
+
+
+def resource_texts(worker: Mapping[str, Any]) -> tuple[str, str, str]:
+    """What a worker asked for and, while it runs, uses, as every view says it (the widget's table, the
+    panel, `cmlcluster top`): CPU "0.5 · 38 %" (of one core), memory "0.2 / 0.5 GiB" (against its limit,
+    else what it asked for), GPUs "1 · 71 % · 2.0 / 16 GiB". `worker`: a worker dict or a session record's,
+    with its latest sample in "usage" (records.usage_fields), if any."""
+    cpu = f"{worker.get('cpu') or 0:g}"
+    asked_memory = float(worker.get("memory") or 0)
+    memory = f"{asked_memory:g} GiB"
+    gpus = str(worker.get("nvidia_gpu") or "")
+    use = worker.get("usage") if worker.get("status") == RUNNING else None
+    if not use:
+        return cpu, memory, gpus
+    cpu += f" · {_percent(use.get('cpu_percent'))}"
+    limit = use.get("memory_limit_bytes") or asked_memory * GIB
+    used = _gib(use.get("memory_bytes") or 0)
+    memory = f"{used} / {_gib(limit)} GiB" if limit else f"{used} GiB"
+    samples = use.get("gpus") or []
+    if samples:
+        busy = [
+            g["utilization_percent"] for g in samples if g.get("utilization_percent") == g.get("utilization_percent")
+        ]
+        held = sum(g.get("memory_bytes") or 0 for g in samples)
+        total = sum(g.get("memory_total_bytes") or 0 for g in samples)
+        util = _percent(sum(busy) / len(busy)) if busy else "- %"  # NaN (a MIG slice): unknown
+        gpus = f"{len(samples)} · {util} · {_gib(held)} / {_gib(total)} GiB"
+    return cpu, memory, gpus
+
+
+def _percent(value: Any) -> str:
+    return f"{value:.0f} %" if isinstance(value, (int, float)) and value == value else "- %"
+
+
+def _gib(value: float) -> str:
+    """Bytes in GiB with two significant digits at least: 0.04, 0.5, 2.0, 16."""
+    gib = value / GIB
+    return f"{gib:.2g}" if gib < 10 else f"{gib:.0f}"
 
 
 def is_noise(text: str) -> bool:

@@ -26,9 +26,10 @@ import ipywidgets as w
 from .. import blocking, logfile, results
 from ..events import CallStarted, Event, Progress, ResourceUse, SessionClosed
 from ..progress import describe
+from ..records import usage_fields
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
 from . import kernel_internals
-from .model import SCHEDULING, Router, ViewModel, order_key, reason
+from .model import SCHEDULING, Router, ViewModel, order_key, reason, resource_texts
 from .shell import in_kernel, ipython
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ COLOURS = {
     FAILED: "#e53935",
     STOPPED: "#757575",
 }
-GB = 1 << 30
 
 
 class SessionViews:
@@ -521,7 +521,8 @@ def _table(rows: list[dict[str, Any]], since: dict[str, float], usage: dict[str,
         exit_code = "" if r.get("exit_code") is None else str(r["exit_code"])
         why = reason(r) if r["status"] == FAILED else ""
         name = f' <span style="color:#757575">{html.escape(r["name"])}</span>' if r.get("name") else ""
-        cpu, memory, gpus = _resource_cells(r, usage.get(r["id"]))
+        sample = usage.get(r["id"])
+        cpu, memory, gpus = resource_texts({**r, "usage": usage_fields(sample) if sample else None})
         cells = [
             html.escape(r["label"]) + name,
             f'<span style="color:{COLOURS.get(r["status"], "inherit")}">&#9679; {r["status"]}</span>',
@@ -536,29 +537,12 @@ def _table(rows: list[dict[str, Any]], since: dict[str, float], usage: dict[str,
         ]
         body.append(
             f'<tr data-worker="{html.escape(r["id"])}" data-status="{r["status"]}">'
-            + "".join(f"<td>{c}</td>" for c in cells)
+            + "".join(f"<td>{c}</td>" for c in cells[:-1])
+            + f'<td style="white-space:normal">{cells[-1]}</td>'
             + "</tr>"
         )
-    return f'<table class="cmlcluster-workers"><tr>{head}</tr>{"".join(body)}</table>'
-
-
-def _resource_cells(record: dict[str, Any], use: ResourceUse | None) -> tuple[str, str, str]:
-    """What a worker asked for and, while it runs, what it uses: "2 · 150 %", "0.4 / 4 GB", "1 · 80 %"."""
-    cpu, memory, gpus = (
-        f"{record.get('cpu') or 0:g}",
-        f"{record.get('memory') or 0:g} GB",
-        str(record.get("nvidia_gpu") or ""),
-    )
-    if use is None or record["status"] != RUNNING:
-        return cpu, memory, gpus
-    cpu += f" · {use.cpu_percent:.0f} %"
-    limit = use.memory_limit_bytes or (record.get("memory") or 0) * GB
-    memory = f"{use.memory_bytes / GB:.2g} / {limit / GB:.3g} GB" if limit else f"{use.memory_bytes / GB:.2g} GB"
-    if use.gpus:
-        busy = sum(g.utilization_percent for g in use.gpus) / len(use.gpus)
-        used = sum(g.memory_bytes for g in use.gpus) / GB
-        gpus = f"{len(use.gpus)} · {busy:.0f} % · {used:.2g} GB"
-    return cpu, memory, gpus
+    # One line per cell ("0.5 · 38 %" never broken), but the reason's, which may be long.
+    return f'<table class="cmlcluster-workers" style="white-space:nowrap"><tr>{head}</tr>{"".join(body)}</table>'
 
 
 def _new_plot() -> tuple[Any, dict[str, Any]]:

@@ -36,6 +36,10 @@ export interface ILiveWorker {
   host: string;
   exit_code: number | null;
   usage: IUsage | null;
+  // What it asked for and uses, in the words of the session's widget (the server's ui/model.py).
+  cpu_text: string;
+  memory_text: string;
+  gpu_text: string;
 }
 
 export interface ILiveSession {

@@ -5,7 +5,7 @@ import { ReactWidget, UseSignal } from '@jupyterlab/ui-components';
 import { Message } from '@lumino/messaging';
 import * as React from 'react';
 
-import { ENDED, IKeptSession, ILiveSession, ILiveWorker, INotebook, IUsage, SessionsModel } from './model';
+import { ENDED, IKeptSession, ILiveSession, ILiveWorker, INotebook, SessionsModel } from './model';
 
 export type OpenNotebook = (path: string) => void;
 
@@ -162,7 +162,6 @@ function Live(props: { session: ILiveSession; now: number; model: SessionsModel;
 
 function WorkerRow(props: { session: ILiveSession; worker: ILiveWorker; model: SessionsModel }): JSX.Element {
   const { session, worker, model } = props;
-  const usage = ENDED.includes(worker.status) ? null : worker.usage; // an ended worker's last sample is no use now
   return (
     <tr data-worker={worker.id} data-status={worker.status}>
       <td title={worker.id}>{worker.label}</td>
@@ -173,9 +172,9 @@ function WorkerRow(props: { session: ILiveSession; worker: ILiveWorker; model: S
         {worker.status}
       </td>
       <td>{worker.host}</td>
-      <td className="cmlcluster-lab-cpu">{usage ? `${usage.cpu_percent.toFixed(0)}%` : '–'}</td>
-      <td className="cmlcluster-lab-memory">{usage ? memory(usage) : '–'}</td>
-      <td className="cmlcluster-lab-gpu">{usage && usage.gpus.length ? gpus(usage) : '–'}</td>
+      <td className="cmlcluster-lab-cpu">{worker.cpu_text}</td>
+      <td className="cmlcluster-lab-memory">{worker.memory_text}</td>
+      <td className="cmlcluster-lab-gpu">{worker.gpu_text || '–'}</td>
       <td className="cmlcluster-lab-actions">
         {session.can_stop && !ENDED.includes(worker.status) && (
           <button className="jp-mod-styled jp-mod-warn" onClick={() => void model.stopWorkers(session.id, [worker.id])}>
@@ -253,35 +252,4 @@ export function duration(seconds: number): string {
     return `${Math.floor(s / 60)} min ${String(s % 60).padStart(2, '0')} s`;
   }
   return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, '0')} min`;
-}
-
-function bytes(n: number): string {
-  const units: [string, number][] = [
-    ['G', 2 ** 30],
-    ['M', 2 ** 20],
-    ['K', 2 ** 10]
-  ];
-  for (const [unit, size] of units) {
-    if (n >= size) {
-      return `${(n / size).toFixed(n >= 10 * size ? 0 : 1)}${unit}`;
-    }
-  }
-  return `${n}B`;
-}
-
-function memory(usage: IUsage): string {
-  return usage.memory_limit_bytes
-    ? `${bytes(usage.memory_bytes)}/${bytes(usage.memory_limit_bytes)}`
-    : bytes(usage.memory_bytes);
-}
-
-function gpus(usage: IUsage): string {
-  return usage.gpus
-    .map(g => {
-      const use = g.utilization_percent === null ? '' : ` ${g.utilization_percent.toFixed(0)}%`;
-      const mem =
-        g.memory_bytes === null ? '' : ` ${bytes(g.memory_bytes)}${g.memory_total_bytes ? `/${bytes(g.memory_total_bytes)}` : ''}`;
-      return `${g.index}:${use}${mem}`;
-    })
-    .join(', ');
 }

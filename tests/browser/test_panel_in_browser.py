@@ -167,8 +167,11 @@ def test_the_panel_shows_stops_and_keeps_a_notebooks_session(tmp_path, monkeypat
         # Each worker's agent samples what it uses (cmlcluster/usage.py): CPU %, and memory against the
         # limit of its cgroup (0.5 GB asked: 512 MiB).
         sampling = box.locator(f'tr[data-worker="{sleepers[0]}"]')
-        wait(lambda: re.fullmatch(r"\d+%", sampling.locator(".cmlcluster-lab-cpu").inner_text()), "a CPU sample")
-        assert re.fullmatch(r"[0-9.]+[KMG]/512M", sampling.locator(".cmlcluster-lab-memory").inner_text())
+        # In the widget's words (ui/model.resource_texts): what it asked for · what it uses.
+        cpu = sampling.locator(".cmlcluster-lab-cpu")
+        wait(lambda: re.fullmatch(r"0\.5 · \d+ %", cpu.inner_text()), "a CPU sample")
+        assert re.fullmatch(r"0\.\d+ / 0\.5 GiB", sampling.locator(".cmlcluster-lab-memory").inner_text())
+        nb.screenshot("live")  # real samples only (the README shows it)
         # A sample with a GPU, as an agent with NVML sends it (no GPU here: the values are made up, the way
         # is real: an event of the session, its record, the REST API, the row), for the worker that sends
         # none of its own, which would replace it.
@@ -180,10 +183,10 @@ def test_the_panel_shows_stops_and_keeps_a_notebooks_session(tmp_path, monkeypat
             " (GpuUse(0, 71.0, 2 << 30, 16 << 30),)))",
         )
         row = box.locator(f'tr[data-worker="{sampled}"]')
-        wait(lambda: row.locator(".cmlcluster-lab-cpu").inner_text() == "38%", "the sample's CPU in the row")
-        assert row.locator(".cmlcluster-lab-memory").inner_text() == "200M/512M"
-        assert row.locator(".cmlcluster-lab-gpu").inner_text() == "0: 71% 2.0G/16G"
-        nb.screenshot("live")
+        wait(lambda: row.locator(".cmlcluster-lab-cpu").inner_text() == "0.5 · 38 %", "the sample's CPU in the row")
+        assert row.locator(".cmlcluster-lab-memory").inner_text() == "0.2 / 0.5 GiB"
+        assert row.locator(".cmlcluster-lab-gpu").inner_text() == "1 · 71 % · 2 / 16 GiB"
+        nb.screenshot("live-made-up-gpu-sample")
 
         # Stop one worker: its process ends, and the session (record, kernel, its widget) says stopped.
         first = sleepers[0]

@@ -141,7 +141,7 @@ def test_cli_list_watch_refreshes_with_what_workers_use_and_ends_cleanly_on_ctrl
         [w] = s.launch_workers(1, cpu=1, memory=0.5, code=BUSY, env=FAST)
         s.await_workers([w], wait_for_completion=False, timeout_seconds=60)
         # A row of the worker with a sample in it: CPU %, and its 150 MiB against its limit.
-        row = re.compile(rf"^  w\d+\s+{w['id']}\s+running\s.*\s\d+ %\s+1\d\d\.\d MiB / ")
+        row = re.compile(rf"^  w\d+\s+{w['id']}\s+running\s+1 · \d+ %\s+0\.\d+ / 0\.5 GiB")
         for argv in (["list", "--watch"], ["top"]):
             seen, code, errors = watch_until(argv, row)
             assert sum(line.startswith("cmlcluster: ") for line in seen) >= 1, seen

@@ -169,7 +169,18 @@ def test_the_snapshot_lists_live_sessions_with_their_notebook_and_kept_ones_with
     assert live["notebook"] == {"name": "sub/train.ipynb", "path": "sub/train.ipynb"}
     assert live["state"] == origin.ALIVE and live["can_stop"] is False  # no endpoint named
     assert live["workers"] == [
-        {"id": f"{SESSION}-2", "label": "w2", "status": "running", "host": "h", "exit_code": None, "usage": None}
+        {
+            "id": f"{SESSION}-2",
+            "label": "w2",
+            "status": "running",
+            "host": "h",
+            "exit_code": None,
+            "usage": None,
+            # The widget's words for what it asked for (nothing recorded here) and uses (no sample yet).
+            "cpu_text": "0",
+            "memory_text": "0 GiB",
+            "gpu_text": "",
+        }
     ]
     [kept] = snapshot["kept"]
     assert kept["id"] == closed and kept["state"] == "closed" and kept["outcome"] == "1 failed"

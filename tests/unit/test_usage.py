@@ -482,11 +482,11 @@ def test_the_watch_screen_shows_what_was_asked_and_what_is_used():
     assert lines[0].startswith("cmlcluster: 1 live session, ")
     assert lines[1] == "session 3f2a9c1e8b7d4a60  pid 4242  local  up 42 s"
     header, busy, fresh, ended = lines[2:]
-    assert header.split() == "worker id status cpu memory gpus cpu % memory used / limit gpu util gpu memory".split()
-    assert busy.split()[:7] == ["w0", "3f2a9c1e8b7d4a60-0", "running", "2", "4", "GB", "2"]
-    assert "187 %" in busy and "1.5 GiB / 4.0 GiB" in busy
-    assert "1: 93 %, 3: -" in busy and "1: 3.0 GiB / 80.0 GiB, 3: 0 B / 80.0 GiB" in busy
-    assert fresh.split()[2:] == ["running", "-", "-", "-", "-", "-", "-", "-"]
-    assert ended.split()[2:] == ["stopped", "-", "-", "-", "-", "-", "-", "-"]  # what an ended worker uses: nothing
+    assert header.split() == "worker id status cpu memory gpus".split()
+    # In the widget's words (ui/model.resource_texts): asked · used, memory against its limit, GPUs averaged.
+    assert busy.split(maxsplit=3)[:3] == ["w0", "3f2a9c1e8b7d4a60-0", "running"]
+    assert "2 · 187 %" in busy and "1.5 / 4 GiB" in busy and "2 · 93 % · 3 / 160 GiB" in busy
+    assert fresh.split()[2:] == ["running", "0", "0", "GiB"]  # no sample yet, and no request kept
+    assert ended.split()[2:] == ["stopped", "0", "0", "GiB"]  # what an ended worker uses: nothing shown
     assert all(line == line.rstrip() for line in lines)
     assert usage_screen([], 0.0).startswith("cmlcluster: 0 live sessions, ")
