@@ -17,7 +17,7 @@ import os
 from setuptools import Command, setup
 from setuptools.command.build import build
 
-PTH = "cmlcluster-cml.pth"  # after "__editable__.cmlcluster-….pth" (site reads them sorted): cmlcluster is importable
+PTH = "cmlcluster-cml.pth"  # its module imports nothing at start: cmlcluster only once `cml` is imported
 MODULE = "_cmlcluster_cml.py"
 STARTUP = os.path.join("cmlcluster", "cml_shim", "startup.py")
 

@@ -259,8 +259,9 @@ class TensorBoard:
 
         - $TENSORBOARD_PROXY_URL, TensorBoard's own setting (its %PORT% replaced),
           as Jupyter's docker-stacks images set it, then the token;
-        - else, where jupyter-server-proxy is installed, ``{prefix}proxy/{port}/{token}/``
-          with the notebook server's base URL (server_proxy.base_url; "/" outside one).
+        - else, in a kernel of a notebook server with jupyter-server-proxy installed,
+          ``{prefix}proxy/{port}/{token}/`` with that server's base URL (server_proxy.base_url), as
+          workers' app_url; outside one (a script, a console) there is no server to go through.
           That form strips ``{prefix}proxy/{port}`` before TensorBoard sees the
           request, which then begins with the token TensorBoard serves under; its
           page loads everything by relative URL, and the trailing slash is needed
@@ -269,8 +270,9 @@ class TensorBoard:
         template = os.environ.get("TENSORBOARD_PROXY_URL")
         if template:
             return template.replace("%PORT%", str(self._port)).rstrip("/") + self._prefix + "/"
-        if server_proxy.installed():
-            return server_proxy.url(HOST, self._port, self._prefix, prefix=server_proxy.base_url() or "/")
+        base = server_proxy.base_url()
+        if base is not None and server_proxy.installed():
+            return server_proxy.url(HOST, self._port, self._prefix, prefix=base)
         return self.url
 
     # ------------------------------------------------------------- lifecycle

@@ -26,11 +26,10 @@ import ipywidgets as w
 from .. import blocking, logfile, results
 from ..events import CallStarted, Event, Progress, ResourceUse, SessionClosed
 from ..progress import describe
-from ..records import usage_fields
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
 from . import kernel_internals
 from .model import SCHEDULING, Router, ViewModel, order_key, reason, resource_texts
-from .shell import in_kernel, ipython
+from .shell import importable, in_kernel, ipython
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -224,7 +223,10 @@ class WidgetView:
         self.log_view = w.HTML()
         self.errors = w.Output()  # exceptions in callbacks land here, shown under the widget
         self.training = w.VBox()
-        self.plot, self._scales = _new_plot()
+        # The loss plot and its scales, made at the first loss: a view per call, and most calls train nothing.
+        self.plot: Any = None
+        self._scales: dict[str, Any] = {}
+        self._can_plot = importable("bqplot")
         self.legend = w.HTML()  # beside the plot, never over its curves
         self.log_scale = w.ToggleButton(value=False, description="log scale", tooltip=LOG_SCALE_TIP)
         self.log_scale.observe(self._guarded(self._on_log_scale), names="value")
@@ -392,10 +394,12 @@ class WidgetView:
         self.stop_button.disabled = session.closed or not (live or holds)
         self.stop_button.button_style = "" if self.stop_button.disabled else "danger"  # red only when it can act
         self._render_training(progress)
-        if self.plot is not None and curves:
-            if not self.plot_area.children:
+        if curves and self.plot is None and self._can_plot:
+            self.plot, self._scales = _new_plot()
+            if self.plot is not None:
                 beside = w.VBox([self.legend, self.log_scale], layout=w.Layout(flex="0 0 auto"))
                 self.plot_area.children = (w.HBox([self.plot, beside], layout=w.Layout(width="100%")),)
+        if curves and self.plot is not None:
             self._render_curves(curves)
         self._drawing = True
         try:
@@ -522,7 +526,7 @@ def _table(rows: list[dict[str, Any]], since: dict[str, float], usage: dict[str,
         why = reason(r) if r["status"] == FAILED else ""
         name = f' <span style="color:#757575">{html.escape(r["name"])}</span>' if r.get("name") else ""
         sample = usage.get(r["id"])
-        cpu, memory, gpus = resource_texts({**r, "usage": usage_fields(sample) if sample else None})
+        cpu, memory, gpus = resource_texts({**r, "usage": sample.fields() if sample else None})
         cells = [
             html.escape(r["label"]) + name,
             f'<span style="color:{COLOURS.get(r["status"], "inherit")}">&#9679; {r["status"]}</span>',

@@ -203,12 +203,13 @@ def test_its_log_is_a_file_in_the_session_folder_not_the_notebook(board, capfd):
     assert "TensorBoard" not in out + err
 
 
-def test_the_notebook_link_goes_through_jupyter_server_proxy_when_there_is_one(board, monkeypatch):
+def test_the_notebook_link_goes_through_jupyter_server_proxy_when_there_is_one(board, monkeypatch, tmp_path):
     import importlib.util
 
     find_spec = importlib.util.find_spec
     monkeypatch.delenv("TENSORBOARD_PROXY_URL", raising=False)
     monkeypatch.delenv("JUPYTERHUB_SERVICE_PREFIX", raising=False)
+    monkeypatch.delenv("JPY_PARENT_PID", raising=False)
 
     def without_proxy(name, *args):
         return None if name == "jupyter_server_proxy" else find_spec(name, *args)
@@ -221,6 +222,11 @@ def test_the_notebook_link_goes_through_jupyter_server_proxy_when_there_is_one(b
         importlib.util, "find_spec", lambda name, *a: object() if name == "jupyter_server_proxy" else None
     )
     token = token_of(board)
+    assert board.browser_url == board.url  # installed, but no notebook server started this process
+    # A kernel of a plain jupyter server: its base URL from the jpserver-<pid>.json it keeps.
+    (tmp_path / "jpserver-4242.json").write_text('{"base_url": "/"}')
+    monkeypatch.setenv("JPY_PARENT_PID", "4242")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
     assert board.browser_url == f"/proxy/{board.port}/{token}/"
     monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/alice/")
     assert board.browser_url == f"/user/alice/proxy/{board.port}/{token}/"
