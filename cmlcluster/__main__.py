@@ -18,7 +18,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .backends import Backend, add_backend_arguments, backend_from, backends_help
@@ -241,9 +241,9 @@ def usage_screen(found: list[dict[str, Any]], now: float) -> str:
 
 def _label(worker: dict[str, Any]) -> str:
     """The worker's name in the session's views: its job's ("ps 0"), else w<n>."""
-    from .worker_env import short_label
+    from .worker_env import worker_label
 
-    return str(worker.get("label") or short_label(str(worker["id"])))
+    return worker_label(str(worker["id"]), worker.get("label"))
 
 
 def _note(record: dict[str, Any]) -> str:
@@ -266,34 +266,21 @@ def cleanup_sessions(dry_run: bool, namespace: str | None = None) -> int:
     from . import origin, records
 
     verb = "would end" if dry_run else "ended"
-    anything = False
-    for record in records.records():
-        if record["state"] == origin.GONE:
-            anything = True
-            done = records.clean(record, dry_run)
-            print(f"session {record['id']} (pid {record['pid']} is gone): {verb} {', '.join(done) or 'nothing'}")
-        elif record["state"] != origin.ALIVE:
+    found = records.records()
+    for record in found:
+        if record["state"] not in (origin.GONE, origin.ALIVE):
             print(f"session {record['id']}: left alone{_note(record)}")
-    for what in _backend_cleanups(dry_run, {"namespace": namespace}):
-        anything = True
-        print(f"{verb} {what}")
-    if not anything:
+    done = records.clean_gone(found, dry_run)
+    done += [f"{verb} {what}" for what in records.backend_leftovers(dry_run, {"namespace": namespace}, _warn)]
+    for line in done:
+        print(line)
+    if not done:
         print("nothing to clean up: no session that is gone left anything here")
     return 0
 
 
-def _backend_cleanups(dry_run: bool, options: dict[str, Any]) -> Iterator[str]:
-    """What each registered backend that has something to look at here ended (containers, pods)."""
-    from .backends import backend_class, known_backends
-    from .errors import ConfigError
-
-    for name in known_backends():
-        try:
-            yield from backend_class(name).cleanup(dry_run, options)
-        except ConfigError:  # nothing of it here: no engine, no cluster configured, no client installed
-            continue
-        except Exception as e:  # configured, but it did not answer: say so, clean the rest
-            print(f"the {name} backend was not checked: {e}", file=sys.stderr)
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 if __name__ == "__main__":

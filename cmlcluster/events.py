@@ -122,6 +122,24 @@ class ResourceUse(Event):
     gpus: tuple[GpuUse, ...] = ()
     time: float = field(default_factory=time.time)
 
+    def fields(self) -> dict[str, Any]:
+        """The sample as a record's (and list_workers') fields: plain JSON numbers."""
+        return {
+            "cpu_percent": round(self.cpu_percent, 1),
+            "memory_bytes": self.memory_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "gpus": [
+                {
+                    "index": g.index,
+                    "utilization_percent": g.utilization_percent,
+                    "memory_bytes": g.memory_bytes,
+                    "memory_total_bytes": g.memory_total_bytes,
+                }
+                for g in self.gpus
+            ],
+            "sampled_at": self.time,
+        }
+
 
 @dataclass(frozen=True)
 class CallStarted(Event):

@@ -13,7 +13,7 @@ cleanup kills the pids a record names, so a record others could write would be t
 
 The record keeper also keeps the session's summary beside its workers' logs (session_summary.py: its
 notebook and how its workers ended, for `cmlcluster logs` and the JupyterLab panel once it is over), and
-serves the session's stop endpoint (lab/endpoint.py: how the panel stops its workers), whose path the
+serves the session's stop endpoint (stop_socket.py: how the panel stops its workers), whose path the
 record names under "control".
 """
 
@@ -29,13 +29,13 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import origin, session_summary
+from . import origin, session_summary, stop_socket
 from .errors import ConfigError
 from .events import Event, JobChanged, ResourceUse, WorkerStatus
-from .lab import endpoint
-from .worker_env import short_label
+from .worker_env import worker_label
 from .workers import TERMINAL
 
 if TYPE_CHECKING:
@@ -98,13 +98,14 @@ class Recorder:
         self._write_summary()
         self._unsubscribe = session.subscribe(self._on_event)
 
-    def _serve_stops(self) -> endpoint.StopEndpoint | None:
+    def _serve_stops(self) -> stop_socket.StopEndpoint | None:
         """The session's stop endpoint, in its folder; closed as the session begins to close (before its
         workers stop), so that no request reaches a session that is going. None where none can be served."""
         if not self.session.session_dir:
             return None
         try:
-            served = endpoint.StopEndpoint(os.path.join(self.session.session_dir, endpoint.SOCKET_NAME), self.stop)
+            path = os.path.join(self.session.session_dir, stop_socket.SOCKET_NAME)
+            served = stop_socket.StopEndpoint(path, self.stop)
         except OSError as e:
             log.info("cmlcluster: no stop endpoint for the JupyterLab panel (its Stop will not show): %s", e)
             return None
@@ -131,17 +132,19 @@ class Recorder:
             if isinstance(event, WorkerStatus):
                 w = event.worker
                 kept = {k: w.get(k) for k in RECORDED}
-                kept["label"] = self._labels.get(w["id"]) or short_label(w["id"])
+                kept["label"] = worker_label(w["id"], self._labels.get(w["id"]))
                 kept["pid"] = self.session.worker_pid(w["id"])
                 kept["usage"] = self._workers.get(w["id"], {}).get("usage")
                 self._workers[w["id"]] = kept
             elif isinstance(event, JobChanged) and event.state in ("started", "member_replaced"):
                 for member in event.members:
-                    self._labels[member.worker_id] = f"{member.role} {member.index}"
+                    self._labels[member.worker_id] = worker_label(
+                        member.worker_id, role=member.role, index=member.index
+                    )
                     if member.worker_id in self._workers:
                         self._workers[member.worker_id]["label"] = self._labels[member.worker_id]
             elif isinstance(event, ResourceUse) and event.worker_id in self._workers:
-                self._workers[event.worker_id]["usage"] = usage_fields(event)
+                self._workers[event.worker_id]["usage"] = event.fields()
                 if time.monotonic() - self._written < USAGE_WRITE_SECONDS:
                     return  # samples come from every worker: at most one write a second for them
             else:
@@ -165,7 +168,8 @@ class Recorder:
             "started": self._started,
             "session_dir": self.session.session_dir,
             "notebook": self._notebook,
-            "control": self._endpoint.path if self._endpoint is not None else "",  # lab/endpoint.py
+            "control": self._endpoint.path if self._endpoint is not None else "",  # stop_socket.py
+            "logs_kept": self._logs_kept(),  # False: its logs go with its folder (the panel shows none)
             "workers": list(self._workers.values()),
         }
         temporary = f"{self.path}.{os.getpid()}.tmp"
@@ -176,11 +180,15 @@ class Recorder:
 
     def _write_summary(self, workers: list[dict[str, Any]] | None = None, ended: float | None = None) -> None:
         """The session's summary beside its workers' logs (session_summary.py); `ended` at close only."""
-        logs, own = self.session.log_folder, self.session.session_dir
-        if not logs or (own and logs.startswith(os.path.join(own, ""))):
+        logs = self.session.log_folder
+        if not logs or not self._logs_kept():
             return  # no logs, or logs that go with the session's folder (CMLCLUSTER_KEEP_LOGS=0): nothing kept
+        # Its label too: once it is kept, the panel names a worker as it did while it ran ("ps 0", not "w3").
         kept = [
-            {k: w.get(k) for k in ("id", "status", "exit_code", "hostname")}
+            {
+                **{k: w.get(k) for k in ("id", "status", "exit_code", "hostname")},
+                "label": worker_label(str(w["id"]), self._labels.get(str(w["id"]))),
+            }
             for w in (self._workers.values() if workers is None else workers)
         ]
         summary = {
@@ -197,6 +205,12 @@ class Recorder:
         except OSError as e:
             log.warning("cmlcluster: could not write the summary of session %s in %s: %s", self.session.id, logs, e)
 
+    def _logs_kept(self) -> bool:
+        """Whether the workers' logs outlive the session: not when they are in its own folder
+        (CMLCLUSTER_KEEP_LOGS=0, or a logs folder that could not be made)."""
+        logs, own = self.session.log_folder, self.session.session_dir
+        return not (logs and own and logs.startswith(os.path.join(own, "")))
+
     def close(self) -> None:
         """At the session's close, after its workers ended: its record goes, its summary says how it ended."""
         self._unsubscribe()
@@ -207,25 +221,6 @@ class Recorder:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
             self._write_summary(self.session.list_workers(), ended=time.time())
-
-
-def usage_fields(use: ResourceUse) -> dict[str, Any]:
-    """A resource sample as a record's (and list_workers') fields: plain JSON numbers."""
-    return {
-        "cpu_percent": round(use.cpu_percent, 1),
-        "memory_bytes": use.memory_bytes,
-        "memory_limit_bytes": use.memory_limit_bytes,
-        "gpus": [
-            {
-                "index": g.index,
-                "utilization_percent": g.utilization_percent,
-                "memory_bytes": g.memory_bytes,
-                "memory_total_bytes": g.memory_total_bytes,
-            }
-            for g in use.gpus
-        ],
-        "sampled_at": use.time,
-    }
 
 
 def records() -> list[dict[str, Any]]:
@@ -287,10 +282,23 @@ def _is_worker_of(pid: int, session_id: str) -> bool:
         return False
 
 
-def backend_leftovers(dry_run: bool = False, options: dict[str, Any] | None = None) -> list[str]:
+def clean_gone(found: list[dict[str, Any]], dry_run: bool = False) -> list[str]:
+    """clean() each gone session of `found` (records()): one line each, saying what was (or would be) ended.
+    What `cmlcluster cleanup` prints and the panel's cleanup answers."""
+    verb = "would end" if dry_run else "ended"
+    return [
+        f"session {r['id']} (pid {r.get('pid')} is gone): {verb} {', '.join(clean(r, dry_run)) or 'nothing'}"
+        for r in found
+        if r.get("state") == origin.GONE
+    ]
+
+
+def backend_leftovers(
+    dry_run: bool = False, options: dict[str, Any] | None = None, warn: Callable[[str], object] = log.warning
+) -> list[str]:
     """What each registered backend that has something to look at here ended for sessions that are gone
     (containers, pods): the rest of what `cmlcluster cleanup` does. A backend with nothing here (no engine,
-    no cluster configured, no client installed) is skipped; one that fails is logged, and the rest go on."""
+    no cluster configured, no client installed) is skipped; one that fails is told to `warn`, and the rest go on."""
     from .backends import backend_class, known_backends
 
     done: list[str] = []
@@ -299,6 +307,6 @@ def backend_leftovers(dry_run: bool = False, options: dict[str, Any] | None = No
             done += backend_class(name).cleanup(dry_run, dict(options or {}))
         except ConfigError:
             continue
-        except Exception as e:
-            log.warning("cmlcluster: the %s backend was not checked for leftovers: %s", name, e)
+        except Exception as e:  # configured, but it did not answer: say so, clean the rest
+            warn(f"the {name} backend was not checked: {e}")
     return done

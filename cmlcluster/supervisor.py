@@ -25,7 +25,6 @@ from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
 from .leftovers import Leftovers
 from .lines import LineSplitter
 from .progress import output_event
-from .records import usage_fields
 from .usage import decode as decode_usage
 from .waiting import Changes
 from .wire import DEFAULT_SILENCE_TIMEOUT, SILENCE_EXIT
@@ -195,7 +194,7 @@ class Supervisor:
         use = decode_usage(worker.id, sample)
         if use is None:
             return
-        worker.usage = usage_fields(use)
+        worker.usage = use.fields()
         self._events.publish(use)
 
     # ------------------------------------------------------------ programs and calls

@@ -28,6 +28,16 @@ def short_label(worker: str) -> str:
     return f"w{engine}" if session and engine.isdigit() else worker
 
 
+def worker_label(worker: str, named: str | None = None, *, role: str = "", index: int | None = None) -> str:
+    """A worker's name wherever one is shown (views, records, the panel, the CLI): the name already given
+    it (`named`, as a record keeps it), else its job's (`role` and `index`: "ps 0"), else short_label's."""
+    if named:
+        return named
+    if role and index is not None:
+        return f"{role} {index}"
+    return short_label(worker)
+
+
 def build_spec(
     *,
     session_id: str,

@@ -129,7 +129,7 @@ class Worker:
     stop_requested: bool = False
     ending: Ending | None = None  # decided, reported once its process is gone
     handle: Any = None
-    usage: dict[str, Any] | None = None  # its latest resource sample (records.usage_fields), while it runs
+    usage: dict[str, Any] | None = None  # its latest resource sample (events.ResourceUse.fields), while it runs
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES_KEPT))
 
     @property

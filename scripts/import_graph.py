@@ -51,13 +51,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "lines",
             "logfile",
             "session_summary",  # a session's notebook and outcome, beside its kept logs
-            "lab.endpoint",  # the stop socket for the JupyterLab panel: served by a session, asked by the panel
+            "stop_socket",  # a session's stop socket: served by the session (records), asked by the panel (lab)
             "_controller",
             "ssh",
             "ssh.config",
             "ssh.keys",
             "ssh.preflight",
             "horovod.commands",
+            "socket_owners",  # whose a TCP socket on this machine is: the rendezvous and the app forwarder ask
             "horovod.rendezvous",  # the elastic rendezvous' key and peer check: in horovodrun's driver and each rank
             "pytorch.commands",
             "pytorch.store",  # torch's TCPStore on one address: in workers, and as the session's process

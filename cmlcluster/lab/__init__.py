@@ -7,8 +7,8 @@ session writes for `cmlcluster list` and `cmlcluster logs` (records.py, worker_l
 session_summary.py), so it shows the sessions of every notebook and terminal, and keeps showing them
 across a kernel restart and a page reload.
 
-    endpoint   a live session's stop socket, served by the session's process; and its client
-    sessions   what the panel shows: live, gone and kept sessions; a worker log's tail; cleanup
+    sessions   what the panel shows: live, gone and kept sessions; a worker log's tail; stop (through
+               the session's stop socket, cmlcluster/stop_socket.py: core, not the panel's); cleanup
     handlers   the REST API under /cmlcluster/ (jupyter_server's authentication, authorization and XSRF)
 
 How Jupyter finds it: `pip install` puts the server extension's switch
@@ -16,7 +16,7 @@ How Jupyter finds it: `pip install` puts the server extension's switch
 (share/jupyter/labextensions/cmlcluster-lab) into the environment as data files. The two functions below
 are the modern packages' hooks that name the same things from inside the package:
 `jupyter server extension enable cmlcluster.lab` and `jupyter labextension develop` read them. Nothing here
-imports jupyter_server until the server loads the extension: sessions import endpoint in every process.
+imports jupyter_server until the server loads the extension.
 """
 
 from __future__ import annotations

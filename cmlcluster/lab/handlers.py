@@ -93,7 +93,7 @@ class LogHandler(Handler):
     @authorized
     async def get(self, session_id: str, worker_id: str) -> None:
         asked = self.get_argument("bytes", str(sessions.LOG_BYTES))
-        if not asked.isdigit():
+        if not (asked.isascii() and asked.isdigit()):  # "²".isdigit() is true, and int() refuses it
             return self.refuse(400, f"bytes={asked!r}: give a number of bytes")
         await self.answer(sessions.log_tail, session_id, worker_id, int(asked))
 

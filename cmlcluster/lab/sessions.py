@@ -6,7 +6,7 @@ kernel, so it holds every notebook's and terminal's sessions and outlives kernel
 - kept sessions: those whose workers' logs are kept (worker_logs.py) and whose record is gone, with their
   notebook, outcome and duration (session_summary.py);
 - a worker log's tail, read only from the kept-logs folder;
-- stop (through the session's own endpoint: endpoint.py) and cleanup (what `cmlcluster cleanup` does).
+- stop (through the session's own endpoint: stop_socket.py) and cleanup (what `cmlcluster cleanup` does).
 
 Blocking (files, a controller probe of up to a second): the handlers call these on a thread.
 """
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from typing import Any
 
-from .. import origin, records, session_summary, worker_logs
+from .. import origin, records, session_summary, stop_socket, worker_logs
 from ..errors import ConfigError
 from ..ui.model import resource_texts
-from ..worker_env import short_label
-from . import endpoint
+from ..worker_env import worker_label
 
 SESSION_ID = re.compile(r"[0-9a-f]{16}")  # session.py's token_hex(8)
 LOG_BYTES = 64 << 10  # a log view's default: what a screen of lines needs
@@ -62,7 +62,7 @@ def _notebook(path: str, root_dir: str) -> dict[str, str | None]:
 def label(worker: dict[str, Any]) -> str:
     """The worker's label as the session's widget shows it: its job's ("ps 0", kept by the record), else
     "w3" for "<session>-3"."""
-    return str(worker.get("label") or short_label(str(worker.get("id"))))
+    return worker_label(str(worker.get("id")), worker.get("label"))
 
 
 def _live(record: dict[str, Any], root_dir: str) -> dict[str, Any]:
@@ -76,6 +76,7 @@ def _live(record: dict[str, Any], root_dir: str) -> dict[str, Any]:
         "started": record.get("started"),
         "pid": record.get("pid"),
         "can_stop": state == origin.ALIVE and bool(control),
+        "logs_kept": bool(record.get("logs_kept", True)),  # False: CMLCLUSTER_KEEP_LOGS=0, no log to show
         "workers": [
             {
                 "id": w.get("id"),
@@ -83,7 +84,7 @@ def _live(record: dict[str, Any], root_dir: str) -> dict[str, Any]:
                 "status": w.get("status"),
                 "host": w.get("hostname") or w.get("ip_address") or "",
                 "exit_code": w.get("exit_code"),
-                "usage": w.get("usage"),  # the latest resource sample (records.usage_fields), or None
+                "usage": w.get("usage"),  # the latest resource sample (ResourceUse.fields), or None
                 # What it asked for and uses, in the widget's words (ui/model.py): "0.5 · 38 %", ...
                 **dict(zip(("cpu_text", "memory_text", "gpu_text"), resource_texts(w), strict=True)),
             }
@@ -126,7 +127,8 @@ def log_tail(session_id: str, worker_id: str, limit: int = LOG_BYTES) -> dict[st
 
     Only `<logs>/<session id>/<session id>-<n>.log`: ids are checked against their forms before they
     touch a path, and neither the session's folder nor the log may be a symbolic link (O_NOFOLLOW), so
-    no request reads a file elsewhere."""
+    no request reads a file elsewhere; nor anything but a regular file (a FIFO would hold the thread).
+    A live session that keeps no logs (CMLCLUSTER_KEEP_LOGS=0) is NotFound, saying so."""
     if not SESSION_ID.fullmatch(session_id):
         raise ConfigError(f"session {session_id!r}: a session id is 16 hex digits")
     if not re.fullmatch(rf"{session_id}-\d+", worker_id):
@@ -137,15 +139,21 @@ def log_tail(session_id: str, worker_id: str, limit: int = LOG_BYTES) -> dict[st
     try:
         folder = os.open(os.path.join(root, session_id), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:
-        raise NotFound(f"session {session_id} kept no logs in {root}") from e
+        raise NotFound(_no_kept_logs(session_id, root)) from e
     try:
-        fd = os.open(f"{worker_id}.log", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        # O_NONBLOCK: opening a FIFO for reading would wait for a writer; it is refused below instead.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(f"{worker_id}.log", flags, dir_fd=folder)
     except OSError as e:
         raise NotFound(f"no log of worker {worker_id} in session {session_id}'s kept logs") from e
     finally:
         os.close(folder)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise NotFound(f"{worker_id}.log in session {session_id}'s kept logs is not a regular file: not read")
     with open(fd, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        size = info.st_size
         f.seek(max(0, size - limit))
         data = f.read(limit)
     if size > limit:  # begin at a line: the first one is cut
@@ -157,6 +165,18 @@ def log_tail(session_id: str, worker_id: str, limit: int = LOG_BYTES) -> dict[st
         "truncated": size > limit,
         "text": data.decode(errors="replace"),
     }
+
+
+def _no_kept_logs(session_id: str, root: str) -> str:
+    """Why a session has no kept logs: a live one that keeps none (CMLCLUSTER_KEEP_LOGS=0) says so."""
+    record = next((r for r in records.records() if r["id"] == session_id), None)
+    if record is not None and not record.get("logs_kept", True):
+        return (
+            f"session {session_id} keeps no logs after it ends (it was started with {worker_logs.KEEP_ENV}=0): "
+            "its workers' logs stay in its own folder and go with it, so the panel cannot show them. "
+            f"Unset {worker_logs.KEEP_ENV} before the session starts to see them here"
+        )
+    return f"session {session_id} kept no logs in {root}"
 
 
 def stop(session_id: str, worker_ids: list[str] | None) -> list[str]:
@@ -172,11 +192,11 @@ def stop(session_id: str, worker_ids: list[str] | None) -> list[str]:
         not path
         or os.path.dirname(path) != session_dir
         or not os.path.basename(session_dir).startswith(f"cmlcluster-{session_id}-")
-        or os.path.basename(path) != endpoint.SOCKET_NAME
+        or os.path.basename(path) != stop_socket.SOCKET_NAME
     ):
         raise NotFound(f"session {session_id} serves no stop endpoint (an older cmlcluster, or not Linux)")
     try:
-        return endpoint.request(path, worker_ids)
+        return stop_socket.request(path, worker_ids)
     except OSError as e:
         raise NotFound(f"session {session_id} did not answer at {path}: {e}") from e
 
@@ -184,9 +204,4 @@ def stop(session_id: str, worker_ids: list[str] | None) -> list[str]:
 def cleanup() -> list[str]:
     """What `cmlcluster cleanup` ends, for the sessions whose process is gone: their workers, folders and
     records, and their backends' leftovers (containers, pods); what was ended, one line each."""
-    done = []
-    for record in records.records():
-        if record["state"] == origin.GONE:
-            ended = records.clean(record)
-            done.append(f"session {record['id']}: ended {', '.join(ended) or 'nothing'}; its record removed")
-    return done + [f"ended {what}" for what in records.backend_leftovers()]
+    return records.clean_gone(records.records()) + [f"ended {what}" for what in records.backend_leftovers()]

@@ -38,7 +38,7 @@ from ..events import (
     SessionClosed,
     WorkerStatus,
 )
-from ..worker_env import short_label
+from ..worker_env import short_label, worker_label
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
 
 SCHEDULING = "scheduling"
@@ -68,7 +68,7 @@ def resource_texts(worker: Mapping[str, Any]) -> tuple[str, str, str]:
     """What a worker asked for and, while it runs, uses, as every view says it (the widget's table, the
     panel, `cmlcluster top`): CPU "0.5 · 38 %" (of one core), memory "0.2 / 0.5 GiB" (against its limit,
     else what it asked for), GPUs "1 · 71 % · 2.0 / 16 GiB". `worker`: a worker dict or a session record's,
-    with its latest sample in "usage" (records.usage_fields), if any."""
+    with its latest sample in "usage" (ResourceUse.fields), if any."""
     cpu = f"{worker.get('cpu') or 0:g}"
     asked_memory = float(worker.get("memory") or 0)
     memory = f"{asked_memory:g} GiB"
@@ -314,7 +314,9 @@ class Router:
             if event.state in ("started", "member_replaced"):
                 for member in event.members:
                     if member.worker_id:
-                        self.names.labels[member.worker_id] = f"{member.role} {member.index}"
+                        self.names.labels[member.worker_id] = worker_label(
+                            member.worker_id, role=member.role, index=member.index
+                        )
                         self._run_members.add(member.worker_id)
         elif isinstance(event, RunEnded):
             if event.ok:  # the run's end stopped its nodes: each of them did its part

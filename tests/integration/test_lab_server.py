@@ -133,6 +133,8 @@ def test_the_rest_api_is_the_servers_to_guard_and_stops_a_real_worker(tmp_path, 
         assert status == 200 and "worker up" in tail["text"]
         assert call(browser, f"{api}/logs/{session.id}/{worker['id']}?bytes=0")[0] == 400
         assert call(browser, f"{api}/logs/{session.id}/{worker['id']}?bytes=lots")[0] == 400
+        status, said = call(browser, f"{api}/logs/{session.id}/{worker['id']}?bytes=%C2%B2")  # "²": a digit to str
+        assert status == 400 and "give a number of bytes" in said["message"]
         assert call(browser, f"{api}/logs/{session.id}/{session.id}-7")[0] == 404
         for trick in (
             "..%2F..%2F..%2Fetc%2Fpasswd",

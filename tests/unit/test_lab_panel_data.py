@@ -13,9 +13,9 @@ import sys
 import pytest
 import tomllib
 
-from cmlcluster import lab, origin, records, session_summary
+from cmlcluster import lab, origin, records, session_summary, stop_socket
 from cmlcluster.errors import ConfigError
-from cmlcluster.lab import endpoint, sessions
+from cmlcluster.lab import sessions
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -126,6 +126,32 @@ def test_a_log_tail_refuses_anything_but_a_worker_id_of_that_session(state, sess
         sessions.log_tail(session, worker)
 
 
+@pytest.mark.timeout(30)
+def test_a_log_tail_reads_only_a_regular_file_and_never_waits_on_a_fifo(state):
+    log = kept_log(state, f"{SESSION}-0", "")
+    log.unlink()
+    os.mkfifo(log)  # opened for reading without O_NONBLOCK, this would wait for a writer forever
+    with pytest.raises(sessions.NotFound, match="is not a regular file"):
+        sessions.log_tail(SESSION, f"{SESSION}-0")
+    log.unlink()
+    log.mkdir()
+    with pytest.raises(sessions.NotFound):
+        sessions.log_tail(SESSION, f"{SESSION}-0")
+
+
+def test_a_live_session_that_keeps_no_logs_says_so_and_shows_no_log_button(state):
+    write_record(state, SESSION, workers=[{"id": f"{SESSION}-0", "status": "running"}], logs_kept=False)
+    with pytest.raises(sessions.NotFound, match=r"CMLCLUSTER_KEEP_LOGS=0\): its workers' logs stay in its own folder"):
+        sessions.log_tail(SESSION, f"{SESSION}-0")
+    [live] = sessions.snapshot()["live"]
+    assert live["logs_kept"] is False
+    other = "fedcba9876543210"
+    write_record(state, other)  # an older record, without the field: its logs may be kept, so it asks
+    assert {s["id"]: s["logs_kept"] for s in sessions.snapshot()["live"]}[other] is True
+    with pytest.raises(sessions.NotFound, match=f"session {other} kept no logs in "):
+        sessions.log_tail(other, f"{other}-0")
+
+
 def test_a_log_tail_follows_no_link_out_of_the_kept_logs(state, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("not a log\n")
@@ -188,19 +214,52 @@ def test_the_snapshot_lists_live_sessions_with_their_notebook_and_kept_ones_with
     assert kept["workers"] == [{"id": f"{closed}-0", "label": "w0", "status": "failed", "exit_code": 1, "log": True}]
 
 
+def test_a_socket_that_answers_no_json_is_no_stop_endpoint(monkeypatch):
+    import socket
+    import tempfile
+    import threading
+
+    state = pathlib.Path(tempfile.mkdtemp(prefix="lab-", dir="/tmp"))  # short: a socket's path is at most 107 bytes
+    monkeypatch.setenv("CMLCLUSTER_STATE_DIR", str(state))
+    own = state / f"cmlcluster-{SESSION}-x"
+    own.mkdir(mode=0o700)
+    path = own / stop_socket.SOCKET_NAME
+    write_record(state, SESSION, control=str(path))
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(1)
+
+    def answer_nonsense() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"<html>not a stop endpoint</html>\n")
+
+    thread = threading.Thread(target=answer_nonsense)
+    thread.start()
+    try:
+        # An OSError, which the panel's stop answers as a 404 saying why (no ValueError, no 500).
+        with pytest.raises(sessions.NotFound, match=r"answered b'<html>not a stop endpoint</html>', not JSON"):
+            sessions.stop(SESSION, None)
+    finally:
+        thread.join(10)
+        server.close()
+        shutil.rmtree(state)
+
+
 def test_stop_asks_only_a_live_session_and_only_the_socket_in_its_own_folder(state, tmp_path):
     with pytest.raises(sessions.NotFound, match="no live session"):
         sessions.stop(SESSION, None)
     elsewhere = tmp_path / "elsewhere.sock"
     stopped: list = []
-    served = endpoint.StopEndpoint(str(elsewhere), lambda ids: stopped.append(ids) or [])
+    served = stop_socket.StopEndpoint(str(elsewhere), lambda ids: stopped.append(ids) or [])
     try:
         write_record(state, SESSION, control=str(elsewhere))  # a record naming a socket outside its folder
         assert records.records()[0]["state"] == origin.ALIVE
         with pytest.raises(sessions.NotFound, match="serves no stop endpoint"):
             sessions.stop(SESSION, None)
         assert stopped == []
-        assert endpoint.request(str(elsewhere), ["a"]) == []  # it serves: only the record's claim was refused
+        assert stop_socket.request(str(elsewhere), ["a"]) == []  # it serves: only the record's claim was refused
         assert stopped == [["a"]]
     finally:
         served.close()

@@ -202,6 +202,28 @@ def test_a_record_names_each_worker_as_the_views_do_and_keeps_what_it_asked_for(
             "nvidia_gpu": 0,
             "name": "trainer",
         }
+        logs = s.log_folder
+        assert logs
+    # Kept once it closed: the panel names its workers as it did while they ran, not "w0" for "ps 0".
+    summary = records.session_summary.read(logs)
+    assert summary is not None and summary["ended"] is not None
+    assert {w["id"]: w["label"] for w in summary["workers"]} == {
+        ps["id"]: "ps 0",
+        plain["id"]: f"w{plain['id'].rpartition('-')[2]}",
+    }
+    from cmlcluster.lab import sessions
+
+    [kept] = [k for k in sessions.snapshot()["kept"] if k["id"] == s.id]
+    assert {w["id"]: w["label"] for w in kept["workers"]} == {w["id"]: w["label"] for w in summary["workers"]}
+
+
+def test_one_name_per_worker():
+    from cmlcluster.worker_env import worker_label
+
+    assert worker_label("0123456789abcdef-3") == "w3"
+    assert worker_label("0123456789abcdef-3", role="ps", index=0) == "ps 0"
+    assert worker_label("0123456789abcdef-3", "node 1", role="ps", index=0) == "node 1"  # the name kept wins
+    assert worker_label("not-an-id") == "not-an-id" and worker_label("0123456789abcdef-3", "") == "w3"
 
 
 # ---------------------------------------------------------------- the state folder

@@ -1,5 +1,8 @@
 """A live session's stop endpoint: how the JupyterLab panel stops a session's workers from outside.
 
+Core, not the panel's: the session serves it (records.Recorder) and the panel's server extension
+(lab/sessions.py) is one client of it, so the core never imports the panel.
+
 The panel's server extension runs in the Jupyter server's process, and a session's workers are its
 own process's to stop (its supervisor is the only writer of a worker's status). So each session serves
 a Unix socket, `control.sock` in its private folder (0700, removed at close, and by the controller's
@@ -29,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import CmlClusterError, ConfigError
+from .errors import CmlClusterError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +147,8 @@ def parse(data: bytes) -> list[str] | None:
 def request(path: str, ids: list[str] | None, timeout: float = READ_TIMEOUT) -> list[str]:
     """Ask the session serving `path` to stop these workers (None: all); the ids being stopped.
 
-    Refuses (OSError) a socket served by another uid; ConfigError with the session's own error."""
+    Refuses (OSError) a socket served by another uid, and a reply that is not a stop endpoint's;
+    ConfigError with the session's own error."""
     message = {"stop": "all" if ids is None else list(ids)}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
@@ -153,7 +157,11 @@ def request(path: str, ids: list[str] | None, timeout: float = READ_TIMEOUT) -> 
         if uid != os.geteuid():
             raise OSError(f"{path} is served by uid {uid}, not by you: not a session of yours")
         sock.sendall(json.dumps(message).encode() + b"\n")
-        reply = json.loads(_receive(sock))
+        answer = _receive(sock)
+    try:
+        reply = json.loads(answer)
+    except ValueError:  # an OSError as for any endpoint that does not answer as one: the caller's 404, not a 500
+        raise OSError(f"{path} answered {answer[:200]!r}, not JSON: not a stop endpoint of cmlcluster") from None
     if not isinstance(reply, dict):
         raise OSError(f"{path} answered {reply!r}, not a stop endpoint's reply")
     if "error" in reply:

@@ -1,4 +1,4 @@
-"""A live session's stop endpoint (cmlcluster/lab/endpoint.py), as the JupyterLab panel's server extension
+"""A live session's stop endpoint (cmlcluster/stop_socket.py), as the JupyterLab panel's server extension
 uses it from another process: real local workers, stopped through the session itself, and nothing but a
 stop request from the session's own user let through."""
 
@@ -17,9 +17,8 @@ import psutil
 import pytest
 from processes import wait_until
 
-from cmlcluster import records
+from cmlcluster import records, stop_socket
 from cmlcluster.errors import ConfigError
-from cmlcluster.lab import endpoint
 from cmlcluster.session import Session
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -91,7 +90,7 @@ def test_a_stop_through_the_endpoint_ends_that_worker_through_the_session_and_al
         pids = {w["id"]: session.worker_pid(w) for w in workers}
         first, *rest = [w["id"] for w in workers]
 
-        assert endpoint.request(path, [first]) == [first]
+        assert stop_socket.request(path, [first]) == [first]
         wait_until(lambda: process_ended(pids[first]), 30, "the worker's process to end")
         wait_until(lambda: statuses(session)[first] == "stopped", 10, "the session to say stopped")
         assert [statuses(session)[i] for i in rest] == ["running", "running"]  # the others run on
@@ -99,8 +98,8 @@ def test_a_stop_through_the_endpoint_ends_that_worker_through_the_session_and_al
         # The record, which the panel reads, says so too.
         wait_until(lambda: {w["id"]: w["status"] for w in record_of(session)["workers"]}[first] == "stopped", 10)
 
-        assert endpoint.request(path, [first]) == []  # ended already: nothing to stop, no error
-        assert sorted(endpoint.request(path, None)) == sorted(rest)
+        assert stop_socket.request(path, [first]) == []  # ended already: nothing to stop, no error
+        assert sorted(stop_socket.request(path, None)) == sorted(rest)
         wait_until(lambda: all(process_ended(pids[i]) for i in rest), 30, "every worker's process to end")
         wait_until(lambda: set(statuses(session).values()) == {"stopped"}, 10, "all stopped")
     assert not os.path.exists(path)  # the socket goes with the session
@@ -111,7 +110,7 @@ def test_an_unknown_worker_or_anything_but_a_stop_request_is_refused_and_stops_n
     with session:
         path = record_of(session)["control"]
         with pytest.raises(ConfigError, match=r"no worker 'nope' in session"):
-            endpoint.request(path, [workers[0]["id"], "nope"])
+            stop_socket.request(path, [workers[0]["id"], "nope"])
         refused = [
             b'{"run": "import os; os.system(\'touch /tmp/x\')"}\n',
             b'{"stop": "all", "code": "print(1)"}\n',
@@ -119,13 +118,13 @@ def test_an_unknown_worker_or_anything_but_a_stop_request_is_refused_and_stops_n
             b'{"stop": "everything"}\n',
             b"[]\n",
             b"not json\n",
-            b"x" * (endpoint.MAX_REQUEST + 10),
+            b"x" * (stop_socket.MAX_REQUEST + 10),
         ]
         for data in refused:
             assert "error" in ask(path, data), data[:60]
         time.sleep(0.5)
         assert statuses(session) == {workers[0]["id"]: "running"}
-        assert endpoint.request(path, None) == [workers[0]["id"]]  # and it still serves
+        assert stop_socket.request(path, None) == [workers[0]["id"]]  # and it still serves
 
 
 def as_stranger(path: str) -> dict:
@@ -188,7 +187,7 @@ def test_the_client_refuses_a_socket_that_another_user_serves(tmp_path):
     try:
         assert server.stdout is not None and server.stdout.readline() == "up\n"
         with pytest.raises(OSError, match=f"served by uid {STRANGER}, not by you"):
-            endpoint.request(path, None)
+            stop_socket.request(path, None)
     finally:
         server.kill()
         server.wait()
