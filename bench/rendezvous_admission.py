@@ -17,7 +17,7 @@ import socket
 import statistics
 import time
 
-from cmlcluster.horovod import rendezvous
+from cmlcluster import socket_owners
 
 
 def main() -> None:
@@ -32,9 +32,9 @@ def main() -> None:
                 peer_end = (ipaddress.ip_address(peer[0]), peer[1])
                 here = (ipaddress.ip_address("127.0.0.1"), port)
                 ways = {
-                    "diagnostics": lambda: rendezvous.diag_owner(peer_end, here),
-                    "proc": lambda: rendezvous.socket_owner(
-                        rendezvous.read_tcp_tables(local_port=peer[1]), peer_end, here
+                    "diagnostics": lambda: socket_owners.diag_owner(peer_end, here),
+                    "proc": lambda: socket_owners.socket_owner(
+                        socket_owners.read_tcp_tables(local_port=peer[1]), peer_end, here
                     ),
                 }
                 times: dict[str, list[float]] = {name: [] for name in ways}
@@ -43,7 +43,7 @@ def main() -> None:
                         t0 = time.perf_counter()
                         assert way() is not None
                         times[name].append(time.perf_counter() - t0)
-    sockets = len(rendezvous.read_tcp_tables())
+    sockets = len(socket_owners.read_tcp_tables())
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, median in medians.items():
         print(f"{name:12s} median {median * 1e6:9.0f} us per connection")

@@ -11,6 +11,10 @@ app binding 0.0.0.0 would find it taken.
 
 - It listens on the worker's own address only, never wider.
 - A connection while no app listens is closed at once, as the app's port itself would refuse it.
+- It relays only to a listener of the agent's own user (the kernel names whose, socket_owners.py):
+  on an SSH host the port was drawn free on the session's machine, not the host's, and another
+  user's service bound to 127.0.0.1 there must not become reachable from the network through it.
+  A connection while another user's listener holds the port is closed, and said once in the log.
 - An end of data on one side is passed on to the other (a half-close); the relay ends once both
   directions have, or at the first error on either side, which closes both.
 - One daemon thread with its own asyncio loop, idle in epoll while nobody connects: the engine's loop
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
 
-from . import wire
+from . import socket_owners, wire
 
 Say = Callable[[str], None]
 LOOPBACK = "127.0.0.1"  # where CML's docs tell apps to listen
@@ -34,11 +40,15 @@ CHUNK = 64 << 10
 
 
 class Forwarder:
-    """Relays each connection to `listener` (bound and listening) to 127.0.0.1:`target_port`."""
+    """Relays each connection to `listener` (bound and listening) to 127.0.0.1:`target_port`, while a
+    socket of this process's user listens there; `say` tells the worker's log once when another's does."""
 
-    def __init__(self, listener: socket.socket, target_port: int, target_host: str = LOOPBACK):
+    def __init__(self, listener: socket.socket, target_port: int, say: Say):
         self.listener = listener
-        self.target = (target_host, target_port)
+        self.target = (LOOPBACK, target_port)
+        self.say = say
+        self.uid = os.geteuid()  # whose sockets the kernel names as this process's
+        self._said_stranger = False
         self._loop = asyncio.new_event_loop()
         self.thread: threading.Thread | None = None
 
@@ -71,7 +81,22 @@ class Forwarder:
             self.listener.close()
             loop.close()
 
+    def _app_is_ours(self) -> bool:
+        """Whether the listener a connection to the target would reach is this user's; False for none."""
+        owners = socket_owners.listener_owners(ipaddress.ip_address(self.target[0]), self.target[1])
+        if owners - {self.uid} and not self._said_stranger:
+            self._said_stranger = True
+            self.say(
+                f"its app_url relays nothing: {LOOPBACK}:{self.target[1]} (its CDSW_APP_PORT) is listened on by "
+                f"another user's process (uid {', '.join(map(str, sorted(owners - {self.uid})))}), not this "
+                "worker's; connections to its app_url are closed while it does"
+            )
+        return owners == {self.uid}
+
     async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if not self._app_is_ours():  # nobody listens (the port would refuse it), or another user does
+            client_writer.close()
+            return
         try:
             app_reader, app_writer = await asyncio.open_connection(*self.target)
         except OSError:  # no app listens (yet): closed, as a connection to its port would be
@@ -123,4 +148,4 @@ def start(environ: Mapping[str, str], listen_port: str, say: Say) -> Forwarder |
             f"{LOOPBACK}:{app_port} ({e}); an app listening on all its addresses answers at its CDSW_APP_PORT"
         )
         return None
-    return Forwarder(listener, target).start()
+    return Forwarder(listener, target, say).start()

@@ -19,8 +19,7 @@ with the key that service trusts. So, for each elastic run:
   far already, its ranks hold the key, and loopback or this machine's addresses it may name are
   still checked by uid) and, from this machine
   (loopback or one of its own addresses), only from a socket of the session's own user, which the
-  kernel names (its socket diagnostics, as `ss` asks them; else /proc/net/tcp and tcp6, as identd
-  reads them). A refused connection is closed unread. Gloo's
+  kernel names (cmlcluster.socket_owners). A refused connection is closed unread. Gloo's
   own requests (C++, plain GET/PUT/DELETE that cannot carry a header) are covered by this alone;
   they store bytes and never decode them.
 
@@ -38,13 +37,14 @@ import json
 import os
 import secrets
 import socket
-import struct
 import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..socket_owners import Endpoint, IPAddress, peer_owner, unmapped
 
 KEY_ENV = "CMLCLUSTER_RENDEZVOUS_KEY"  # a rank's: the run's key, hex (from its 0600 env file)
 KEY_FILE_ENV = "CMLCLUSTER_RENDEZVOUS_KEY_FILE"  # the driver's: a 0600 file holding the key, hex
@@ -53,10 +53,6 @@ SIGNATURE_HEADER = "X-Cmlcluster-Signature"
 SIGNED_SCOPE = "worker_addresses"  # horovod.runner.elastic.rendezvous.PUT_WORKER_ADDRESSES
 KEY_BYTES = 32
 MAX_SIGNED_BODY = 1 << 20  # a rank's addresses and its service's key: a few hundred bytes
-TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-Endpoint = tuple[IPAddress, int]
 
 
 # -- the key and the signature -----------------------------------------------------------------
@@ -127,138 +123,6 @@ def read_key_file(path: str) -> bytes:
         return parse_key(f.read())
 
 
-# -- whose socket: /proc/net/tcp ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TcpSocket:
-    """One row of /proc/net/tcp or /proc/net/tcp6."""
-
-    local: Endpoint
-    remote: Endpoint
-    state: int
-    uid: int
-    inode: int
-
-
-def _unmapped(address: IPAddress) -> IPAddress:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def _endpoint(text: str) -> Endpoint:
-    """'0100007F:1F90' (the kernel's words in host byte order, then the port) -> (127.0.0.1, 8080)."""
-    address_hex, port_hex = text.split(":")
-    raw = bytes.fromhex(address_hex)
-    words = struct.unpack(f">{len(raw) // 4}I", raw)  # each word as printed: a 32-bit number
-    packed = struct.pack(f"={len(words)}I", *words)  # back into memory order
-    return _unmapped(ipaddress.ip_address(packed)), int(port_hex, 16)
-
-
-def parse_tcp_table(text: str, local_port: int | None = None) -> list[TcpSocket]:
-    """The rows of a /proc/net/tcp or /proc/net/tcp6 text (its header and any malformed line skipped);
-    with `local_port`, only those of sockets on that port, found before any row is parsed (a busy
-    machine has thousands, and the rendezvous looks one up at each connection)."""
-    rows = []
-    port_suffix = None if local_port is None else f":{local_port:04X}"
-    for line in text.splitlines()[1:]:
-        fields = line.split()
-        if port_suffix is not None and not (len(fields) > 1 and fields[1].endswith(port_suffix)):
-            continue
-        try:
-            rows.append(
-                TcpSocket(
-                    local=_endpoint(fields[1]),
-                    remote=_endpoint(fields[2]),
-                    state=int(fields[3], 16),
-                    uid=int(fields[7]),
-                    inode=int(fields[9]),
-                )
-            )
-        except (IndexError, ValueError):
-            continue
-    return rows
-
-
-def read_tcp_tables(paths: Iterable[str] = TCP_TABLES, local_port: int | None = None) -> list[TcpSocket]:
-    rows = []
-    for path in paths:
-        with contextlib.suppress(OSError):
-            with open(path) as f:
-                rows.extend(parse_tcp_table(f.read(), local_port))
-    return rows
-
-
-def socket_owner(rows: Iterable[TcpSocket], peer: Endpoint, server: Endpoint) -> int | None:
-    """The uid of the open socket at `peer` connected to `server` (the client's end of a connection
-    that `server` accepted), or None when there is none on this machine. A row without an inode is
-    a socket no process holds any more (closed, or a timewait one, which the kernel shows as uid 0):
-    it proves nothing."""
-    peer, server = (_unmapped(peer[0]), peer[1]), (_unmapped(server[0]), server[1])
-    for row in rows:
-        if row.local == peer and row.remote == server and row.inode:
-            return row.uid
-    return None
-
-
-# The kernel's socket diagnostics (what `ss` uses): one socket looked up by its addresses, where
-# /proc/net/tcp prints every socket of the machine (10 ms a read here with 500 of them, and Gloo's
-# ranks open a connection per request).
-NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
-NLM_F_REQUEST, NLMSG_ERROR = 1, 2
-INET_DIAG_NOCOOKIE = 0xFFFFFFFF
-NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
-DIAG_REQUEST = struct.Struct("=BBBxI")  # family, protocol, extensions, states (then the socket id)
-DIAG_MESSAGE = struct.Struct("=BBBB48sIIIII")  # family, state, timer, retransmits, id, expires, queues, uid, inode
-
-
-def _diag_socket_id(local: Endpoint, remote: Endpoint, family: int) -> bytes:
-    """inet_diag_sockid: ports and addresses in network order, any interface, no cookie."""
-
-    def address(a: IPAddress) -> bytes:
-        if family == socket.AF_INET6 and isinstance(a, ipaddress.IPv4Address):
-            a = ipaddress.IPv6Address("::ffff:" + str(a))
-        return a.packed.ljust(16, b"\0")
-
-    return (
-        struct.pack("!HH", local[1], remote[1])
-        + address(local[0])
-        + address(remote[0])
-        + struct.pack("=III", 0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
-    )
-
-
-def diag_owner(peer: Endpoint, server: Endpoint) -> int | None:
-    """socket_owner, asked of the kernel (NETLINK_SOCK_DIAG) for the one socket; OSError where the
-    kernel does not answer such questions."""
-    peer, server = (_unmapped(peer[0]), peer[1]), (_unmapped(server[0]), server[1])
-    families = [socket.AF_INET, socket.AF_INET6] if peer[0].version == 4 else [socket.AF_INET6]
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as diag:
-        diag.settimeout(1)
-        for family in families:  # a client's IPv6 socket may dial an IPv4 address (mapped)
-            request = DIAG_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF)  # any state
-            request += _diag_socket_id(peer, server, family)
-            header = NLMSG_HEADER.pack(NLMSG_HEADER.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
-            diag.send(header + request)
-            reply = diag.recv(8192)
-            _, kind, _, _, _ = NLMSG_HEADER.unpack_from(reply)
-            if kind == NLMSG_ERROR:  # ENOENT: no such socket in this family
-                continue
-            *_, uid, inode = DIAG_MESSAGE.unpack_from(reply, NLMSG_HEADER.size)
-            return uid if inode else None  # no inode: a socket no process holds (see socket_owner)
-    return None
-
-
-def peer_owner(peer: Endpoint, server: Endpoint) -> int | None:
-    """The uid of the socket at `peer` connected to `server` on this machine: from the kernel's socket
-    diagnostics, else from /proc/net/tcp (only the rows of the peer's port are parsed)."""
-    try:
-        return diag_owner(peer, server)
-    except OSError:
-        return socket_owner(read_tcp_tables(local_port=peer[1]), peer, server)
-
-
 def admits(
     peer: Endpoint,
     server: Endpoint,
@@ -274,7 +138,7 @@ def admits(
     (`owner` says whose the peer's socket is). From elsewhere: only from one of the job's hosts
     (`host_addresses`).
     """
-    address = _unmapped(peer[0])
+    address = unmapped(peer[0])
     if address.is_loopback or address in own_addresses:
         return owner((address, peer[1]), server) == uid
     return address in host_addresses
@@ -297,7 +161,7 @@ def parse_host_addresses(text: str) -> dict[str, frozenset[IPAddress]]:
     for name, addresses in data.items():
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise ValueError(f"the addresses of {name!r} are not a list of strings")
-        found[name] = frozenset(_unmapped(ipaddress.ip_address(a)) for a in addresses)
+        found[name] = frozenset(unmapped(ipaddress.ip_address(a)) for a in addresses)
     return found
 
 
@@ -332,7 +196,7 @@ def resolve(names: Iterable[str]) -> frozenset[IPAddress]:
             continue
         for info in infos:
             with contextlib.suppress(ValueError):
-                found.add(_unmapped(ipaddress.ip_address(str(info[4][0]).split("%")[0])))
+                found.add(unmapped(ipaddress.ip_address(str(info[4][0]).split("%")[0])))
     return frozenset(found)
 
 
@@ -345,7 +209,7 @@ def own_addresses() -> frozenset[IPAddress]:
         for a in addresses:
             if a.family in (socket.AF_INET, socket.AF_INET6):
                 with contextlib.suppress(ValueError):
-                    found.add(_unmapped(ipaddress.ip_address(a.address.split("%")[0])))
+                    found.add(unmapped(ipaddress.ip_address(a.address.split("%")[0])))
     return frozenset(found)
 
 

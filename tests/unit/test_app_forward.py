@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -174,3 +177,71 @@ def test_the_ports_a_worker_gets_and_the_one_its_app_url_names():
     local = app_ports.pick(own_address=False, session_host=True)  # this machine's loopback: no forwarder
     assert len(set(local)) == 3 and wire.APP_FORWARD_PORT_ENV not in app_ports.environment(local)
     assert app_ports.worker_app_url("127.0.0.1", local, {}) == f"http://127.0.0.1:{local[0]}/"
+
+
+# Another user's listener on the app's port (on an SSH host the port was drawn free on the session's
+# machine, not the host's): run by uid 65534 with the system's Python, which another uid can run (the
+# .venv may be private to this one). It prints its port, then, at each line it reads, how many
+# connections it has been handed since.
+STRANGER = """
+import socket, sys
+host = sys.argv[1]
+family = socket.AF_INET6 if ":" in host else socket.AF_INET
+server = socket.create_server((host, 0), family=family, dualstack_ipv6=family == socket.AF_INET6)
+server.setblocking(False)
+print(server.getsockname()[1], flush=True)
+for _ in sys.stdin:
+    handed = 0
+    while True:
+        try:
+            server.accept()[0].close()
+        except BlockingIOError:
+            break
+        handed += 1
+    print(handed, flush=True)
+"""
+
+
+@contextlib.contextmanager
+def strangers_listener(host):
+    if os.getuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("another uid's listener needs root and setpriv to make (the suite runs as root)")
+    system_python = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
+    stranger = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-I", "-c", STRANGER, host],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+
+        def handed():
+            stranger.stdin.write("\n")
+            stranger.stdin.flush()
+            return int(stranger.stdout.readline())
+
+        yield int(stranger.stdout.readline()), handed
+    finally:
+        stranger.stdin.close()
+        stranger.wait(10)
+
+
+@pytest.mark.parametrize("stranger_host", ["127.0.0.1", "0.0.0.0", "::"])  # its loopback, or every address
+def test_another_users_listener_on_the_apps_port_is_never_relayed_to_and_ours_is(said, stranger_host):
+    with strangers_listener(stranger_host) as (port, handed), forwarding(port, said) as forwarder:
+        for _ in range(2):
+            client = connect(forwarder.port)
+            with contextlib.suppress(ConnectionResetError):
+                assert client.recv(1) == b""  # closed unrelayed
+            client.close()
+        assert handed() == 0
+        assert len(said) == 1  # said once
+        assert f"127.0.0.1:{port} (its CDSW_APP_PORT) is listened on by another user's process (uid 65534)" in said[0]
+    # Our own app on the same port, once the stranger has gone: relayed.
+    with forwarding(port, said) as forwarder, socket.create_server(("127.0.0.1", port)) as listener:
+        listener.settimeout(10)
+        client = connect(forwarder.port)
+        served, _ = listener.accept()
+        client.sendall(b"ours")
+        assert served.recv(4) == b"ours"
+        served.close()
+        client.close()
+    assert len(said) == 1

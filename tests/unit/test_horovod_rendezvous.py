@@ -19,8 +19,10 @@ from socketserver import ThreadingMixIn
 
 import pytest
 
+from cmlcluster import socket_owners as owners
 from cmlcluster.horovod import rendezvous
-from cmlcluster.horovod.rendezvous import SIGNATURE_HEADER, Guard, TcpSocket
+from cmlcluster.horovod.rendezvous import SIGNATURE_HEADER, Guard
+from cmlcluster.socket_owners import TcpSocket
 
 KEY = bytes(range(32))
 IP = ipaddress.ip_address
@@ -76,7 +78,7 @@ def test_a_key_is_32_random_bytes_in_a_0600_file_that_goes_with_the_run(tmp_path
 
 
 def test_proc_net_tcp_rows_are_read_in_the_kernels_byte_order():
-    rows = rendezvous.parse_tcp_table(TCP) + rendezvous.parse_tcp_table(TCP6)
+    rows = owners.parse_tcp_table(TCP) + owners.parse_tcp_table(TCP6)
     assert len(rows) == 6  # the header and the garbage line skipped
     assert rows[0] == TcpSocket((IP("127.0.0.1"), 8080), (IP("0.0.0.0"), 0), 0x0A, 1000, 111)
     assert rows[1].local == (IP("127.0.0.1"), 40000) and rows[1].remote == SERVER
@@ -85,17 +87,17 @@ def test_proc_net_tcp_rows_are_read_in_the_kernels_byte_order():
 
 
 def test_the_owner_of_a_peer_socket_is_the_uid_of_its_row_while_a_process_holds_it():
-    rows = rendezvous.parse_tcp_table(TCP) + rendezvous.parse_tcp_table(TCP6)
-    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40000), SERVER) == 1000
-    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40002), SERVER) == 65534
-    assert rendezvous.socket_owner(rows, (IP("::ffff:127.0.0.1"), 40002), SERVER) == 65534
-    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40001), SERVER) is None  # timewait: uid 0 proves nothing
-    assert rendezvous.socket_owner(rows, (IP("127.0.0.1"), 40000), (IP("127.0.0.1"), 8081)) is None
+    rows = owners.parse_tcp_table(TCP) + owners.parse_tcp_table(TCP6)
+    assert owners.socket_owner(rows, (IP("127.0.0.1"), 40000), SERVER) == 1000
+    assert owners.socket_owner(rows, (IP("127.0.0.1"), 40002), SERVER) == 65534
+    assert owners.socket_owner(rows, (IP("::ffff:127.0.0.1"), 40002), SERVER) == 65534
+    assert owners.socket_owner(rows, (IP("127.0.0.1"), 40001), SERVER) is None  # timewait: uid 0 proves nothing
+    assert owners.socket_owner(rows, (IP("127.0.0.1"), 40000), (IP("127.0.0.1"), 8081)) is None
 
 
 def test_only_the_jobs_hosts_and_this_users_local_sockets_are_admitted():
-    owner = rendezvous.socket_owner
-    rows = rendezvous.parse_tcp_table(TCP) + rendezvous.parse_tcp_table(TCP6)
+    owner = owners.socket_owner
+    rows = owners.parse_tcp_table(TCP) + owners.parse_tcp_table(TCP6)
     own = frozenset({IP("192.168.1.5")})
     hosts = frozenset({IP("10.0.0.2")})
 
@@ -126,10 +128,10 @@ def test_the_kernel_names_the_owner_of_a_connections_other_end_as_proc_net_tcp_d
             accepted, peer = server.accept()
             with accepted:
                 peer_end = (IP(peer[0]), peer[1])
-                assert rendezvous.diag_owner(peer_end, here) == os.getuid() == rendezvous.peer_owner(peer_end, here)
-                rows = rendezvous.read_tcp_tables(local_port=peer[1])
-                assert rendezvous.socket_owner(rows, peer_end, here) == os.getuid()
-                assert rendezvous.diag_owner((IP("127.0.0.1"), mine.getsockname()[1] ^ 1), here) is None
+                assert owners.diag_owner(peer_end, here) == os.getuid() == owners.peer_owner(peer_end, here)
+                rows = owners.read_tcp_tables(local_port=peer[1])
+                assert owners.socket_owner(rows, peer_end, here) == os.getuid()
+                assert owners.diag_owner((IP("127.0.0.1"), mine.getsockname()[1] ^ 1), here) is None
         if os.getuid() != 0 or not shutil.which("setpriv"):
             return  # another uid's socket needs root to make (the suite runs as root: scripts/install.sh dev)
         # The system's Python, which another uid can run (the .venv may be private to this one).
@@ -142,7 +144,7 @@ def test_the_kernel_names_the_owner_of_a_connections_other_end_as_proc_net_tcp_d
         try:
             accepted, peer = server.accept()
             with accepted:
-                assert rendezvous.diag_owner((IP(peer[0]), peer[1]), here) == 65534
+                assert owners.diag_owner((IP(peer[0]), peer[1]), here) == 65534
         finally:
             stranger.communicate(timeout=10)
 
