@@ -50,6 +50,7 @@ export interface ILiveSession {
   started: number;
   pid: number;
   can_stop: boolean;
+  logs_kept: boolean; // false: CMLCLUSTER_KEEP_LOGS=0, its logs go with it and the panel shows none
   workers: ILiveWorker[];
 }
 
@@ -100,6 +101,7 @@ export class SessionsModel {
 
   private _changed = new Signal<this, void>(this);
   private _timer = 0;
+  private _polling = false; // a poll in flight: a slow snapshot never has the next one start beside it
   private _settings = ServerConnection.makeSettings();
 
   get changed(): ISignal<this, void> {
@@ -109,14 +111,26 @@ export class SessionsModel {
   // Poll while the panel is visible: a hidden panel costs the server nothing.
   start(): void {
     if (!this._timer) {
-      this._timer = window.setInterval(() => void this.refresh(), POLL_MS);
-      void this.refresh();
+      this._timer = window.setInterval(() => void this._poll(), POLL_MS);
+      void this._poll();
     }
   }
 
   stop(): void {
     window.clearInterval(this._timer);
     this._timer = 0;
+  }
+
+  private async _poll(): Promise<void> {
+    if (this._polling) {
+      return; // the last one is still waiting for the server: skip this tick
+    }
+    this._polling = true;
+    try {
+      await this.refresh();
+    } finally {
+      this._polling = false;
+    }
   }
 
   async refresh(): Promise<void> {
@@ -156,14 +170,20 @@ export class SessionsModel {
     this._changed.emit();
   }
 
+  // The log is the view's only while that worker's log is still the one shown: one closed, or replaced
+  // by another worker's, while this read was in flight stays as the user left it.
   private async _readLog(session: string, worker: string, label: string): Promise<void> {
+    let read: ILogView;
     try {
       const tail = await this._request<{ text: string; size: number; truncated: boolean }>(
         `logs/${session}/${worker}?bytes=${LOG_BYTES}`
       );
-      this.log = { session, worker, label, ...tail, error: '' };
+      read = { session, worker, label, ...tail, error: '' };
     } catch (e) {
-      this.log = { session, worker, label, text: '', size: 0, truncated: false, error: String((e as Error).message) };
+      read = { session, worker, label, text: '', size: 0, truncated: false, error: String((e as Error).message) };
+    }
+    if (this.log && this.log.session === session && this.log.worker === worker) {
+      this.log = read;
     }
   }
 

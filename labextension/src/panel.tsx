@@ -181,9 +181,11 @@ function WorkerRow(props: { session: ILiveSession; worker: ILiveWorker; model: S
             Stop
           </button>
         )}
-        <button className="jp-mod-styled" onClick={() => void model.showLog(session.id, worker.id, worker.label)}>
-          log
-        </button>
+        {session.logs_kept && (
+          <button className="jp-mod-styled" onClick={() => void model.showLog(session.id, worker.id, worker.label)}>
+            log
+          </button>
+        )}
       </td>
     </tr>
   );
