@@ -6,7 +6,11 @@ janitor: a process of its own session, not below the relay (it never gets the re
 the read end of a pipe whose only write end the relay holds. The relay tells it, in lines, what to
 clean (`remove <folder>`, `group <pgid> <start time>`) and, once it has cleaned up itself, `done`.
 When the pipe ends without `done`, the relay died: the janitor ends what is left of the worker's
-process group and cgroups, then removes the folders. Either way it then exits.
+process group, then SIGKILLs what is left in its cgroups (processes that left the group: setsid
+children, logins to a worker's sshd; and a worker started before the janitor learned its group) and,
+where the host gives no cgroups, every process whose TMPDIR is one of the worker's folders (the
+worker's short TMPDIR, which its children inherit), then removes the cgroups and the folders. Either
+way it then exits.
 
 Light imports only: it runs in every worker's relay.
 """
@@ -18,6 +22,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 
 from .._proc import group_members, signal_group
 from ..cgroups import CgroupLimits
@@ -88,7 +93,9 @@ def _clean(lines: list[str], limits: CgroupLimits) -> None:
         elif word == "group":
             pgid, _, started = rest.partition(" ")
             _end_group(int(pgid), started)
-    limits.remove()
+    _end_cgroups(limits.paths)
+    _end_marked({f"TMPDIR={folder}".encode() for folder in folders})
+    limits.remove()  # empty now: rmdir succeeds
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -106,6 +113,50 @@ def _end_group(pgid: int, started: str) -> None:
     while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     signal_group(pgid, signal.SIGKILL)
+
+
+def _sweep(find: Callable[[], set[int]]) -> None:
+    """SIGKILL what `find` names until it names nothing (a process may fork as it is killed), GRACE at most."""
+    deadline = time.monotonic() + GRACE
+    while (pids := find() - {os.getpid()}) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def _end_cgroups(paths: list[str]) -> None:
+    """SIGKILL every process in the worker's cgroups: v2's cgroup.kill where the kernel has it (5.14),
+    else each pid its cgroup.procs lists."""
+    for path in paths:
+        with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
+            f.write("1")
+
+    def members() -> set[int]:
+        found: set[int] = set()
+        for path in paths:
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(path, "cgroup.procs")) as f:
+                found.update(int(line) for line in f.read().split())
+        return found
+
+    _sweep(members)
+
+
+def _end_marked(markers: set[bytes]) -> None:
+    """SIGKILL every process (of this user: others' environments are not readable) whose environment
+    holds one of `markers`."""
+
+    def marked() -> set[int]:
+        found: set[int] = set()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
+                    if markers.intersection(f.read().split(b"\0")):
+                        found.add(int(entry))
+        return found
+
+    if markers:
+        _sweep(marked)
 
 
 def _close_all_but(keep: int) -> None:

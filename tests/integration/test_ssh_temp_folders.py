@@ -64,3 +64,37 @@ def test_a_sigkilled_worker_or_relay_leaves_no_folder_nor_process_on_its_host(ss
             time.sleep(0.2)
         assert session.list_workers()[0]["status"] == "failed", session.list_workers()
     assert leftovers_on(ssh_hosts) == {}
+
+
+# Starts a child that leaves the worker's process group and session, then waits to be killed.
+ESCAPING_WORKER = """
+import subprocess, time
+escaped = subprocess.Popen(["setsid", "sleep", "600"])
+print("escaped", escaped.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_relays_janitor_ends_what_left_the_workers_process_group(ssh_hosts):
+    with Session(ssh_backend(ssh_hosts), echo=False) as session:
+        workers = session.launch_workers(1, cpu=0.2, memory=0.5, code=ESCAPING_WORKER)
+        ready = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
+        assert ready["failures"] == [], ready["failures"]
+        worker = ready["workers"][0]
+        (host,) = [h for h in ssh_hosts.hosts if h.ip == worker["ip_address"]]
+        deadline = time.monotonic() + 30
+        while "escaped " not in session.output(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        escaped = int(session.output(worker).split("escaped ", 1)[1].split()[0])
+        session_of = host.exec("ps", "-o", "sid=,args=", "-p", str(escaped)).stdout.split(None, 1)
+        # A session of its own: out of the worker's process group, which the janitor signals.
+        assert session_of[1].strip() == "sleep 600" and int(session_of[0]) == escaped, session_of
+        (relay,) = [ppid for _, ppid, args in _processes(host) if "cmlcluster.agent" in args]
+
+        assert host.exec("kill", "-KILL", str(relay)).returncode == 0
+
+        deadline = time.monotonic() + 20
+        while (_folders(host) or _processes(host)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _folders(host) == [] and _processes(host) == [], (_folders(host), _processes(host))
+    assert leftovers_on(ssh_hosts) == {}
