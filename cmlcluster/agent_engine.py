@@ -128,6 +128,9 @@ class AgentEngine(IPEngine):
     sampler: Any = None  # usage.Sampler, started once the engine has registered
     app_forward_port = ""  # wire.APP_FORWARD_PORT_ENV's value, "" for none
     forwarder: Any = None  # app_forward.Forwarder, started with the sampler
+    # Held by the sampler's thread across its check that the IOPub thread runs and its send, and by the
+    # stop's end while it stops that thread: a send never runs on the sampler's thread (_send_usage).
+    usage_sends = threading.Lock()
 
     def _signal_stop(self, sig: int, frame: Any) -> None:
         if AgentEngine.interrupting:
@@ -186,8 +189,10 @@ class AgentEngine(IPEngine):
                 stream.flush()
         with contextlib.suppress(Exception):
             kernel.shell_stream.flush(zmq.POLLOUT)
+        if AgentEngine.sampler is not None:
+            AgentEngine.sampler.stop(join_seconds=1.0)  # stopped at the signal; its last send done
         if isinstance(kernel.iopub_socket, IOPubThread):
-            with contextlib.suppress(Exception):
+            with AgentEngine.usage_sends, contextlib.suppress(Exception):
                 kernel.iopub_socket.stop()  # sends what it holds, then ends
 
     @default("out_stream_factory")
@@ -242,12 +247,14 @@ class AgentEngine(IPEngine):
         kernel = self.kernel
         iopub = kernel.iopub_socket
         # Once a stop began, the agent stops its IOPub thread (_send_what_is_queued), and a send after that
-        # would run on this thread, on the socket the main thread's last sends use: none is made then.
+        # would run on this thread, on the socket the main thread's last sends use: none is made then. The
+        # lock keeps that stop from coming between the check and the send.
         thread = getattr(iopub, "thread", None)  # ipykernel's IOPubThread: it sends for any thread while it runs
-        if AgentEngine.stop_signal is not None or thread is None or not thread.is_alive():
-            return
-        content["engine"] = self.id
-        kernel.session.send(iopub, wire.USAGE_MSG_TYPE, content, ident=wire.USAGE_TOPIC)
+        with AgentEngine.usage_sends:
+            if AgentEngine.stop_signal is not None or thread is None or not thread.is_alive():
+                return
+            content["engine"] = self.id
+            kernel.session.send(iopub, wire.USAGE_MSG_TYPE, content, ident=wire.USAGE_TOPIC)
 
 
 def _print_nothing(*args: Any, **kwargs: Any) -> None:

@@ -272,8 +272,11 @@ class Sampler:
         self.thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, join_seconds: float = 0.0) -> None:
+        """End its thread, waiting up to `join_seconds` for it to end (a send in progress finishes)."""
         self._stop.set()
+        if join_seconds and self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(join_seconds)
 
     def run(self) -> None:
         # Workers launched together would sample together: each starts at its own point of the period,
