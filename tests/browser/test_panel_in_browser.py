@@ -288,10 +288,11 @@ def test_clean_up_in_the_panel_ends_what_a_killed_session_left(tmp_path, monkeyp
             gone.wait_for(state="detached", timeout=30_000)
             wait(lambda: ended(ids["pid"]), "cleanup to end the gone session's worker")
             assert [r for r in records.records() if r["id"] == ids["session"]] == []
-            assert (
-                f"session {ids['session']}: ended worker {ids['worker']}"
-                in nb.page.locator(".cmlcluster-lab-notice").inner_text()
-            )
+            said = nb.page.locator(".cmlcluster-lab-notice").inner_text()  # as `cmlcluster cleanup` says it
+            assert re.search(
+                rf"session {ids['session']} \(pid \d+ is gone\): ended worker {ids['worker']} \(pid {ids['pid']}\)",
+                said,
+            ), said
             # Its logs are kept: listed as a session that died, with its worker's last known status.
             died = session_box(nb, ids["session"], "died")
             died.wait_for(timeout=30_000)
