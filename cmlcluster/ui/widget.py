@@ -299,8 +299,18 @@ class WidgetView:
         live = self._live()
         if live:
             self.session.stop_workers_soon(*live)
-        if self in (self.views.latest, self.views.whole_view):  # an older cell's view ends only its workers
+        if self._ends_the_running_call(live):
             blocking.interrupt(self.session, lambda: self._stopped(live))
+
+    def _ends_the_running_call(self, live: list[str]) -> bool:
+        """Whether this click also ends the call a cell waits in: the newest view's (the running cell's) and
+        the whole session's do; an older cell's only when the newest view shows some of the workers it stops
+        (an await_workers in a later cell of the workers this view launched)."""
+        latest = self.views.latest
+        if self in (latest, self.views.whole_view):
+            return True
+        with self.views.lock:
+            return latest is not None and not set(live).isdisjoint(latest.model.workers)
 
     def _stopped(self, live: list[str]) -> str:
         """On the main thread, once the interrupted call let go: make sure of the stop, then say what stopped."""

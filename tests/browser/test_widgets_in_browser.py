@@ -59,13 +59,24 @@ def test_worker_api_notebook_shows_rows_going_from_running_to_succeeded(tmp_path
         assert nb.errors() == []
 
 
-def test_parameter_server_notebook_draws_the_loss_curve(tmp_path):
+def test_parameter_server_notebook_trains_stops_and_draws_the_loss_curve(tmp_path):
+    """The notebook as JupyterLab runs it, its own folder the kernel's: what each cell prints, and the
+    view's loss curve. (Run here only, not again by nbclient in test_notebooks.py.)"""
     copy_notebook("tensorflow_parameter_server.ipynb", tmp_path)
     with (
         jupyter_lab(tmp_path) as lab,
         open_notebook(lab, "tensorflow_parameter_server.ipynb", artifact_name="parameter_server") as nb,
     ):
         nb.run_all(timeout=400)
+        spec, training, weights, stopped = (nb.stdout(i) for i in (3, 5, 7, 9))
+        assert re.search(r"^ps \['127\.0\.0\.1:\d+'\]$", spec, re.M), spec
+        assert re.search(r"^worker \['127\.0\.0\.1:\d+', '127\.0\.0\.1:\d+'\]$", spec, re.M), spec
+        first, last = map(float, re.search(r"loss: ([\d.]+) -> ([\d.]+)", training).groups())
+        assert last < first / 4, training
+        assert "variables on: ['/job:ps/replica:0/task:0/device:CPU:0']" in training
+        learned = [float(v) for v in re.search(r"\[([^\]]+)\]", weights).group(1).split()]
+        assert learned == pytest.approx([1.0, -2.0, 3.0, 0.5], abs=0.5)
+        assert stopped.strip() == "['stopped', 'stopped', 'stopped']"
         paths = nb.page.evaluate(
             "() => Array.from(document.querySelectorAll('.cmlcluster-loss path')).map(p => p.getAttribute('d') || '')"
         )

@@ -228,7 +228,8 @@ def test_stop_button_clicked_while_await_workers_holds_the_cell_ends_it(kernel, 
     took = time.monotonic() - clicked
     assert reply["parent_header"].get("msg_id") == msg_id, "the cell did not end within 15 s of the click"
     shown = [m["content"] for m in iopub_until_idle(kc, msg_id, 10) if m["msg_type"] == "error"]
-    message = f"stopped from the widget: workers {first}, {second} stopped"
+    labels = [f"w{worker.rpartition('-')[2]}" for worker in (first, second)]  # as the views name them
+    message = f"stopped from the widget: workers {labels[0]}, {labels[1]} stopped"
     assert [(e["ename"], e["evalue"]) for e in shown] == [("StoppedFromWidget", message)]
     assert (reply["content"]["ename"], reply["content"]["evalue"]) == ("StoppedFromWidget", message)
     assert wait_gone(pids, within=0.1) == []  # stopped before the call raised

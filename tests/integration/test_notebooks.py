@@ -53,16 +53,8 @@ def execute(name: str) -> list[str]:
     return texts
 
 
-def test_parameter_server_notebook_trains_and_stops():
-    _, spec, training, weights, stopped = execute("tensorflow_parameter_server.ipynb")
-    assert re.search(r"^ps \['127\.0\.0\.1:\d+'\]$", spec, re.M), spec
-    assert re.search(r"^worker \['127\.0\.0\.1:\d+', '127\.0\.0\.1:\d+'\]$", spec, re.M), spec
-    first, last = map(float, re.search(r"loss: ([\d.]+) -> ([\d.]+)", training).groups())
-    assert last < first / 4, training
-    assert "variables on: ['/job:ps/replica:0/task:0/device:CPU:0']" in training
-    learned = [float(v) for v in re.search(r"\[([^\]]+)\]", weights).group(1).split()]
-    assert learned == pytest.approx([1.0, -2.0, 3.0, 0.5], abs=0.5)
-    assert stopped.strip() == "['stopped', 'stopped', 'stopped']"
+# tensorflow_parameter_server.ipynb runs in JupyterLab (tests/browser/test_widgets_in_browser.py), which
+# checks what its cells print as well as its loss curve: not a second time here.
 
 
 # On local: %horovod across containers is test_horovod's (and test_horovod_elastic's, as root); this is the

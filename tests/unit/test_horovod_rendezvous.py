@@ -252,7 +252,6 @@ def test_the_cluster_writes_each_hosts_addresses_before_discovery_lists_it(tmp_p
                 {
                     "host_key": host_key,
                     "user": "alice",
-                    "workdir": "/w",
                     "addresses": reported[address],
                     "interface": "eth0",
                 }

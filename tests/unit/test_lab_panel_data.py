@@ -9,6 +9,7 @@ import pathlib
 import re
 import shutil
 import sys
+import tempfile
 
 import pytest
 import tomllib
@@ -247,20 +248,24 @@ def test_a_socket_that_answers_no_json_is_no_stop_endpoint(monkeypatch):
         shutil.rmtree(state)
 
 
-def test_stop_asks_only_a_live_session_and_only_the_socket_in_its_own_folder(state, tmp_path):
+def test_stop_asks_only_a_live_session_and_only_the_socket_in_its_own_folder(state):
     with pytest.raises(sessions.NotFound, match="no live session"):
         sessions.stop(SESSION, None)
-    elsewhere = tmp_path / "elsewhere.sock"
+    # A short folder: pytest's tmp_path under the run's TMPDIR can pass a Unix socket's 107 bytes.
+    folder = tempfile.mkdtemp(prefix="sock-")
+    elsewhere = os.path.join(folder, "elsewhere.sock")
     stopped: list = []
-    served = stop_socket.StopEndpoint(str(elsewhere), lambda ids: stopped.append(ids) or [])
+    served = stop_socket.StopEndpoint(elsewhere, lambda ids: stopped.append(ids) or [])
     try:
-        write_record(state, SESSION, control=str(elsewhere))  # a record naming a socket outside its folder
+        write_record(state, SESSION, control=elsewhere)  # a record naming a socket outside its folder
         assert records.records()[0]["state"] == origin.ALIVE
         with pytest.raises(sessions.NotFound, match="serves no stop endpoint"):
             sessions.stop(SESSION, None)
         assert stopped == []
-        assert stop_socket.request(str(elsewhere), ["a"]) == []  # it serves: only the record's claim was refused
+        assert stop_socket.request(elsewhere, ["a"]) == []  # it serves: only the record's claim was refused
         assert stopped == [["a"]]
     finally:
         served.close()
-    assert not os.path.exists(elsewhere)
+        closed_removes_it = not os.path.exists(elsewhere)
+        shutil.rmtree(folder, ignore_errors=True)
+    assert closed_removes_it
