@@ -23,6 +23,7 @@ from typing import Any
 
 from . import origin, records
 from .errors import ConfigError
+from .workers import RUNNING
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,10 @@ def allow_workers(handler: Any, host: str) -> bool:
 
 def worker_addresses() -> frozenset[str]:
     """The ip_address of every running worker of the live sessions on this machine (a few small files
-    read per request: no state kept that a stopped worker could outlive)."""
+    read per request: no state kept that a stopped worker could outlive). No controller is asked about a
+    gone session's record: the proxy calls this on the notebook server's loop, for every request."""
     try:
-        found = records.records()
+        found = records.records(probe=False)
     except (ConfigError, OSError) as e:
         log.warning("cmlcluster: no worker is admitted to jupyter-server-proxy: %s", e)
         return frozenset()
@@ -47,5 +49,5 @@ def worker_addresses() -> frozenset[str]:
         for record in found
         if record.get("state") == origin.ALIVE
         for worker in record.get("workers") or ()
-        if isinstance(worker, dict) and worker.get("status") == "running" and worker.get("ip_address")
+        if isinstance(worker, dict) and worker.get("status") == RUNNING and worker.get("ip_address")
     )

@@ -223,8 +223,11 @@ class Recorder:
             self._write_summary(self.session.list_workers(), ended=time.time())
 
 
-def records() -> list[dict[str, Any]]:
-    """Every record here, each with "state": origin.ALIVE, GONE, ANSWERING or ELSEWHERE."""
+def records(*, probe: bool = True) -> list[dict[str, Any]]:
+    """Every record here, each with "state": origin.ALIVE, GONE, ANSWERING or ELSEWHERE.
+
+    probe=False: a session whose process is gone is not told apart by asking its controller (a TCP
+    connection, up to a second each): for callers that want only the ALIVE ones, on a server's loop."""
     found = []
     path = folder()
     for name in sorted(os.listdir(path)):
@@ -239,7 +242,7 @@ def records() -> list[dict[str, Any]]:
             continue
         written = record.get("origin")
         where = origin.Origin.from_strings(written) if isinstance(written, dict) else None
-        record["state"] = origin.state(where, str(record.get("controller") or ""))
+        record["state"] = origin.state(where, str(record.get("controller") or "") if probe else None)
         found.append(record)
     return found
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import subprocess
 import sys
 import time
@@ -176,3 +177,28 @@ def test_cml_shim_is_not_imported_eagerly():
     # The finder is installed by `import cmlcluster`; `cml` itself is imported only when asked for.
     importlib.import_module("cmlcluster")
     assert "cml" not in sys.modules or sys.modules["cml"].__file__
+
+
+def test_the_proxy_never_waits_on_the_controller_of_a_gone_sessions_record(monkeypatch, tmp_path):
+    """jupyter-server-proxy asks on the notebook server's loop, for every request: a record a killed session
+    left must cost a file read, not a connection to its controller (a second's timeout each)."""
+    import json
+
+    from cmlcluster import origin, records
+
+    monkeypatch.setenv("CMLCLUSTER_STATE_DIR", str(tmp_path / "state"))  # this test's records only
+    gone = {
+        "id": "0123456789abcdef",
+        "pid": 1,
+        "origin": {**origin.this_process().as_strings(), "pid": "999999999", "start": "0"},
+        "controller": "10.255.255.1:9",  # would hang until the probe's timeout
+        "workers": [{"id": "0123456789abcdef-0", "status": "running", "ip_address": "172.30.0.9"}],
+    }
+    with open(os.path.join(records.folder(), "0123456789abcdef.json"), "w") as f:
+        json.dump(gone, f)
+
+    def connect(*args, **kwargs):
+        raise AssertionError("the proxy connected to a controller")
+
+    monkeypatch.setattr(origin.socket, "create_connection", connect)
+    assert not proxy_hosts.allow_workers(None, "172.30.0.9")  # its process is gone: not admitted
