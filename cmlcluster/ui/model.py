@@ -59,15 +59,13 @@ NOISE = re.compile(
 )
 # The order a title counts statuses in, and the words it uses.
 COUNTED = ((SCHEDULING, "starting"), (RUNNING, "running"), (SUCCEEDED, "succeeded"), (FAILED, "failed"))
-
-
 GIB = 1 << 30
 
 
 def resource_texts(worker: Mapping[str, Any]) -> tuple[str, str, str]:
     """What a worker asked for and, while it runs, uses, as every view says it (the widget's table, the
     panel, `cmlcluster top`): CPU "0.5 · 38 %" (of one core), memory "0.2 / 0.5 GiB" (against its limit,
-    else what it asked for), GPUs "1 · 71 % · 2.0 / 16 GiB". `worker`: a worker dict or a session record's,
+    else what it asked for), GPUs "1 · 71 % · 2 / 16 GiB". `worker`: a worker dict or a session record's,
     with its latest sample in "usage" (ResourceUse.fields), if any."""
     cpu = f"{worker.get('cpu') or 0:g}"
     asked_memory = float(worker.get("memory") or 0)
@@ -97,7 +95,7 @@ def _percent(value: Any) -> str:
 
 
 def _gib(value: float) -> str:
-    """Bytes in GiB with two significant digits at least: 0.04, 0.5, 2.0, 16."""
+    """Bytes in GiB, two significant digits under 10 (0.04, 0.5, 2, 9.5), whole ones above (16, 80)."""
     gib = value / GIB
     return f"{gib:.2g}" if gib < 10 else f"{gib:.0f}"
 
