@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import wait_until
 
 from browser.jupyterlab import NotebookPage, jupyter_lab, open_notebook, write_notebook
 from cmlcluster import origin, records
@@ -132,13 +133,7 @@ def ended(pid: int) -> bool:
 
 
 def wait(condition, what: str, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s: {what}")
+    return wait_until(condition, timeout, what)
 
 
 def the_record() -> dict:

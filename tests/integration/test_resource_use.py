@@ -15,6 +15,7 @@ import time
 
 import pytest
 from conftest import DOCKER_TEST_IMAGE, on
+from processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.docker import DockerBackend
@@ -26,16 +27,6 @@ MIB = 1 << 20
 FAST = {"CMLCLUSTER_USAGE_SECONDS": "0.5"}  # a sample every half second, for the test's sake
 # Holds 150 MiB (written, so resident) and keeps a core busy until stopped; prints one line first.
 BUSY = "x = bytearray(b'x' * (150 << 20))\nprint('holding', len(x), flush=True)\nwhile True:\n    pass\n"
-
-
-def eventually(check, timeout: float = 30.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout:g} s: {what}")
 
 
 def cgroups_writable() -> bool:
@@ -54,13 +45,13 @@ def test_local_workers_usage_shows_in_list_workers_and_events_and_nowhere_in_the
             w = listed[busy["id"]]
             return w if w.get("memory_bytes", 0) >= 150 * MIB and w["cpu_percent"] > 10 else None
 
-        w = eventually(sampled, what="the busy worker's CPU and 150 MiB in list_workers()")
+        w = wait_until(sampled, what="the busy worker's CPU and 150 MiB in list_workers()")
         assert w["gpus"] == [] and isinstance(w["sampled_at"], float)
         # CML's fields are all there, as they were: what was asked among them.
         assert (w["cpu"], w["memory"], w["nvidia_gpu"], w["status"]) == (1.0, 0.5, 0, "running")
         if cgroups_writable():  # the local backend's cgroup enforces what was asked: that is the limit
             assert w["memory_limit_bytes"] == int(0.5 * 1024**3)
-        eventually(lambda: {e.worker_id for e in seen} == {busy["id"], other["id"]}, what="events of both workers")
+        wait_until(lambda: {e.worker_id for e in seen} == {busy["id"], other["id"]}, what="events of both workers")
         s.stop_workers()
         assert not any("cpu_percent" in w for w in s.list_workers())
         # Samples travel beside the output, never in it: not in output(), not in the kept log.
@@ -79,7 +70,7 @@ def test_every_backends_workers_send_samples(session):
     # Wherever the agent runs (the session's Python, a container's, a host's, a pod's), psutil is there.
     [w] = session.launch_workers(1, cpu=0.5, memory=0.5, env=FAST)
     session.await_workers([w], wait_for_completion=False, timeout_seconds=60)
-    sampled = eventually(lambda: session.list_workers()[0].get("memory_bytes"), what="a sample of the worker")
+    sampled = wait_until(lambda: session.list_workers()[0].get("memory_bytes"), what="a sample of the worker")
     assert sampled > 10 * MIB  # its agent's Python at least
     assert "not sampled" not in session.worker_log(w)
 
@@ -102,7 +93,7 @@ def test_a_docker_containers_memory_limit_is_its_memory_limit_bytes(tmp_path_fac
     with Session(backend, echo=False) as s:
         [w] = s.launch_workers(1, cpu=0.5, memory=0.75, env=FAST)
         s.await_workers([w], wait_for_completion=False, timeout_seconds=60)
-        sampled = eventually(
+        sampled = wait_until(
             lambda: next((x for x in s.list_workers() if "memory_limit_bytes" in x), None),
             what="a sample of the container's worker",
         )
