@@ -189,13 +189,14 @@ def watch_sessions(seconds: float = WATCH_SECONDS) -> int:
     """`list --watch`: the live sessions' workers and what they use, again every `seconds`, until Ctrl-C
     (or SIGTERM), which ends it with exit code 0. On a terminal each refresh replaces the last."""
     import signal
-    import threading
 
-    done = threading.Event()
-    ending = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # The handler only flips a flag: an Event's set() takes a lock that the main thread may hold in its
+    # wait() when the signal lands (Python runs handlers between its bytecodes), and it would wait forever.
+    stopping: list[int] = []
+    ending = {sig: signal.signal(sig, lambda sig, _: stopping.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
     try:
-        while not done.is_set():
+        while not stopping:
             screen = usage_screen(_live_records(), time.time())
             try:
                 sys.stdout.write(f"{clear}{screen}\n" if clear else f"{screen}\n\n")
@@ -204,7 +205,9 @@ def watch_sessions(seconds: float = WATCH_SECONDS) -> int:
                 with contextlib.suppress(OSError):
                     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return 0
-            done.wait(seconds)
+            deadline = time.monotonic() + seconds
+            while not stopping and time.monotonic() < deadline:
+                time.sleep(min(0.1, seconds))
     finally:
         for sig, handler in ending.items():
             signal.signal(sig, handler)
@@ -214,7 +217,9 @@ def watch_sessions(seconds: float = WATCH_SECONDS) -> int:
 def _live_records() -> list[dict[str, Any]]:
     from . import origin, records
 
-    return [r for r in records.records() if r["state"] == origin.ALIVE]
+    # probe=False: telling a gone session from one whose controller still answers takes a connection, up to
+    # a second each, that this never needs; a refresh waited out 30 s of them in a CI run, Ctrl-C unheard.
+    return [r for r in records.records(probe=False) if r["state"] == origin.ALIVE]
 
 
 def usage_screen(found: list[dict[str, Any]], now: float) -> str:

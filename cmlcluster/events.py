@@ -4,8 +4,9 @@ Events are small frozen records. A session publishes them from its loop thread; 
 subscriber gets them in order on a thread of its own, so a slow or failing subscriber
 never stalls the session: publishing only appends to a queue. When a subscriber falls
 far behind, output lines, progress reports and resource samples (the events that come in
-floods) are dropped for it: it is told how many lines with a LinesDropped event, and a later
-report or sample supersedes a dropped one. Every other event is kept.
+floods) are dropped for it, the oldest first: the end of a flood (a traceback, the last loss) is
+what a user needs to see. It is told how many lines with a LinesDropped event where they were
+missed, and a later report or sample supersedes a dropped one. Every other event is kept.
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class LinesDropped(Event):
 
 
 Subscriber = Callable[[Event], None]
+# What comes in floods: dropped, the oldest first, for a subscriber MAX_BACKLOG events behind.
+_FLOODS = (OutputLine, Progress, ResourceUse)
 
 
 class _Subscription:
@@ -189,12 +192,21 @@ class _Subscription:
 
     def put(self, event: Event | None) -> None:
         with self._ready:
-            if isinstance(event, (OutputLine, Progress, ResourceUse)) and len(self._queue) >= MAX_BACKLOG:
-                self._dropped += isinstance(event, OutputLine)
-                return
+            if len(self._queue) >= MAX_BACKLOG and isinstance(event, _FLOODS) and self._drop_oldest_flood():
+                self._published -= 1  # it will never be handled
             self._queue.append(event)
             self._published += 1
             self._ready.notify()
+
+    def _drop_oldest_flood(self) -> bool:
+        """Drop the oldest queued line, report or sample (the queue's first, in a flood); False if there is
+        none (the backlog is of events that are all kept). Under the lock."""
+        for index, queued in enumerate(self._queue):
+            if isinstance(queued, _FLOODS):
+                del self._queue[index]
+                self._dropped += isinstance(queued, OutputLine)
+                return True
+        return False
 
     def wait_handled(self, deadline: float) -> None:
         """Wait until what was queued before this call has been handled, or the deadline."""
@@ -214,8 +226,9 @@ class _Subscription:
                     self._ready.wait()
                 batch = list(self._queue)
                 self._queue.clear()
-                if self._dropped:  # caught up: say what was missed, before what comes next
-                    batch.insert(len(batch) - (batch[-1] is None), LinesDropped(self._dropped))
+                if self._dropped:  # where they were missed: before what is left of the flood
+                    first = next((i for i, e in enumerate(batch) if isinstance(e, _FLOODS)), len(batch))
+                    batch.insert(min(first, len(batch) - (batch[-1] is None)), LinesDropped(self._dropped))
                     self._published += 1
                     self._dropped = 0
             for event in batch:

@@ -55,14 +55,18 @@ def test_a_sigkilled_worker_or_relay_leaves_no_folder_nor_process_on_its_host(ss
 
         assert host.exec("kill", "-KILL", str(agent if killed == "worker" else relay)).returncode == 0
 
-        deadline = time.monotonic() + 20
-        while (_folders(host) or _processes(host)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _folders(host) == [] and _processes(host) == [], (_folders(host), _processes(host))
+        # A dead relay looks to the session like a dropped connection: it connects again (an sshd and
+        # `ssh_remote --attach` on the host), hears the worker is gone, and fails it. Only then is the host
+        # sure to stay empty: a look before could fall between two of those tries.
         deadline = time.monotonic() + 30
         while session.list_workers()[0]["status"] == "running" and time.monotonic() < deadline:
             time.sleep(0.2)
         assert session.list_workers()[0]["status"] == "failed", session.list_workers()
+        deadline = time.monotonic() + 20
+        while (_folders(host) or _processes(host)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = (_folders(host), _processes(host))
+        assert left == ([], []), (left, session.output(worker)[-2000:])
     assert leftovers_on(ssh_hosts) == {}
 
 

@@ -490,3 +490,22 @@ def test_the_watch_screen_shows_what_was_asked_and_what_is_used():
     assert ended.split()[2:] == ["stopped", "0", "0", "GiB"]  # what an ended worker uses: nothing shown
     assert all(line == line.rstrip() for line in lines)
     assert usage_screen([], 0.0).startswith("cmlcluster: 0 live sessions, ")
+
+
+def test_the_watch_lists_live_sessions_without_asking_any_gone_ones_controller(tmp_path, monkeypatch):
+    # A gone session's controller may sit on a network that is gone too: asking it takes up to a second,
+    # and a refresh that asked many outlived a CI run's Ctrl-C. The watch shows live sessions only.
+    from cmlcluster import origin, records
+    from cmlcluster.__main__ import _live_records
+
+    monkeypatch.setenv("CMLCLUSTER_STATE_DIR", str(tmp_path))
+    here = origin.this_process().as_strings()
+    gone = {**here, "pid": "999999999"}
+    for name, where in (("alive", here), ("gone", gone)):
+        record = {"id": name, "origin": where, "controller": "10.200.9.1:4000", "workers": []}
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    asked = []
+    monkeypatch.setattr(origin, "answers", lambda address, timeout=1.0: asked.append(address) or False)
+    assert [r["id"] for r in _live_records()] == ["alive"] and not any(asked)
+    assert {r["id"]: r["state"] for r in records.records()} == {"alive": origin.ALIVE, "gone": origin.GONE}
+    assert any(asked)  # what `list` and `cleanup` do ask, to tell GONE from ANSWERING
