@@ -1,4 +1,4 @@
-"""What bringing collect= files home costs (cmlcluster/backends/results_home.py): the session's guarded
+"""What bringing collect= files home costs (cmlcluster/collect/home.py): the session's guarded
 extraction (only under the collect= paths, each folder opened without following links, never over a file
 that was there) against tarfile's own extraction with its "data" filter, of the same stream.
 
@@ -17,7 +17,7 @@ import tarfile
 import tempfile
 import time
 
-from cmlcluster.backends.results_home import Arrival, Homecoming
+from cmlcluster.collect.home import Arrival, Homecoming
 
 
 def stream(files: int, size: int) -> bytes:

@@ -1,4 +1,4 @@
-"""What encrypting the control plane (CurveZMQ, cmlcluster/connection.py) costs: with against without.
+"""What encrypting the control plane (CurveZMQ, cmlcluster/control/connection.py) costs: with against without.
 
 Two measures, each alternating encrypted and plain sessions in this one process and printing the
 ratio of medians (encrypted / plain; the goal is at most 1.05):
@@ -16,7 +16,8 @@ import argparse
 import statistics
 import time
 
-from cmlcluster import Session, connection
+from cmlcluster import Session
+from cmlcluster.control import connection
 from cmlcluster.events import LinesDropped, OutputLine
 
 FLOOD = "import sys\nline = 'x' * 99 + '\\n'\nfor _ in range({lines}):\n    sys.stdout.write(line)\n"

@@ -33,7 +33,9 @@ import zmq
 from ipyparallel.controller.heartmonitor import Heart
 from jupyter_client.session import Session as Signer
 
-from cmlcluster import Session, connection, control
+from cmlcluster import Session
+from cmlcluster.control import connection
+from cmlcluster.control import plane as control
 from cmlcluster.wire import CONNECTION_ENV, HEARTBEAT_MS
 
 PER_PROCESS = 256  # simulated engines per process (each has a heart thread and ~9 connections)
@@ -165,7 +167,7 @@ class Meter:
 
 def controller_groups() -> dict[str, list[psutil.Process]]:
     """This process's session controller (one at a time): the hub's process and the heart monitor it forked."""
-    [top] = [p for p in psutil.Process().children() if p.cmdline()[1:3] == ["-m", "cmlcluster._controller"]]
+    [top] = [p for p in psutil.Process().children() if p.cmdline()[1:3] == ["-m", "cmlcluster.control.controller"]]
     return {"hub": [top], "monitor": top.children(recursive=True)}
 
 

@@ -26,7 +26,7 @@ import docker
 import ipyparallel as ipp
 
 from cmlcluster import Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 
 IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 NETWORK = "cmlcluster"

@@ -27,7 +27,7 @@ import docker
 from timeline import Timeline, median_timeline  # bench/, the script's folder
 
 from cmlcluster import Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.horovod import run_horovod
 from cmlcluster.ssh.keys import new_ed25519
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from repeats import medians  # bench/, the script's folder
 
 from cmlcluster import Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.events import JobChanged, Progress
 from cmlcluster.horovod import run_horovod
 

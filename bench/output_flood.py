@@ -21,7 +21,8 @@ import threading
 import time
 from unittest import mock
 
-from cmlcluster import Session, ipyparallel_internals, lines
+from cmlcluster import Session, lines
+from cmlcluster.control import ipyparallel_internals
 
 PRINTER = """
 import sys

@@ -30,7 +30,7 @@ from cmlcluster.ui.widget import WidgetView
 IDLE_SECONDS = 5.0
 PRINT_SECONDS = 8.0
 PRINT_RATE = 20  # lines a second per worker while the widget is measured
-CONTROLLER = ["-m", "cmlcluster._controller"]
+CONTROLLER = ["-m", "cmlcluster.control.controller"]
 PRINTING = f"""
 import time
 for i in range({int(PRINT_SECONDS * PRINT_RATE)}):

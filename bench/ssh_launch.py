@@ -31,7 +31,7 @@ from sshhosts import TestHosts, start_hosts
 from timeline import Timeline, median_timeline  # bench/, the script's folder
 
 from cmlcluster import Session
-from cmlcluster.backends.ssh import SSHBackend
+from cmlcluster.backends.ssh.backend import SSHBackend
 
 
 def backend(hosts: TestHosts) -> SSHBackend:

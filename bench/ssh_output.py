@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sshhosts import TestHosts, start_hosts
 
 from cmlcluster.backends.base import SessionContext
-from cmlcluster.backends.ssh import SSHBackend
+from cmlcluster.backends.ssh.backend import SSHBackend
 from cmlcluster.logfile import start_process
 from cmlcluster.workers import Resources, WorkerSpec
 

@@ -16,7 +16,7 @@
 
 Both sides run in this process's run, alternating (interleaved repeats), on this machine's local
 processes. Call -> ready also runs a third side: start_cluster with workers started on their own
-rather than forked from a template agent (agent_template.py), which shows what the template
+rather than forked from a template agent (agent/template.py), which shows what the template
 saves. Beside each ratio: the by-hand runs' spread (slowest / fastest), the noise a gap must
 exceed to be real.
 

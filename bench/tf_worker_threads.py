@@ -110,9 +110,9 @@ def ours(window: float) -> tuple[dict[str, float], dict[str, float]]:
         training.start()
         while "global step" not in session.output(worker):
             time.sleep(0.2)
-        others = descendants_cpu({"controller": "cmlcluster._controller"})
+        others = descendants_cpu({"controller": "cmlcluster.control.controller"})
         groups = by_group(pid, python, window)
-        after = descendants_cpu({"controller": "cmlcluster._controller"})
+        after = descendants_cpu({"controller": "cmlcluster.control.controller"})
         cluster.stop()  # ends the training: its workers go
         return groups, {k: after[k] - others.get(k, 0.0) for k in after}
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from cmlcluster import Session
-from cmlcluster._controller import LISTENING_FILE
+from cmlcluster.control.controller import LISTENING_FILE
 from cmlcluster.events import Event, JobChanged, OutputLine, Progress, RunEnded, SessionClosed, WorkerStatus
 
 ENDED = ("succeeded", "failed", "stopped")

@@ -26,7 +26,7 @@ import docker
 from timeline import Timeline, median_timeline  # bench/, the script's folder
 
 from cmlcluster import Session, run_torch
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 
 IMAGE = os.environ.get("CMLCLUSTER_TEST_IMAGE", "cmlcluster-test:latest")
 ROOT = Path(__file__).resolve().parents[1]

@@ -95,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     backend: object = args.backend
     if args.backend == "docker":
-        from cmlcluster.backends.docker import DockerBackend
+        from cmlcluster.backends.docker.backend import DockerBackend
 
         backend = DockerBackend(image=IMAGE, host_python=True)
     fresh, recovery = [], []

@@ -6,7 +6,7 @@ the session process ends, the pipe reaches EOF and the lifeline thread kills the
 whole group. ``python path/to/_lifeline.py -- argv...`` runs any command that
 way (horovodrun, whose own helpers end the ranks when it dies); it imports only
 the standard library, so it runs by path where cmlcluster is not importable. The
-controller holds a lifeline too (_controller.py).
+controller holds a lifeline too (control/controller.py).
 """
 
 from __future__ import annotations

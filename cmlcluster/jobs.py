@@ -104,7 +104,7 @@ class Role:
     min_count: int | None = None  # None: all of them
     env: Mapping[str, str] = field(default_factory=dict)
     replaceable: bool = False  # a lost member can be replaced (TensorFlow's ps cannot: its variables go with it)
-    collect: tuple[str, ...] = ()  # paths of its workers' folders that come home when each ends (results.py)
+    collect: tuple[str, ...] = ()  # paths of its workers' folders that come home when each ends (collect/paths.py)
 
     def launch(self, session: Session, n: int, **more: Any) -> list[dict[str, Any]]:
         """Launch n workers of this role (`more`: launch_workers' other keywords); their dicts."""

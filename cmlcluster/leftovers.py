@@ -1,7 +1,7 @@
 """Files a worker leaves in a working folder of its own, said once before they go with it.
 
 On backends whose workers do not see the session's working folder (SSH hosts, pods, Docker without it
-mounted), a worker starts in a folder of its own, removed when it ends (ssh_remote.py's rmtree, the
+mounted), a worker starts in a folder of its own, removed when it ends (ssh/remote.py's rmtree, the
 end of a container or a pod). What its program saved there by a relative name (model.keras,
 ./checkpoints/) would go without a word. So before the session stops such a worker, it asks the
 worker's agent what the folder holds besides the files shipped to it (agent_files.leftovers) and says
@@ -17,7 +17,7 @@ import collections
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .agent_files import notice
+from .agent.files import notice
 from .workers import RUNNING, Worker
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class Leftovers:
 
     async def _ask(self, worker: Worker) -> dict[str, Any] | None:
         try:
-            found = await self._supervisor.call(worker, "cmlcluster.agent:leftovers", (), ASK_TIMEOUT)
+            found = await self._supervisor.call(worker, "cmlcluster.agent.main:leftovers", (), ASK_TIMEOUT)
         except Exception as e:  # an agent of an older cmlcluster, a worker ending meanwhile: nothing to say
             log.debug("cmlcluster: could not ask worker %s what its folder holds: %s", worker.id, e)
             return None

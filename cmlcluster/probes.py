@@ -1,5 +1,5 @@
 """Checking, before use, that a library still has the private names cmlcluster reads of it
-(tensorflow/internals.py, ipyparallel_internals.py)."""
+(tensorflow/internals.py, control/ipyparallel_internals.py)."""
 
 from __future__ import annotations
 

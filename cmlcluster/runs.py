@@ -75,7 +75,9 @@ def session_for(session: Session | None, backend: str | Backend | None, echo: bo
 def send_files(session: Session, worker_ids: Sequence[str], shipment: Shipment) -> None:
     """Unpack a shipment in these workers (nothing to do when they see the files already)."""
     if shipment.files:
-        session.call_each([(w, "cmlcluster.agent:unpack_files", (shipment.files, shipment.in_cwd)) for w in worker_ids])
+        session.call_each(
+            [(w, "cmlcluster.agent.main:unpack_files", (shipment.files, shipment.in_cwd)) for w in worker_ids]
+        )
 
 
 def report_end(session: Session, run: str, result: RunResult) -> None:

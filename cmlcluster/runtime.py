@@ -11,10 +11,11 @@ import tempfile
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from . import app_ports, waiting, worker_logs
+from . import waiting, worker_logs
 from ._aio import LoopThread
+from .apps import ports as app_ports
 from .backends import Backend, SessionContext
-from .control import ControlPlane, IPyParallelControl
+from .control.plane import ControlPlane, IPyParallelControl
 from .events import EventBus, SessionClosed
 from .supervisor import Supervisor
 from .worker_env import build_spec

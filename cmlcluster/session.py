@@ -19,8 +19,9 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from . import blocking, checks, live, origin, records, results, shipping, ui
+from . import blocking, checks, live, origin, records, shipping, ui
 from .backends import Backend, make_backend
+from .collect import paths as results
 from .errors import CmlClusterError, ConfigError
 from .events import CallStarted, Event, Subscriber
 from .runtime import DRAIN_TIMEOUT, Runtime
@@ -103,14 +104,14 @@ class Session:
 
         name: the workers' name, in their dicts ("name") and views, as CML's newer workspaces take it.
         Each dict's "app_url" is where a browser opens what the worker serves on its CDSW_APP_PORT
-        (app_ports.py).
+        (apps/ports.py).
 
         A script the workers cannot read where it is (on SSH hosts, say) is shipped to them.
         ship_working_folder: ship the whole working folder too, to workers that do not see it
         (capped in size: see shipping.py); they start in their copy of it.
         collect: paths relative to the worker's working folder ("outputs", "model.keras") whose files
         come to the same paths in this working folder when the worker ends, as if it wrote to a shared
-        disk (results.py); where workers see this folder, they are there already.
+        disk (collect/paths.py); where workers see this folder, they are there already.
         replaces: a lost worker's id (a job's replacement, jobs.Restarts): where the backend can,
         they start where it ran (Capabilities.stable_addresses).
         """

@@ -5,7 +5,7 @@ and tcp6 (as identd reads them).
 Two questions are asked of it: whose is the other end of a connection a server accepted (the Horovod
 rendezvous admits a process of the session's user only, horovod/rendezvous.py), and whose is the
 listener a connection to 127.0.0.1:<port> would reach (a worker's app forwarder relays to its own
-user's app only, app_forward.py).
+user's app only, apps/forward.py).
 """
 
 from __future__ import annotations

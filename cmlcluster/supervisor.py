@@ -18,8 +18,8 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from .backends import Backend
-from .collect_through_agents import CollectThroughAgents
-from .control import HUB_SILENCE_MARGIN, ControlPlane
+from .collect.through_agents import CollectThroughAgents
+from .control.plane import HUB_SILENCE_MARGIN, ControlPlane
 from .errors import BackendError, ConfigError, WorkerError
 from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
 from .leftovers import Leftovers
@@ -155,7 +155,7 @@ class Supervisor:
             try:
                 await control.call(
                     worker.engine_id,
-                    "cmlcluster.agent:unpack_files",
+                    "cmlcluster.agent.main:unpack_files",
                     (worker.program.files, worker.program.files_in_cwd),
                     lambda s, t: self._on_output(worker, s, t),
                 )

@@ -42,7 +42,8 @@ import time
 from types import TracebackType
 from typing import Any
 
-from . import checks, server_proxy
+from . import checks
+from .apps import server_proxy
 from .errors import CmlClusterError, ConfigError
 from .tensorboard_process import (
     HOST,

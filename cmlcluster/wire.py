@@ -11,10 +11,10 @@ CONNECTION_FILE_ENV = "CMLCLUSTER_CONNECTION_FILE"
 ENGINE_ID_ENV = "CMLCLUSTER_ENGINE_ID"  # the engine id the agent registers as
 PRELOAD_ENV = "CMLCLUSTER_PRELOAD"  # modules the agent imports while its engine registers
 LOG_LEVEL_ENV = "CMLCLUSTER_LOG_LEVEL"  # the controller's and the agents' log level (WARN; DEBUG to look inside)
-# CML's web-app ports, a worker's own (app_ports.py): where it serves an app, read-only, and public.
+# CML's web-app ports, a worker's own (apps/ports.py): where it serves an app, read-only, and public.
 APP_PORT_ENVS = ("CDSW_APP_PORT", "CDSW_READONLY_PORT", "CDSW_PUBLIC_PORT")
 # Where a worker's address is not this machine's loopback: the port on that address at which its agent
-# relays connections to 127.0.0.1:<CDSW_APP_PORT> (app_forward.py); taken out of the program's environment.
+# relays connections to 127.0.0.1:<CDSW_APP_PORT> (apps/forward.py); taken out of the program's environment.
 APP_FORWARD_PORT_ENV = "CMLCLUSTER_APP_FORWARD_PORT"
 # "1" when the worker's working folder is its own, removed when it ends: a stopped program names what it leaves.
 OWN_FOLDER_ENV = "CMLCLUSTER_OWN_FOLDER"
@@ -42,7 +42,7 @@ CONTROLLER_START_TIMEOUT = 60.0
 
 # A worker's output as the session keeps it: its log keeps the last TAIL_BYTES / 2 to TAIL_BYTES
 # (logfile.py), and an SSH worker's relay on its host as much, for a connection that drops
-# (ssh_relay.py); a pipe is read READ_CHUNK at a time on both sides.
+# (ssh/relay.py); a pipe is read READ_CHUNK at a time on both sides.
 TAIL_BYTES = 8 << 20
 READ_CHUNK = 64 << 10
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 
 from . import wire
-from .app_ports import environment as app_ports_env
+from .apps.ports import environment as app_ports_env
 from .backends import Capabilities
 from .workers import PACKAGE_DIR, PACKAGE_PARENT, Resources, WorkerSpec
 
@@ -58,7 +58,7 @@ def build_spec(
     wid = worker_id(session_id, engine_id)
     worker_env = dict(env)
     worker_env.update(agent_env)
-    worker_env.update(app_ports_env(app_ports))  # CML's web-app ports (app_ports.py)
+    worker_env.update(app_ports_env(app_ports))  # CML's web-app ports (apps/ports.py)
     worker_env.update(
         {
             "CDSW_MASTER_IP": controller_ip,

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import app_ports, checks, wire
+from . import checks, wire
+from .apps import ports as app_ports
 from .errors import ConfigError, WorkerError
 
 # The folder that holds this cmlcluster package: first on the PYTHONPATH of workers that see it,
@@ -65,7 +66,7 @@ class WorkerSpec:
     resources: Resources
     cwd: str
     replaces: str = ""  # a lost worker's id: where the backend can, this one starts where that one ran
-    collect: tuple[str, ...] = ()  # paths under its working folder that come home to cwd (results.py)
+    collect: tuple[str, ...] = ()  # paths under its working folder that come home to cwd (collect/paths.py)
     name: str = ""  # launch_workers(name=...), as CML's newer workspaces take it
     app_ports: tuple[int, ...] = ()  # CDSW_APP_PORT, CDSW_READONLY_PORT, CDSW_PUBLIC_PORT[, forwarder] (app_ports.pick)
 

@@ -35,14 +35,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_redact",  # secrets out of log records (the controller and the agent)
             "origin",
             "ports",
-            "server_proxy",  # links through the notebook server's jupyter-server-proxy
-            "app_ports",  # CML's web-app ports and app_url: a worker dict's field
+            "apps.server_proxy",  # links through the notebook server's jupyter-server-proxy
+            "apps.ports",  # CML's web-app ports and app_url: a worker dict's field
             "cml_shim",  # the finder that answers for `cml` where no real CML is installed
             "workers",
-            "results",  # what collect= may name, and which files are a worker's: both sides read it
+            "collect.paths",  # what collect= may name, and which files are a worker's: both sides read it
             "resources",
             "cgroups",
-            "engine_imports",
+            "collect",  # the collect= package: its __init__ is its list of modules
+            "apps",  # the web-apps package: its __init__ is its list of modules
+            "agent.engine_imports",  # what a worker's engine leaves unimported: before the engine's import
             "events",
             "live",
             "shipping",
@@ -52,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "logfile",
             "session_summary",  # a session's notebook and outcome, beside its kept logs
             "stop_socket",  # a session's stop socket: served by the session (records), asked by the panel (lab)
-            "_controller",
+            "control.controller",
             "ssh",
             "ssh.config",
             "ssh.keys",
@@ -67,9 +69,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensorflow.versions",
             "tensorflow.coordinator",
             "tensorflow.internals",
-            "ipyparallel_internals",
+            "control.ipyparallel_internals",
             "probes",
-            "connection",
+            "control.connection",
         ),
     ),
     # A worker's side: its agent and what runs beside it. Nothing here knows a session.
@@ -77,12 +79,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "worker",
         (
             "agent",
-            "agent_engine",
-            "agent_files",
-            "agent_program",
-            "agent_results",  # in a pod's agent: its collect= files, for the session to take
-            "agent_template",
-            "app_forward",  # relays a worker's own address to its web app on 127.0.0.1
+            "collect.in_worker",  # in a pod's agent: its collect= files, for the session to take
+            "apps.forward",  # relays a worker's own address to its web app on 127.0.0.1
             "pytorch.node",
             "pytorch.rank",
             "pytorch.launch",
@@ -90,14 +88,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "horovod.driver",
             "tensorflow.task",
             "ssh.sshd",
-            "backends.ssh_remote",
-            "backends.ssh_relay",  # the host's side of an SSH worker, beside ssh_remote
-            "backends.ssh_janitor",  # cleans up after a killed relay on an SSH host
-            "backends.results_host",  # on an SSH host: a worker's collect= files, kept until the session takes them
+            "backends.ssh.remote",
+            "backends.ssh.relay",  # the host's side of an SSH worker, beside its remote
+            "backends.ssh.janitor",  # cleans up after a killed relay on an SSH host
+            "collect.on_host",  # on an SSH host: a worker's collect= files, kept until the session takes them
         ),
     ),
     # What a session drives: the control plane (it runs one function of the agent in the worker) and backends.
-    ("drivers", ("control", "backends", "backends.registry")),
+    (
+        "drivers",
+        ("control", "backends", "backends.registry", "collect.home"),  # collect.home: what backends bring home
+    ),
     (
         "session parts",
         (
@@ -108,7 +109,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "records",
             "worker_logs",
             "leftovers",
-            "collect_through_agents",
+            "collect.through_agents",
             "tensorboard_server",
             "tensorboard_process",
             "ui",
@@ -118,7 +119,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("jobs", ("jobs", "runs", "api")),
     ("frameworks", ("tensorflow", "horovod", "pytorch")),
     # "": the package itself; cml_shim.cml: CML's `cml` package, over api.
-    ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml", "lab", "proxy_hosts")),
+    ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml", "lab", "apps.proxy_hosts")),
 ]
 
 

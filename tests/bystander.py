@@ -105,7 +105,7 @@ def start(image: str, timeout: float = 120.0) -> Bystander:
 
 def main(folder: Path, image: str, test_pid: int) -> None:
     from cmlcluster import Session
-    from cmlcluster.backends.docker import DockerBackend
+    from cmlcluster.backends.docker.backend import DockerBackend
 
     local = Session("local", echo=False)
     docker = Session(DockerBackend(image=image, host_python=True), echo=False)

@@ -289,7 +289,7 @@ def kube_backend(cluster, **options):
 
 
 def ssh_backend(hosts, slots: int = SSH_SLOTS, **options):
-    from cmlcluster.backends.ssh import SSHBackend
+    from cmlcluster.backends.ssh.backend import SSHBackend
 
     login = {"user": hosts.user, "identity": hosts.identity_file, "known_hosts": hosts.known_hosts}
     return SSHBackend([f"{h.ip}:{slots}" for h in hosts.hosts], python=hosts.python, **{**login, **options})
@@ -323,7 +323,7 @@ def worker_startup_hook(request, tmp_path):
 def backend_for(name: str, shared: str):
     """The backend a parametrized test runs on (docker: `shared` is a folder workers see at the same path)."""
     if name == "docker":
-        from cmlcluster.backends.docker import DockerBackend
+        from cmlcluster.backends.docker.backend import DockerBackend
 
         return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, volumes={shared: shared})
     return name

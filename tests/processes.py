@@ -34,9 +34,9 @@ RUN_TAG = os.environ.get(RUN_TAG_ENV, "")
 # The command lines of what a session starts on this host: what a test must not leave running.
 CMLCLUSTER_COMMANDS = (
     "cmlcluster.agent",
-    "cmlcluster._controller",
-    "cmlcluster.backends.ssh_remote",
-    "cmlcluster.backends.docker_reaper",
+    "cmlcluster.control.controller",
+    "cmlcluster.backends.ssh.remote",
+    "cmlcluster.backends.docker.reaper",
     "ipyparallel.controller",
     "ipyparallel.engine",
     "cmlcluster.pytorch.launch",  # torchrun

@@ -22,7 +22,7 @@ the loop that carries every worker's events never waits on one backend:
   output has been read to its end: what it wrote last (a stopped program's
   cleanup, say) is in ``output(handle)`` before the session hears of its end.
   Where it declares ``collects``, what the worker wrote under ``spec.collect`` is
-  in ``spec.cwd`` by then too (results.py), success, failure or stop alike.
+  in ``spec.cwd`` by then too (collect/paths.py), success, failure or stop alike.
   A backend waits for the end of the stream its output arrives through (a
   container's or a pod's log, the pipe of a process: logfile.WorkerOutput), at
   most OUTPUT_DRAIN_SECONDS after the exit. The log it copies the stream into is
@@ -63,7 +63,7 @@ from ..wire import DEFAULT_SILENCE_TIMEOUT
 from ..workers import Resources, WorkerSpec
 
 if TYPE_CHECKING:
-    from ..control import ControlPlane
+    from ..control.plane import ControlPlane
 
 
 OUTPUT_TAIL_BYTES = 64 * 1024
@@ -117,11 +117,11 @@ class Capabilities:
         host lies between the session and its workers.
     session_machine: workers run on the session's machine, as its processes or in containers of an
         engine there: every user of the machine can connect to what they listen on (docs/security.md).
-    collects: what a worker wrote under its spec's collect= paths (results.py) is in the session's
+    collects: what a worker wrote under its spec's collect= paths (collect/paths.py) is in the session's
         spec.cwd once wait() or stop() returns, also where the worker's folder is its own and the
         worker was killed outright. Else, where workers do not see the session's working folder, the
         session takes the files through the worker's agent before it stops it
-        (collect_through_agents.py), which a worker killed outright takes with it.
+        (collect/through_agents.py), which a worker killed outright takes with it.
     """
 
     own_address: bool

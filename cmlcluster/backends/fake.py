@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..control import ControlPlane, OutputCallback, WorkerInfo
+from ..control.plane import ControlPlane, OutputCallback, WorkerInfo
 from ..errors import BackendError, CmlClusterError
 from ..resources import GpuPool
 from ..workers import Program, Resources, WorkerSpec

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._proc import end_group_async, signal_left_of_group
-from ..agent_template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
+from ..agent.template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 from ..cgroups import CgroupLimits
 from ..errors import BackendError
 from ..logfile import WorkerOutput, start_process
@@ -49,7 +49,7 @@ class LocalBackend(Backend[LocalHandle]):
 
     def __init__(self, gpus: Sequence[str] | None = None, apply_limits: bool = True, fork: bool = True):
         """gpus: the GPU ids to hand out (default: the session's CUDA_VISIBLE_DEVICES, else nvidia-smi).
-        fork: start workers from a template agent (agent_template.py); False starts each on its own."""
+        fork: start workers from a template agent (agent/template.py); False starts each on its own."""
         self._gpus = GpuPool(list(gpus) if gpus is not None else visible_gpus())
         self._apply_limits = apply_limits
         self._fork = fork

@@ -27,8 +27,8 @@ ENTRY_POINT_GROUP = "cmlcluster.backends"
 BUILTIN: dict[str, tuple[str, str]] = {
     "local": ("cmlcluster.backends.local:LocalBackend", ""),
     "fake": ("cmlcluster.backends.fake:FakeBackend", ""),
-    "docker": ("cmlcluster.backends.docker:DockerBackend", install_hint("docker", "'docker>=7'")),
-    "ssh": ("cmlcluster.backends.ssh:SSHBackend", ""),
+    "docker": ("cmlcluster.backends.docker.backend:DockerBackend", install_hint("docker", "'docker>=7'")),
+    "ssh": ("cmlcluster.backends.ssh.backend:SSHBackend", ""),
     "kubernetes": (
         "cmlcluster.backends.kubernetes.backend:KubernetesBackend",
         install_hint("kubernetes", "'kubernetes>=29'"),

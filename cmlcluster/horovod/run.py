@@ -36,12 +36,12 @@ from .. import _lifeline, checks
 from .._proc import descendants, end_group, python_module
 from ..api import get_session, stop_session, use_backend
 from ..backends import Backend
+from ..collect.paths import check_collect
 from ..errors import ConfigError
 from ..events import OutputLine
 from ..jobs import Job
 from ..lines import CUT_MARK, MAX_LINE_CHARS
 from ..progress import output_event
-from ..results import check_collect
 from ..runs import RESULT_LINES_KEPT, report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH

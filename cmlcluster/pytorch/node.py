@@ -23,8 +23,9 @@ import threading
 from collections.abc import Iterator
 from typing import IO, Any
 
-from .. import _lifeline, agent_files
+from .. import _lifeline
 from .._proc import python_module
+from ..agent import files as agent_files
 from ..lines import MAX_LINE_CHARS
 from . import commands
 

@@ -38,10 +38,10 @@ from typing import Any
 
 from .. import checks
 from ..backends import Backend
+from ..collect.paths import check_collect
 from ..errors import CmlClusterError, ConfigError, install_hint
 from ..events import Event, OutputLine
 from ..jobs import Job, JobFailure, Member, Restarts, Role, launch_job
-from ..results import check_collect
 from ..runs import RESULT_LINES_KEPT, report_end, send_files, session_for
 from ..session import Session
 from ..workers import FAILED, Resources, check_env, user_file

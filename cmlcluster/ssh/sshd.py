@@ -27,8 +27,9 @@ import subprocess
 import tempfile
 import time
 
-from .. import agent_files, wire
+from .. import wire
 from .._proc import descendants
+from ..agent import files as agent_files
 from .config import MAX_WORKER_ADDRESSES, sshd_config_text
 from .keys import new_ed25519
 

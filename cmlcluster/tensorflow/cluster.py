@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from .. import results, wire
+from .. import wire
 from ..api import get_session
+from ..collect import paths as results
 from ..errors import CmlClusterError, ConfigError, SharedMachineWarning
 from ..jobs import Job, JobFailed, JobFailure, Member, Restarts, Role, launch_job
 from ..ports import free_ports

@@ -54,7 +54,7 @@ def start_server(spec: Mapping[str, Sequence[str]], job: str, index: int) -> str
 
 def _load(script: str) -> dict[str, Any]:
     """A script's globals, run as a module that is not __main__; a module name works too."""
-    from ..agent_files import script_path  # in the worker, where the agent runs
+    from ..agent.files import script_path  # in the worker, where the agent runs
 
     path = script_path(script)  # shipped scripts arrive under a relative name
     if os.path.isfile(path):
@@ -76,7 +76,7 @@ def run_cml_script(script: str, spec: Mapping[str, Sequence[str]], task_index: i
 
 def run_script(script: str, tf_config: Mapping[str, Any], args: Sequence[str] = ()) -> None:
     """Run a script as __main__ with this task's TF_CONFIG, as `TF_CONFIG=... python script args` would."""
-    from ..agent_files import script_path
+    from ..agent.files import script_path
 
     os.environ["TF_CONFIG"] = json.dumps(tf_config)
     path = script_path(script)

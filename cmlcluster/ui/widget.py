@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
-from .. import blocking, logfile, results
+from .. import blocking, logfile
+from ..collect import paths as results
 from ..events import CallStarted, Event, Progress, ResourceUse, SessionClosed
 from ..progress import describe
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED

@@ -72,7 +72,7 @@ def contract(request):
     """(backend, spec(program) -> WorkerSpec), attached to a throwaway session folder."""
     name = request.param
     if name == "docker":
-        from cmlcluster.backends.docker import DockerBackend
+        from cmlcluster.backends.docker.backend import DockerBackend
 
         backend: Backend = DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True)
     elif name == "ssh":

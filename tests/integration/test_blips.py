@@ -25,9 +25,9 @@ from conftest import DOCKER_TEST_IMAGE, kube_backend, leftovers_on
 from processes import own_tree, run_containers, wait_until
 
 from cmlcluster import Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.backends.kubernetes import names
-from cmlcluster.backends.ssh import SSHBackend
+from cmlcluster.backends.ssh.backend import SSHBackend
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ def reconnections(session, worker) -> int:
 def ssh_clients() -> list[psutil.Process]:
     """The ssh processes in this process's own tree that carry a worker (the one worker of the test's
     session): its first connection's, or the one it attached again through."""
-    return [p for p in own_tree() if p.name() == "ssh" and "cmlcluster.backends.ssh_remote" in p.cmdline()[-1]]
+    return [p for p in own_tree() if p.name() == "ssh" and "cmlcluster.backends.ssh.remote" in p.cmdline()[-1]]
 
 
 def container_of(kind, request, worker):

@@ -1,6 +1,6 @@
 """A CML client, written against CML's documented worker API only, run unchanged on the local, Docker and
 SSH backends: a web app on each worker's CDSW_APP_PORT, bound to 127.0.0.1 as CML's docs show it, reached
-through its `app_url` (on Docker workers and SSH hosts through the agent's forwarder: app_forward.py), and
+through its `app_url` (on Docker workers and SSH hosts through the agent's forwarder: apps/forward.py), and
 stop_workers' responses checked, as Cloudera's cmlextensions does for its Ray and Dask dashboards. And what a notebook
 gets: in a kernel of a Jupyter server with jupyter-server-proxy, `app_url` goes through that server, which
 reaches a worker's address only while proxy_hosts.allow_workers admits it."""
@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 from conftest import DOCKER_TEST_IMAGE, ssh_backend
 
-from cmlcluster import app_ports
+from cmlcluster.apps import ports as app_ports
 
 pytestmark = pytest.mark.integration
 
@@ -162,7 +162,7 @@ class NotebookServer:
         config = folder / "config"
         config.mkdir()
         (config / "jupyter_server_config.py").write_text(
-            "from cmlcluster.proxy_hosts import allow_workers\nc.ServerProxy.host_allowlist = allow_workers\n"
+            "from cmlcluster.apps.proxy_hosts import allow_workers\nc.ServerProxy.host_allowlist = allow_workers\n"
         )
         env = env | {"JUPYTER_RUNTIME_DIR": str(self.runtime), "JUPYTER_CONFIG_DIR": str(config)}
         self.log = open(folder / "server.log", "w")  # closed by close()

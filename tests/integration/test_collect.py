@@ -1,11 +1,11 @@
-"""Results come home (collect=, cmlcluster/results.py): what workers in folders of their own write under
+"""Results come home (collect=, cmlcluster/collect/paths.py): what workers in folders of their own write under
 the paths named is in the session's working folder when each ends, whether it succeeded, failed or was
 stopped, as on CML's shared disk; what else they leave there is named in one warning that says collect=.
 
 For real, on SSH hosts (containers standing in for machines, which see none of the session's files:
 tests/sshhosts.py), on Docker containers that do not mount the working folder (mount_cwd=False), and on
 the stand-in Kubernetes cluster's pods run from a folder off its shared volume (their files come through
-their agents: collect_through_agents.py). One session each, three workers at once, to keep the suite short.
+their agents: collect/through_agents.py). One session each, three workers at once, to keep the suite short.
 On the shared volume, pods write where the session reads, as on CML."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 from cmlcluster import Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -1,4 +1,4 @@
-"""The control plane admits only holders of the session's keys (cmlcluster/connection.py).
+"""The control plane admits only holders of the session's keys (cmlcluster/control/connection.py).
 
 Each test talks to a real session's controller with raw ZeroMQ sockets, once without a key (nothing
 comes back) and once with the keys (something does, so the first silence means what it says).

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from cmlcluster import Session, connection
+from cmlcluster import Session
+from cmlcluster.control import connection
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

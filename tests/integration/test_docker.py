@@ -17,10 +17,11 @@ import pytest
 from conftest import DOCKER_TEST_IMAGE
 
 from cmlcluster import ConfigError, Session, origin
-from cmlcluster.backends import docker_engine, docker_gateway
 from cmlcluster.backends.base import SessionContext, run_tag_labels
-from cmlcluster.backends.docker import DockerBackend
-from cmlcluster.backends.docker_engine import remove_orphan_networks, remove_orphans
+from cmlcluster.backends.docker import engine as docker_engine
+from cmlcluster.backends.docker import gateway as docker_gateway
+from cmlcluster.backends.docker.backend import DockerBackend
+from cmlcluster.backends.docker.engine import remove_orphan_networks, remove_orphans
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,9 @@ from conftest import DOCKER_TEST_IMAGE
 from docker_window import refused_unless_in_dockers_window
 
 from cmlcluster import ConfigError, Session
-from cmlcluster.backends import docker_engine, docker_gateway
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker import engine as docker_engine
+from cmlcluster.backends.docker import gateway as docker_gateway
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.wire import CONNECTION_ENV, CONNECTION_FILE_ENV
 
 pytestmark = pytest.mark.integration
@@ -329,7 +330,7 @@ def test_sessions_making_their_networks_at_once_each_get_a_range_of_their_own_th
     import concurrent.futures
     import ipaddress
 
-    from cmlcluster.backends import docker_ranges
+    from cmlcluster.backends.docker import ranges as docker_ranges
 
     routes = docker_ranges.host_routes()  # before: the new networks' bridges add their own
     ids = [f"ranges{os.getpid()}x{i}" for i in range(4)]

@@ -51,7 +51,7 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     api = (out / "api.html").read_text()
-    # autodoc gives each documented object an HTML id of its full name: id="cmlcluster.backends.ssh.SSHBackend".
+    # autodoc gives each documented object an HTML id of its full name: id="cmlcluster.backends.ssh.backend.SSHBackend".
     missing = [name for name in PUBLIC if not re.search(rf'id="cmlcluster(\.\w+)*\.{name}"', api)]
     assert not missing, f"the API reference does not document {missing}"
     # Every notebook in the repository is rendered (not run: there are no outputs to check).

@@ -19,7 +19,7 @@ from tf_training import stacks_in_update_server_def, threads_in_update_server_de
 
 import cmlcluster
 from cmlcluster import Session, run_cluster
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.horovod import run_horovod
 from cmlcluster.jobs import JobFailed
 

@@ -16,7 +16,7 @@ from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 import cmlcluster
 from cmlcluster import CmlClusterError, Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.horovod import run_horovod
 from cmlcluster.ssh.keys import SessionSSH, new_ed25519
 from cmlcluster.ssh.preflight import Login, check_logins

@@ -119,7 +119,7 @@ HOROVOD_FOREVER = (
     + """
 import pathlib, tempfile
 import cmlcluster as cdsw
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 script = pathlib.Path(tempfile.mkdtemp(dir={shared!r})) / "forever.py"
 script.write_text("import time\\nimport horovod.tensorflow as hvd\\nhvd.init()\\nprint('training', flush=True)\\n"
                   "time.sleep(600)\\n")

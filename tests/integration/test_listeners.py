@@ -19,8 +19,8 @@ from conftest import DOCKER_TEST_IMAGE
 from processes import own_tree, running
 
 from cmlcluster import Session, run_horovod, run_torch
-from cmlcluster.backends.docker import DockerBackend
-from cmlcluster.connection import ENGINE_CHANNELS
+from cmlcluster.backends.docker.backend import DockerBackend
+from cmlcluster.control.connection import ENGINE_CHANNELS
 
 pytestmark = pytest.mark.integration
 

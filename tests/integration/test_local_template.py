@@ -1,4 +1,4 @@
-"""Local workers forked from a template agent (agent_template.py): they must be what a
+"""Local workers forked from a template agent (agent/template.py): they must be what a
 worker started on its own is, and every way the template can fail must leave workers that run."""
 
 from __future__ import annotations

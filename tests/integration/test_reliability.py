@@ -3,7 +3,7 @@
 The stall these guard against: after some launches (7 to 56 in the runs that found it) every reply
 from every engine stopped reaching the session, for the rest of the session. Its cause was a raw send
 on the ipyparallel client's mux socket, which can swallow the socket's edge-triggered wake-up (see
-control.py). A tight loop of calls hits that window within seconds; so do launch/stop cycles, more
+control/plane.py). A tight loop of calls hits that window within seconds; so do launch/stop cycles, more
 slowly. Every test here is also checked for leftover processes, containers and temp folders.
 """
 
@@ -23,7 +23,7 @@ import zmq
 from conftest import on
 from processes import agents
 
-import cmlcluster.control
+import cmlcluster.control.plane
 from cmlcluster import Session
 from cmlcluster.errors import ControllerError, WorkerError
 
@@ -96,12 +96,14 @@ def test_a_registered_worker_that_never_answers_fails_within_seconds_and_the_nex
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('CMLCLUSTER_ENGINE_ID') == '0':\n"
-        "    import time, cmlcluster.agent as agent\n"
+        "    import time, cmlcluster.agent.main as agent\n"
         "    print('hook: this engine will not answer', flush=True)\n"
         "    agent.describe = lambda: time.sleep(3600)\n"
     )
     caplog.set_level(logging.ERROR, logger="asyncio")  # where asyncio reports a future's unretrieved exception
-    monkeypatch.setattr(cmlcluster.control, "DESCRIBE_TIMEOUT", 4.0)  # 10 s in use: what the test waits for, shorter
+    monkeypatch.setattr(
+        cmlcluster.control.plane, "DESCRIBE_TIMEOUT", 4.0
+    )  # 10 s in use: what the test waits for, shorter
     with Session("local", echo=False) as s:
         [silent] = s.launch_workers(1, cpu=0.5, memory=0.5, code="pass", env={"PYTHONPATH": str(tmp_path)})
         started = time.monotonic()
@@ -148,7 +150,7 @@ def test_workers_started_before_the_controller_listens_register_once_it_does(tmp
 
 
 def test_a_controller_that_cannot_listen_fails_the_launch_and_stops_the_workers_it_started(monkeypatch):
-    import cmlcluster.control as control
+    import cmlcluster.control.plane as control
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ from conftest import DOCKER_TEST_IMAGE, on
 from processes import wait_until
 
 from cmlcluster import Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.events import ResourceUse
 
 pytestmark = pytest.mark.integration

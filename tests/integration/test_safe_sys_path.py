@@ -65,7 +65,7 @@ def test_no_helper_imports_from_the_notebooks_folder(notebook_folder, tmp_path):
         assert shown.returncode == 0, shown.stderr[-2000:]
     # The reaper of a session that never was: it waits for its stdin's end, then finds nothing to remove.
     reaper = subprocess.run(
-        python_module("cmlcluster.backends.docker_reaper", os.urandom(8).hex()),
+        python_module("cmlcluster.backends.docker.reaper", os.urandom(8).hex()),
         input=b"",
         capture_output=True,
         timeout=60,
@@ -78,5 +78,5 @@ def test_python_m_itself_imports_from_the_working_folder(notebook_folder):
     # What the test above guards against, shown: the same start as `python -m`, without the guard.
     import sys
 
-    subprocess.run([sys.executable, "-m", "cmlcluster.backends.docker_reaper"], capture_output=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "cmlcluster.backends.docker.reaper"], capture_output=True, timeout=60)
     assert marks_left(notebook_folder)

@@ -31,8 +31,9 @@ import psutil
 import pytest
 
 import cmlcluster
-from cmlcluster import Session, agent_files
-from cmlcluster.backends.ssh import SSHBackend
+from cmlcluster import Session
+from cmlcluster.agent import files as agent_files
+from cmlcluster.backends.ssh.backend import SSHBackend
 from cmlcluster.horovod import run_horovod
 from cmlcluster.ports import free_ports
 from cmlcluster.pytorch import run_torch

@@ -9,7 +9,7 @@ import pytest
 from conftest import DOCKER_TEST_IMAGE
 
 from cmlcluster import Session
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from conftest import leftovers_on, ssh_backend
 from sshhosts import start_hosts
 
 from cmlcluster import ConfigError, Session
-from cmlcluster.backends.ssh import SSHBackend, parse_hosts
+from cmlcluster.backends.ssh.backend import SSHBackend, parse_hosts
 
 pytestmark = pytest.mark.integration
 

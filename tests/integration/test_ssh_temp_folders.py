@@ -1,6 +1,6 @@
 """An SSH worker's folders on its host: its own (cmlcluster-<id>-…) and its short TMPDIR (/tmp/cml-…),
-made by its relay (ssh_remote.py) and removed at the worker's end, also when the worker or the relay
-itself is killed with SIGKILL (then the relay's janitor removes them: ssh_janitor.py)."""
+made by its relay (ssh/remote.py) and removed at the worker's end, also when the worker or the relay
+itself is killed with SIGKILL (then the relay's janitor removes them: ssh/janitor.py)."""
 
 from __future__ import annotations
 

@@ -410,7 +410,9 @@ def test_workers_whose_controller_stops_answering_exit_and_say_why(local_session
     workers = local_session.launch_workers(2, cpu=0.5, memory=0.5)
     assert local_session.await_workers(workers, wait_for_completion=False, timeout_seconds=40)["failures"] == []
     # The controller and its lifeline lead a process group of their own.
-    [group] = {os.getpgid(p.pid) for p in running("cmlcluster._controller") if local_session.id in command_line(p)}
+    [group] = {
+        os.getpgid(p.pid) for p in running("cmlcluster.control.controller") if local_session.id in command_line(p)
+    }
     os.killpg(group, signal.SIGSTOP)
     try:
         done = local_session.await_workers(workers, timeout_seconds=40)

@@ -632,7 +632,7 @@ class Kubelet:
 
 
 def host_python_mounts(package: str) -> dict[str, tuple[str, str]]:
-    """What docker.py's host_python mounts: /usr, this Python's prefixes and the cmlcluster package
+    """What docker/backend.py's host_python mounts: /usr, this Python's prefixes and the cmlcluster package
     (not its checkout's root, which may be private to root: pods run as random uids)."""
     mounts = {"/usr": ("/usr", "ro")}
     for path in (sys.base_prefix, sys.prefix, package):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cmlcluster.agent_program import cell_source, is_one_shell_command, run_cell
+from cmlcluster.agent.program import cell_source, is_one_shell_command, run_cell
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The agent's app forwarder (app_forward.py), with real sockets: it relays a worker's own address to its
+"""The agent's app forwarder (apps/forward.py), with real sockets: it relays a worker's own address to its
 app on 127.0.0.1, both ways, passes each side's close on, closes a connection while no app listens,
 and listens on the worker's address only. 127.0.0.2 stands for the worker's own address (Linux routes
 all of 127/8 to the loopback)."""
@@ -15,7 +15,9 @@ import threading
 
 import pytest
 
-from cmlcluster import app_forward, app_ports, wire
+from cmlcluster import wire
+from cmlcluster.apps import forward as app_forward
+from cmlcluster.apps import ports as app_ports
 
 WORKER = "127.0.0.2"
 

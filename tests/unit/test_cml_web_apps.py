@@ -18,10 +18,12 @@ import time
 import pytest
 
 import cmlcluster
-from cmlcluster import ConfigError, Session, app_ports, proxy_hosts, server_proxy
+from cmlcluster import ConfigError, Session
+from cmlcluster.apps import ports as app_ports
+from cmlcluster.apps import proxy_hosts, server_proxy
 from cmlcluster.backends import Capabilities
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
-from cmlcluster.backends.ssh_remote import short_tmpdir
+from cmlcluster.backends.ssh.remote import short_tmpdir
 
 PORT_NAMES = ("CDSW_APP_PORT", "CDSW_READONLY_PORT", "CDSW_PUBLIC_PORT")
 
@@ -37,7 +39,7 @@ def test_workers_with_an_address_of_their_own_get_cmls_ports_and_an_app_url_on_i
         workers = s.launch_workers(2, cpu=1, memory=1)
         assert [w["app_url"] for w in workers] == [None, None]  # no address yet
         running = s.await_workers(workers, wait_for_completion=False, timeout_seconds=10)["workers"]
-        # Its agent's forwarder to its app on 127.0.0.1 (app_forward.py), beside CDSW_APP_PORT.
+        # Its agent's forwarder to its app on 127.0.0.1 (apps/forward.py), beside CDSW_APP_PORT.
         assert [w["app_url"] for w in running] == ["http://10.0.0.1:8101/", "http://10.0.0.2:8101/"]
         for handle in backend.handles.values():
             assert [handle.spec.env[name] for name in PORT_NAMES] == ["8100", "8090", "8080"]

@@ -1,4 +1,4 @@
-"""collect= (cmlcluster/results.py): what may be named, refused before anything starts; and the two sides of
+"""collect= (cmlcluster/collect/paths.py): what may be named, refused before anything starts; and the two sides of
 a worker's files coming home on crafted folders: the host's keep/send (backends/results_host.py) and the
 session's unpack (backends/results_home.py), with a worker's stale shipped copies, links, the cap and two
 workers' files of one name."""
@@ -13,11 +13,12 @@ import time
 
 import pytest
 
-from cmlcluster import Session, results
+from cmlcluster import Session
 from cmlcluster.backends import Capabilities
 from cmlcluster.backends.fake import FakeBackend
-from cmlcluster.backends.results_home import Arrival, Homecoming
-from cmlcluster.backends.results_host import keep, results_root, send
+from cmlcluster.collect import paths as results
+from cmlcluster.collect.home import Arrival, Homecoming
+from cmlcluster.collect.on_host import keep, results_root, send
 from cmlcluster.errors import ConfigError
 
 
@@ -115,7 +116,7 @@ def test_the_host_keeps_what_the_worker_wrote_and_sends_it_once(host, tmp_path, 
     assert not (session / "outputs" / "shipped.yaml").exists() and not (session / "outputs" / "passwd").exists()
     assert sorted(os.listdir(session / "outputs")) == ["logs", "model.keras"]  # no temporary names left
     assert (arrival.files, arrival.bytes) == (2, len("new model") + len("loss 0.5"))
-    with caplog.at_level(logging.INFO, logger="cmlcluster.backends.results_home"):
+    with caplog.at_level(logging.INFO, logger="cmlcluster.collect.home"):
         arrival.say({"links": ["outputs/passwd -> /etc/passwd"], "links_count": 1, "missing": ["model.keras"]})
     said = [r.getMessage() for r in caplog.records]
     assert any("stayed behind" in m and "outputs/passwd -> /etc/passwd" in m for m in said), said
@@ -160,7 +161,7 @@ def test_two_workers_files_of_one_name_are_both_kept_and_said_once(tmp_path, cap
                 tar.addfile(info, io.BytesIO(text.encode()))
         arrival = Arrival(worker, str(tmp_path), ("outputs",))
         home.unpack([buffer.getvalue()], arrival)
-        with caplog.at_level(logging.WARNING, logger="cmlcluster.backends.results_home"):
+        with caplog.at_level(logging.WARNING, logger="cmlcluster.collect.home"):
             arrival.say({})
         return arrival
 
@@ -272,7 +273,7 @@ def unpacked(folder, collect, data, caplog, worker="s9-0", home=None):
     arrival = Arrival(worker, str(folder), results.check_collect(collect))
     (home or Homecoming()).unpack([data], arrival)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="cmlcluster.backends.results_home"):
+    with caplog.at_level(logging.WARNING, logger="cmlcluster.collect.home"):
         arrival.say({})
     return arrival, [r.getMessage() for r in caplog.records]
 
@@ -404,10 +405,10 @@ def test_a_flood_of_entries_is_read_no_further_than_the_cap_allows(session_folde
 
 
 def test_a_hostile_hosts_send_writes_only_what_collect_asks_for(session_folder, tmp_path, caplog):
-    """The SSH backend's end (collect._fetch) against a "host" whose send is a crafted program."""
+    """The SSH backend's end (backends/ssh/collect._fetch) against a "host" whose send is a crafted program."""
     import sys
 
-    from cmlcluster.backends.collect import _fetch
+    from cmlcluster.backends.ssh.collect import _fetch
     from cmlcluster.workers import Resources, WorkerSpec
 
     crafted = tmp_path / "crafted.tar"
@@ -502,7 +503,7 @@ def test_a_git_folder_or_byte_code_at_any_depth_comes_only_when_named(session_fo
     assert files_in(session_folder) == ["outputs/.keep", "outputs/model.txt", "repo/.gitignore", "train.py"]
     assert said == [] and arrival.not_asked_count == 0 and arrival.left_out_count == 5
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="cmlcluster.backends.results_home"):
+    with caplog.at_level(logging.INFO, logger="cmlcluster.collect.home"):
         arrival.say({})
     [info] = [r.getMessage() for r in caplog.records if "only when named" in r.getMessage()]
     assert "5 files that collect= brings only when named, left out: repo/.git/hooks/post-checkout" in info
@@ -561,7 +562,7 @@ def test_files_shipped_unchanged_are_skipped_without_a_word(session_folder, capl
     arrival = Arrival("s9-9", str(session_folder), (".",))
     Homecoming().unpack([data], arrival, since=time.time() - 60)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="cmlcluster.backends.results_home"):
+    with caplog.at_level(logging.INFO, logger="cmlcluster.collect.home"):
         arrival.say({})
     assert files_in(session_folder) == ["outputs/model.txt", "train.py"]
     assert [r.levelname for r in caplog.records] == ["INFO"] and "1 file" in caplog.records[0].getMessage()
@@ -590,7 +591,7 @@ def test_a_file_beside_one_that_was_here_never_replaces_another(session_folder, 
 
 
 def test_a_file_made_here_while_the_workers_came_is_not_replaced(session_folder, caplog, monkeypatch):
-    from cmlcluster.backends import results_home
+    from cmlcluster.collect import home as results_home
 
     looked = results_home._lstat
 
@@ -610,7 +611,7 @@ def test_a_file_made_here_while_the_workers_came_is_not_replaced(session_folder,
 def test_a_hosts_report_of_the_wrong_shape_is_read_as_empty_and_said(session_folder, tmp_path, caplog):
     import sys
 
-    from cmlcluster.backends.collect import _fetch
+    from cmlcluster.backends.ssh.collect import _fetch
     from cmlcluster.workers import Resources, WorkerSpec
 
     crafted = tmp_path / "crafted.tar"
@@ -638,7 +639,7 @@ def test_a_hosts_report_of_the_wrong_shape_is_read_as_empty_and_said(session_fol
 def test_where_the_file_system_has_no_hard_links_nothing_is_replaced_either(session_folder, caplog, monkeypatch):
     import errno
 
-    from cmlcluster.backends import results_home
+    from cmlcluster.collect import home as results_home
 
     def no_links(*args, **kwargs):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")

@@ -1,4 +1,4 @@
-"""collect= where the backend cannot take a worker's files itself (collect_through_agents.py): the session's
+"""collect= where the backend cannot take a worker's files itself (collect/through_agents.py): the session's
 orchestration against fake workers whose agent's side is the real agent_results, on a folder of this test's.
 The same on real pods: tests/integration/test_collect.py."""
 
@@ -10,8 +10,9 @@ import os
 import pytest
 from test_collect_paths import HOSTILE, stream
 
-from cmlcluster import Session, agent_files
-from cmlcluster.agent_program import call
+from cmlcluster import Session
+from cmlcluster.agent import files as agent_files
+from cmlcluster.agent.program import call
 from cmlcluster.backends.base import Capabilities
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
 
@@ -54,9 +55,9 @@ def test_a_stop_interrupts_the_program_then_takes_its_files_then_stops_the_worke
         assert (tmp_path / "session" / "outputs" / "model.txt").read_text() == "trained"  # before the stop returned
     assert targets(backend)[:4] == [
         "interrupt",
-        "cmlcluster.agent_results:pack",
-        "cmlcluster.agent_results:chunk",
-        "cmlcluster.agent_results:drop",
+        "cmlcluster.collect.in_worker:pack",
+        "cmlcluster.collect.in_worker:chunk",
+        "cmlcluster.collect.in_worker:drop",
     ]
     assert not (tmp_path / "session" / "stray.txt").exists()
     assert list((tmp_path / "worker-tmp").iterdir()) == []  # nothing of it left on the worker's side
@@ -82,7 +83,7 @@ def test_a_worker_killed_outright_is_said_to_have_taken_its_files_with_it(worker
     [said] = [r.getMessage() for r in caplog.records if "collect= files did not come home" in r.getMessage()]
     assert f"worker {w['id']}'s collect= files did not come home: it ended before its agent could send them" in said
     assert "the fake backend" in said and "shared volume" in said
-    assert "cmlcluster.agent_results:pack" not in targets(backend)
+    assert "cmlcluster.collect.in_worker:pack" not in targets(backend)
 
 
 def test_workers_that_see_the_session_folder_are_never_asked(worker_folder):

@@ -1,4 +1,4 @@
-"""The deadline for a registered engine's first answer (control.py's describe): counted from the latest
+"""The deadline for a registered engine's first answer (control/plane.py's describe): counted from the latest
 first answer of any engine, so that engines answering one after another on a machine's few cores are
 not failed, while one that hangs still is.
 
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from cmlcluster import control
+from cmlcluster.control import plane as control
 
 TIMEOUT = 2.0  # DESCRIBE_TIMEOUT here; the schedules below keep 1 s or more from each deadline
 

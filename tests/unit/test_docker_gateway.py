@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from cmlcluster.backends import docker_gateway
+from cmlcluster.backends.docker import gateway as docker_gateway
 
 
 def test_the_rule_refuses_what_reaches_the_gateway_through_other_interfaces_from_other_hosts_only():

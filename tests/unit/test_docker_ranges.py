@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from cmlcluster.backends import docker_ranges as ranges
+from cmlcluster.backends.docker import ranges
 
 
 def net(text: str) -> ipaddress.IPv4Network:

@@ -1,4 +1,4 @@
-"""What an agent's engine leaves unimported as it starts (engine_imports.py): each check runs in a fresh
+"""What an agent's engine leaves unimported as it starts (agent/engine_imports.py): each check runs in a fresh
 interpreter, as an agent starts, and compares with what ipyparallel does on its own."""
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cmlcluster import agent_files, shipping
+from cmlcluster import shipping
+from cmlcluster.agent import files as agent_files
 
 
 @pytest.fixture

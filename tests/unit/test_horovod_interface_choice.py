@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cmlcluster.backends.ssh import SSHBackend
+from cmlcluster.backends.ssh.backend import SSHBackend
 from cmlcluster.errors import ConfigError
 from cmlcluster.horovod.commands import common_interface
 from cmlcluster.ssh import sshd

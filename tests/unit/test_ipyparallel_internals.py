@@ -1,11 +1,11 @@
-"""ipyparallel's and ipykernel's names that cmlcluster reads beyond their API (ipyparallel_internals.py),
+"""ipyparallel's and ipykernel's names that cmlcluster reads beyond their API (control/ipyparallel_internals.py),
 probed on the versions installed here, and the error a version without one of them gives."""
 
 from __future__ import annotations
 
 import pytest
 
-from cmlcluster import ipyparallel_internals
+from cmlcluster.control import ipyparallel_internals
 from cmlcluster.errors import ControllerError
 
 

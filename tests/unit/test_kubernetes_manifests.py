@@ -16,7 +16,7 @@ import pytest
 from kubernetes.utils.quantity import parse_quantity
 
 from cmlcluster.backends.base import SessionContext
-from cmlcluster.backends.docker import DockerBackend
+from cmlcluster.backends.docker.backend import DockerBackend
 from cmlcluster.backends.kubernetes import manifests as m
 from cmlcluster.backends.kubernetes import names as n
 from cmlcluster.backends.kubernetes import options as o

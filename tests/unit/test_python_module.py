@@ -24,7 +24,7 @@ def hostile(tmp_path):
 
 
 @pytest.mark.parametrize("version", [(3, 10), sys.version_info[:2]], ids=["3.10 fallback", "this Python"])
-@pytest.mark.parametrize("module", ["json.tool", "cmlcluster.backends.docker_reaper"])
+@pytest.mark.parametrize("module", ["json.tool", "cmlcluster.backends.docker.reaper"])
 def test_a_module_runs_with_its_arguments_and_nothing_from_the_working_folder(hostile, monkeypatch, module, version):
     monkeypatch.setattr(sys, "version_info", version)
     argv = _proc.python_module(module, "--help")
@@ -50,7 +50,7 @@ def test_the_helper_runs_this_processs_cmlcluster_not_another_one_installed(host
     other.mkdir(parents=True)
     (other / "__init__.py").write_text("raise SystemExit('another cmlcluster ran')\n")
     env = dict(os.environ, PYTHONPATH=str(other.parent))  # before this one's on sys.path
-    argv = _proc.python_module("cmlcluster.backends.docker_reaper")  # no session id: its usage, and exit 1
+    argv = _proc.python_module("cmlcluster.backends.docker.reaper")  # no session id: its usage, and exit 1
     done = subprocess.run(argv, cwd=hostile, env=env, capture_output=True, text=True, timeout=30)
     assert "another cmlcluster ran" not in done.stderr
-    assert "usage: python -m cmlcluster.backends.docker_reaper" in done.stderr
+    assert "usage: python -m cmlcluster.backends.docker.reaper" in done.stderr

@@ -302,7 +302,7 @@ def origins(controller=""):
 
 
 def test_docker_cleanup_removes_the_containers_of_gone_sessions_only(monkeypatch):
-    from cmlcluster.backends import docker_engine
+    from cmlcluster.backends.docker import engine as docker_engine
 
     monkeypatch.delenv("CMLCLUSTER_RUN_TAG", raising=False)
     with socket.create_server(("127.0.0.1", 0)) as controller:

@@ -14,11 +14,13 @@ import psutil
 import pytest
 
 import cmlcluster
-from cmlcluster import ConfigError, Session, agent_engine, control, runtime, supervisor, wire
+from cmlcluster import ConfigError, Session, runtime, supervisor, wire
+from cmlcluster.agent import engine as agent_engine
 from cmlcluster.backends.base import Capabilities, SessionContext
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
 from cmlcluster.backends.local import LocalBackend
-from cmlcluster.backends.ssh import SSHBackend
+from cmlcluster.backends.ssh.backend import SSHBackend
+from cmlcluster.control import plane as control
 from cmlcluster.ssh.config import keepalive_options, keepalive_seconds
 
 BAD = [0, 0.5, -1, "60", True, float("nan"), float("inf"), [60]]
@@ -111,7 +113,7 @@ def test_ssh_gives_up_on_a_silent_connection_in_half_the_timeout_leaving_the_res
     assert options[0] == options[2] == "-o" and 1 <= interval <= 5 and misses >= 1
     gives_up = interval * (misses + 1)  # OpenSSH: at the first keepalive after `misses` unanswered
     assert gives_up == keepalive_seconds(silence)
-    assert silence / 2 <= gives_up <= silence / 2 + interval < silence  # then it connects again (ssh_attach.py)
+    assert silence / 2 <= gives_up <= silence / 2 + interval < silence  # then it connects again (ssh/attach.py)
 
 
 def test_the_ssh_backend_sizes_its_keepalives_and_tells_the_host_its_silence_timeout(tmp_path):

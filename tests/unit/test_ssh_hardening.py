@@ -19,7 +19,7 @@ import types
 
 import pytest
 
-from cmlcluster.backends.ssh import SSHBackend, parse_hosts
+from cmlcluster.backends.ssh.backend import SSHBackend, parse_hosts
 from cmlcluster.errors import ConfigError, WorkerError
 from cmlcluster.horovod import commands
 from cmlcluster.ssh import sshd

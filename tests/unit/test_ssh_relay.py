@@ -1,4 +1,4 @@
-"""An SSH worker's relay (backends/ssh_relay.py) and the session's connections to it (ssh_attach.py),
+"""An SSH worker's relay (backends/ssh_relay.py) and the session's connections to it (ssh/attach.py),
 on this machine: ssh_remote runs here as it would on a host, its stdin and stdout standing in for the
 ssh channel, so a dropped connection is its bridge process killed (or its pipes closed). The same over
 real ssh, with network cuts: tests/integration/test_blips.py."""
@@ -18,11 +18,11 @@ import time
 import psutil
 import pytest
 
-from cmlcluster.backends import ssh_relay
-from cmlcluster.backends.ssh_attach import LOST_HOST_EXIT, RemoteWorker
-from cmlcluster.backends.ssh_relay import EXIT, GONE_EXIT, HELLO, MAGIC, NOTE, OUTPUT, RAW, FrameReader, Spool, frame
+from cmlcluster.backends.ssh import relay as ssh_relay
+from cmlcluster.backends.ssh.attach import LOST_HOST_EXIT, RemoteWorker
+from cmlcluster.backends.ssh.relay import EXIT, GONE_EXIT, HELLO, MAGIC, NOTE, OUTPUT, RAW, FrameReader, Spool, frame
 
-REMOTE = [sys.executable, "-m", "cmlcluster.backends.ssh_remote"]
+REMOTE = [sys.executable, "-m", "cmlcluster.backends.ssh.remote"]
 
 
 def counting(n: int, pause: float, code: int = 0) -> str:

@@ -196,7 +196,7 @@ def default_backend(monkeypatch):
 
 def refuse_to_connect(monkeypatch):
     """Building or using a Docker backend now fails the test: use_backend must not reach the engine."""
-    from cmlcluster.backends import docker
+    from cmlcluster.backends.docker import backend as docker
 
     def connect(*args, **kwargs):
         raise AssertionError("use_backend connected to Docker")

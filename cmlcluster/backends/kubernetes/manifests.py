@@ -292,7 +292,7 @@ def worker_pod(
     """The Pod of one worker: the agent (spec.argv) in `image`, with spec's resources and env.
 
     secret_name, secret_uid: the session's Secret (created first: its uid is the owner reference).
-    The container's command and env are the spec's, as docker.py sends them, except that the
+    The container's command and env are the spec's, as docker/backend.py sends them, except that the
     controller's connection info is read from the mounted Secret instead of the environment, and
     env= values are references to the Secret's keys (env_secret_data, added before the pod).
     """
