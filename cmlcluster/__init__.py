@@ -9,10 +9,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _lazy, cml_shim
+from . import _lazy, cml_shim, viewers
 from ._version import __version__ as __version__
 
 cml_shim.install()  # `import cml.workers_v1` where no real CML is installed (cml_shim says why this way)
+
+
+def _attach_view(session: viewers.ViewedSession) -> None:
+    from .ui import attach
+
+    attach(session)
+
+
+def _display_view(session: viewers.ViewedSession) -> bool:
+    from .ui import display
+
+    return display(session)
+
+
+# The views sit above the session, which never imports them: they are registered here, and imported at a
+# session's first need of one.
+viewers.register(_attach_view, _display_view)
 
 # Imported when first used, not with the package: every worker's agent runs as
 # `python -m cmlcluster.agent`, which imports this package first and needs none of the

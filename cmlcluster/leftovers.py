@@ -15,13 +15,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .agent.files import notice
+from .supervision import WorkerCalls
 from .workers import RUNNING, Worker
-
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +29,14 @@ ASK_TIMEOUT = 2.0  # seconds: an idle agent answers in one round trip; a stop ne
 class Leftovers:
     """The leftovers of one session's workers, asked once each (a supervisor's part)."""
 
-    def __init__(self, supervisor: Supervisor):
+    def __init__(self, supervisor: WorkerCalls):
         self._supervisor = supervisor
         self.busy: collections.Counter[str] = collections.Counter()  # calls running in each worker
         self._asked: set[str] = set()
 
     def _may_ask(self, worker: Worker) -> bool:
         """An idle worker, in a folder of its own, with its agent there and not asked yet."""
-        program = self._supervisor.programs.get(worker.id)
+        program = self._supervisor.program(worker.id)
         return (
             worker.status == RUNNING
             and worker.id not in self._asked

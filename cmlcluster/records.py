@@ -29,19 +29,38 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from . import origin, session_summary, stop_socket
 from .errors import ConfigError
 from .events import Event, JobChanged, ResourceUse, WorkerStatus
+from .viewers import ViewedSession
 from .worker_env import worker_label
 from .workers import TERMINAL
 
-if TYPE_CHECKING:
-    from .session import Session
-
 log = logging.getLogger(__name__)
+
+
+class RecordedSession(ViewedSession, Protocol):
+    """What a record reads of its session (Session is one): what its views see, its folders and where its
+    workers run. The session, above, makes the Recorder."""
+
+    @property
+    def session_dir(self) -> str | None: ...
+
+    @property
+    def log_folder(self) -> str | None: ...
+
+    @property
+    def controller_address(self) -> str: ...
+
+    def on_close(self, callback: Callable[[], None]) -> None: ...
+
+    def list_workers(self) -> list[dict[str, Any]]: ...
+
+    def worker_pid(self, worker: str | Mapping[str, Any]) -> int | None: ...
+
 
 # A worker's fields a record keeps: where it runs and how it ended, what it asked for (`list --watch`
 # shows it beside what it uses), and its name (launch_workers(name=...)).
@@ -83,7 +102,7 @@ def check_private(path: str, what: str = "session records") -> None:
 class Recorder:
     """Keeps `session`'s record up to date (a subscriber: it never slows the session)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: RecordedSession):
         self.session = session
         self.path = os.path.join(folder(), f"{session.id}.json")
         self._workers: dict[str, dict[str, Any]] = {}

@@ -39,7 +39,7 @@ class Runtime:
         self.backend = backend
         self.loop = LoopThread(name=f"cmlcluster-{session_id}")
         self.events = EventBus(f"cmlcluster-{session_id}")
-        self.supervisor = Supervisor(session_id, backend, self.events)
+        self.supervisor = Supervisor(session_id, backend, self.events, self.silence_timeout)
         self.dir: str | None = None  # the session's folder (0700: the controller's keys), from the first launch
         self.logs = ""  # the folder of its workers' logs, kept after it (worker_logs.py), from the first launch
         self._attached = False  # whether the backend serves this session (from the first launch)
@@ -115,7 +115,7 @@ class Runtime:
             self._on_folder()
         # One silence for all three clocks: the agents' watchdogs, the controller's heartbeat misses
         # and the backend's own (ssh's keepalives).
-        silence = self.supervisor.silence_timeout = self.silence_timeout
+        silence = self.supervisor.silence_timeout
         if not self._attached:
             await self.backend.attach(
                 SessionContext(self.session_id, self.dir, silence_timeout=silence, logs=self.logs)
@@ -125,7 +125,7 @@ class Runtime:
         control.on_engine = self.supervisor.on_engine
         control.on_usage = self.supervisor.on_usage
         await control.start(self.backend.controller_ip(), self.dir)
-        self.supervisor.control = control
+        self.supervisor.use_control(control)
         return control
 
     async def wait(

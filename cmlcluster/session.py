@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from . import blocking, checks, live, origin, records, shipping, ui
+from . import blocking, checks, live, origin, records, shipping, viewers
 from .backends import Backend, make_backend
 from .collect import paths as results
 from .errors import CmlClusterError, ConfigError
@@ -76,11 +76,10 @@ class Session:
         self._launched_by: dict[str, str] = {}  # worker id -> the call that launched it
         self._on_close: list[Callable[[], None]] = []
         self._record: records.Recorder | None = None  # for `cmlcluster list` / `cleanup`
-        self.view: Any = None  # what shows the session (a widget, a terminal view): set by the UI
         self.closed = False
         live.add(self)
         if echo:
-            ui.attach(self)
+            viewers.attach(self)
 
     # ---------------------------------------------------------------- the worker API
 
@@ -338,10 +337,7 @@ class Session:
 
     def _ipython_display_(self) -> None:
         """The whole session's view, as a cell's value (every worker, all output), or its repr without one."""
-        whole = getattr(self.view, "whole", None)
-        if whole is not None:
-            whole().display()
-        else:
+        if not viewers.display(self):
             print(repr(self))  # shown without a widget (echo=False, or outside a kernel)
 
     def on_close(self, callback: Callable[[], None]) -> None:

@@ -27,7 +27,7 @@ from .lines import LineSplitter
 from .progress import output_event
 from .usage import decode as decode_usage
 from .waiting import Changes
-from .wire import DEFAULT_SILENCE_TIMEOUT, SILENCE_EXIT
+from .wire import SILENCE_EXIT
 from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,11 @@ EXIT_OUTPUT_GRACE = 2.0
 class Supervisor:
     """The workers of one session, from start to end."""
 
-    def __init__(self, session_id: str, backend: Backend, events: EventBus):
+    def __init__(self, session_id: str, backend: Backend, events: EventBus, silence_timeout: float):
         self.session_id = session_id
         self.backend = backend
-        self.control: ControlPlane | None = None  # set by the session once its control plane started
-        self.silence_timeout = DEFAULT_SILENCE_TIMEOUT  # the session's, set with its control plane
+        self.control: ControlPlane | None = None  # the session's, once started (use_control); None after it failed
+        self.silence_timeout = silence_timeout  # the session's: what its agents and controller allow a worker
         self.workers: dict[str, Worker] = {}
         self.changes = Changes()
         self._events = events
@@ -54,10 +54,24 @@ class Supervisor:
         self._next_engine_id = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_watchers: dict[str, asyncio.Task[None]] = {}
-        self.programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, running or run to its ending
+        self._programs: dict[str, asyncio.Future[Ending]] = {}  # each worker's program, running or run to its ending
         self._lines: dict[tuple[str, str], LineSplitter] = {}  # per worker and stream, its line being written
         self.leftovers = Leftovers(self)  # what a worker's own folder holds, said before it goes
         self.collecting = CollectThroughAgents(self)  # collect= files the backend cannot take itself
+
+    def use_control(self, control: ControlPlane) -> None:
+        """The session's control plane, started: the workers' engines register with it."""
+        self.control = control
+
+    def program(self, worker_id: str) -> asyncio.Future[Ending] | None:
+        """The worker's program, running or run to its ending; None before one was run (supervision)."""
+        return self._programs.get(worker_id)
+
+    async def interrupt(self, worker: Worker) -> None:
+        """End the worker's running program as a stop does, its agent serving on (supervision)."""
+        worker.stop_requested = True  # its program's end is a stop's (_program_ending)
+        assert self.control is not None  # a worker with a program has registered
+        await self.control.interrupt(worker.engine_id)
 
     def new_engine_id(self) -> int:
         engine_id = self._next_engine_id
@@ -246,7 +260,7 @@ class Supervisor:
     async def _run_program(self, worker: Worker) -> None:
         worker.program_started = True
         program = asyncio.ensure_future(self._program_ending(worker))
-        self.programs[worker.id] = program
+        self._programs[worker.id] = program
         try:
             ending = await program
         except Exception as e:
@@ -277,7 +291,7 @@ class Supervisor:
         """Its program's ending, for a worker whose process is gone: its result and last output may
         trail the process's end over the control plane (EXIT_OUTPUT_GRACE). None: no program, or
         none that ended with a result (its engine died with it)."""
-        program = self.programs.get(worker.id)
+        program = self._programs.get(worker.id)
         if program is None:
             return None
         if not program.done():

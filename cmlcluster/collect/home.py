@@ -54,6 +54,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any, ClassVar
 
+from ..backends.base import Capabilities
+from ..workers import WorkerSpec
 from . import paths as results
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,12 @@ REPORT_TEXT = 300  # characters of one name or message in a host's report that a
 REPORT_NAMES = ("over_cap", "over_files_cap", "links", "errors", "missing")  # lists of texts
 REPORT_COUNTS = ("over_cap_count", "over_files_cap_count", "links_count", "files", "bytes", "size")
 REPORT_FLAGS = ("kept", "sent")
+
+
+def brought_home(spec: WorkerSpec, capabilities: Capabilities) -> bool:
+    """Whether a worker's collect= files must travel: its backend's workers do not see its cwd, where they
+    would be already (local processes, a mounted folder, a shared volume)."""
+    return bool(spec.collect) and not capabilities.sees(spec.cwd)
 
 
 @dataclass

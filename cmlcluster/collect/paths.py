@@ -28,12 +28,8 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from ..backends.base import Capabilities
 
 CAP_BYTES = 1 << 30  # per worker: 1 GiB (CMLCLUSTER_COLLECT_CAP_MB changes it)
 CAP_FILES = 10_000  # per worker (CMLCLUSTER_COLLECT_CAP_FILES changes it)
@@ -123,12 +119,6 @@ def _refused(path: str) -> str:
     if ".." in path.replace("\\", "/").split("/"):
         return "'..' would leave the worker's working folder; name a path inside it, e.g. 'outputs'"
     return ""
-
-
-def brought_home(collect: tuple[str, ...], capabilities: Capabilities, cwd: str) -> bool:
-    """Whether a worker's collect= files must travel: its backend's workers do not see `cwd`, where
-    they would be already (local processes, a mounted folder, a shared volume)."""
-    return bool(collect) and not capabilities.sees(cwd)
 
 
 def cap_bytes() -> int:

@@ -22,14 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..supervision import WorkerCalls
 from ..workers import RUNNING, Worker
 from . import paths as results
 from .home import Arrival, Homecoming, checked_report
-
-if TYPE_CHECKING:
-    from ..supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +47,7 @@ def _most(cap: int, cap_files: int) -> int:
 class CollectThroughAgents:
     """One session's workers whose collect= files come home through their agents (a supervisor's part)."""
 
-    def __init__(self, supervisor: Supervisor):
+    def __init__(self, supervisor: WorkerCalls):
         self._supervisor = supervisor
         self._taking: dict[str, asyncio.Future[None]] = {}
         self._given_up: set[str] = set()  # workers whose files were said lost before they were asked for
@@ -66,13 +64,10 @@ class CollectThroughAgents:
         await asyncio.gather(*(self._interrupt_then_take(w) for w in workers if self.applies(w)))
 
     async def _interrupt_then_take(self, worker: Worker) -> None:
-        program = self._supervisor.programs.get(worker.id)
+        program = self._supervisor.program(worker.id)
         if program is not None and not program.done():
-            worker.stop_requested = True  # its program's end is a stop's (Supervisor._program_ending)
-            control = self._supervisor.control
-            assert control is not None  # a worker with a program has registered
             try:
-                await control.interrupt(worker.engine_id)
+                await self._supervisor.interrupt(worker)
             except Exception as e:
                 self._give_up(worker, f"its agent did not take the interrupt: {e}")
                 return

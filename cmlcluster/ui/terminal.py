@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from ..events import (
     Event,
@@ -29,11 +29,9 @@ from ..events import (
     WorkerStatus,
 )
 from ..progress import describe
+from ..viewers import ViewedSession
 from ..workers import FAILED, RUNNING, STOPPED
 from .model import SCHEDULING, Router, is_noise, reason
-
-if TYPE_CHECKING:
-    from ..session import Session
 
 PROGRESS_EVERY = 2.0  # seconds between a task's progress lines, without bars
 
@@ -41,7 +39,7 @@ PROGRESS_EVERY = 2.0  # seconds between a task's progress lines, without bars
 class TerminalView:
     """Subscribes to a session and writes what happens to stdout/stderr."""
 
-    def __init__(self, session: Session, *, bars: bool = False):
+    def __init__(self, session: ViewedSession, *, bars: bool = False):
         self._bars = bars
         self._lock = threading.Lock()
         self._router = Router(calls=False)  # one story: the whole session's

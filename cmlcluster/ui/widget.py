@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ipywidgets as w
 
@@ -27,13 +27,12 @@ from .. import blocking, logfile
 from ..collect import paths as results
 from ..events import CallStarted, Event, Progress, ResourceUse, SessionClosed
 from ..progress import describe
+from ..viewers import ViewedSession
 from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
 from . import kernel_internals
+from .attached import remember, view_of
 from .model import SCHEDULING, Router, ViewModel, order_key, reason, resource_texts
 from .shell import importable, in_kernel, ipython
-
-if TYPE_CHECKING:
-    from ..session import Session
 
 RENDER_HZ = 10  # at most this many widget updates a second, for all of a session's views together
 # The part of a worker's log that the "show log" button loads into the widget, read at the click: the
@@ -65,7 +64,7 @@ class SessionViews:
     One subscriber feeds every view's model through a Router, and one thread draws them.
     """
 
-    def __init__(self, session: Session):
+    def __init__(self, session: ViewedSession):
         self.session = session
         self.lock = threading.Lock()  # the models, and the views' list
         self.router = Router()
@@ -83,11 +82,10 @@ class SessionViews:
         threading.Thread(target=self._render_loop, name=f"cmlcluster-{session.id}-widgets", daemon=True).start()
 
     @classmethod
-    def of(cls, session: Session) -> SessionViews:
+    def of(cls, session: ViewedSession) -> SessionViews:
         """The session's views (made at its first need)."""
-        if not isinstance(session.view, SessionViews):
-            session.view = cls(session)
-        return session.view
+        views = view_of(session)
+        return views if isinstance(views, SessionViews) else remember(session, cls(session))
 
     # ---------------------------------------------------------------- showing
 
@@ -178,7 +176,7 @@ class WidgetView:
     """
 
     def __init__(
-        self, session: Session, views: SessionViews | None = None, model: ViewModel | None = None, call: str = ""
+        self, session: ViewedSession, views: SessionViews | None = None, model: ViewModel | None = None, call: str = ""
     ):
         if views is None:  # the whole session's, asked for by name
             views = SessionViews.of(session)
@@ -493,7 +491,7 @@ def _output_panel(lines: list[str], folded: int) -> str:
     )
 
 
-def _log_hint(session: Session, worker_id: str) -> str:
+def _log_hint(session: ViewedSession, worker_id: str) -> str:
     """The selected worker's whole log: its file, and the command that shows it after the session."""
     path = html.escape(session.worker_log_path(worker_id))
     command = html.escape(f"cmlcluster logs {session.id} {worker_id}")
@@ -502,7 +500,7 @@ def _log_hint(session: Session, worker_id: str) -> str:
     )
 
 
-def _log_tail(session: Session, worker_id: str) -> str:
+def _log_tail(session: ViewedSession, worker_id: str) -> str:
     """The last LOG_TAIL_BYTES of the worker's log (from a line's start), and how much of it that is."""
     path = session.worker_log_path(worker_id)
     try:

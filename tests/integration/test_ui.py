@@ -199,7 +199,7 @@ assert not cdsw.await_workers(one, timeout_seconds=60)["failures"]
     assert text_of(outputs) == ""  # output and progress are in the widgets, not printed
     state = execute(
         kernel,
-        "import json, re\nviews = cdsw.get_session().view\n"
+        "import json, re\nfrom cmlcluster.ui.attached import view_of\nviews = view_of(cdsw.get_session())\n"
         "cdsw.await_workers(cdsw.list_workers(), timeout_seconds=60)\nimport time; time.sleep(1)\n"
         "rows = lambda v: re.findall(r'data-status=\"(\\w+)\"', v.table.value)\n"
         "print(json.dumps({'rows': [rows(v) for v in views.views], 'models': [v.widget.model_id for v in views.views],"

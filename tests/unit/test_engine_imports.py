@@ -10,7 +10,7 @@ import sys
 import pytest
 
 AS_AN_AGENT = """
-from cmlcluster import engine_imports
+from cmlcluster.agent import engine_imports
 engine_imports.engine_without_the_client()
 import ipyparallel.engine.app
 engine_imports.replies_import_only_what_is_imported()
@@ -65,7 +65,7 @@ def test_each_step_leaves_an_imported_ipyparallel_as_it_is(step):
     code = f"""
 import ipyparallel, json, sys
 from ipyparallel.serialize import canning
-from cmlcluster import engine_imports
+from cmlcluster.agent import engine_imports
 engine_imports.{step}()
 engine_imports.{step}()  # twice: the second finds it done
 print(json.dumps({{"same": sys.modules["ipyparallel"] is ipyparallel, "map": type(canning.can_map).__name__}}))

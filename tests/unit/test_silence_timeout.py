@@ -149,7 +149,7 @@ def test_a_worker_the_controller_lost_fails_naming_the_silence(monkeypatch):
 WATCHED = textwrap.dedent("""
     import os, subprocess, sys, threading, time
     import zmq
-    from cmlcluster import agent_engine
+    from cmlcluster.agent import engine as agent_engine
 
     pub = zmq.Context().socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")

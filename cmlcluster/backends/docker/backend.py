@@ -220,7 +220,7 @@ class DockerBackend(Backend[DockerHandle]):
             "mem_limit": f"{spec.resources.memory_mib}m",
             "volumes": [f"{host}:{binding}" for host, binding in mounts.items()],
             "init": True,  # signals reach the agent, and it is not PID 1
-            "auto_remove": not collect.keeps_container(spec, self),  # kept: its files come home first
+            "auto_remove": not collect.keeps_container(spec, self.capabilities()),  # kept: its files come home first
             "detach": True,
         }
         if spec.resources.nvidia_gpu:
@@ -280,7 +280,7 @@ class DockerBackend(Backend[DockerHandle]):
     def _wait_for_exit(self, handle: DockerHandle, loop: asyncio.AbstractEventLoop) -> None:
         # Runs on its own thread for the container's life; "removed" is what --rm ends with.
         try:
-            code = int(collect.wait_then_bring_home(self, handle)["StatusCode"])
+            code = int(collect.wait_then_bring_home(handle.container, handle.spec, self.context)["StatusCode"])
         except Exception:
             code = 255  # the container vanished before the wait began; its code is lost
         code = signal_exit_code(code)  # docker-init exits with 128+N when the agent dies of signal N
@@ -334,9 +334,9 @@ class DockerBackend(Backend[DockerHandle]):
                 await asyncio.wait_for(asyncio.shield(handle.exited), grace)
             except asyncio.TimeoutError:
                 with contextlib.suppress(Exception):
-                    await self._call(collect.end_container, handle)
+                    await self._call(collect.end_container, handle.container)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(handle.exited), collect.removal_wait(handle))
+                    await asyncio.wait_for(asyncio.shield(handle.exited), collect.removal_wait(handle.container))
         if handle.exited.done():
             await self._ended(handle)
         self._release(handle)

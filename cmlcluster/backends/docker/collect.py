@@ -15,29 +15,27 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...collect import paths as results
-from ...collect.home import BRING_TIMEOUT, Arrival, Homecoming
+from ...collect.home import BRING_TIMEOUT, Arrival, Homecoming, brought_home
 from ...workers import WorkerSpec
 from . import worker as docker_worker
 
 if TYPE_CHECKING:
-    from .backend import DockerBackend, DockerHandle
+    from ..base import Capabilities, SessionContext
 
 log = logging.getLogger(__name__)
 
 START_POLL = 0.05  # seconds between looks at a container that has not started yet
 
 
-def keeps_container(spec: WorkerSpec, backend: DockerBackend) -> bool:
+def keeps_container(spec: WorkerSpec, capabilities: Capabilities) -> bool:
     """Whether the worker's container stays after its exit (no --rm), for its files to come home."""
-    return results.brought_home(spec.collect, backend.capabilities(), spec.cwd)
+    return brought_home(spec, capabilities)
 
 
-def wait_then_bring_home(backend: DockerBackend, handle: DockerHandle) -> dict[str, Any]:
-    """On the handle's wait thread: Docker's answer once the container is gone. One kept for its files
+def wait_then_bring_home(container: Any, spec: WorkerSpec | None, context: SessionContext) -> dict[str, Any]:
+    """On the container's wait thread: Docker's answer once the container is gone. One kept for its files
     is waited for until it stops, its files are brought home, and it is removed."""
-    container, spec = handle.container, handle.spec
-    if spec is None or not _kept(handle):
+    if spec is None or not _kept(container):
         return dict(container.wait(condition="removed", timeout=None))
     while True:
         answer = dict(container.wait(condition="not-running", timeout=None))
@@ -47,7 +45,7 @@ def wait_then_bring_home(backend: DockerBackend, handle: DockerHandle) -> dict[s
         # Not started yet, Docker answers "not running" at once (and then it may be running already).
         time.sleep(START_POLL if container.status == "created" else 0)
     try:
-        _from_container(Homecoming.of(backend.context), container, spec)
+        _from_container(Homecoming.of(context), container, spec)
     except Exception as e:
         log.warning("cmlcluster: could not bring worker %s's collect= files home: %s", spec.worker_id, e)
     finally:
@@ -95,16 +93,15 @@ def _started(text: str) -> float | None:
     return dt.datetime.fromisoformat(found.group(1)).replace(tzinfo=dt.timezone.utc).timestamp() + fraction
 
 
-def _kept(handle: DockerHandle) -> bool:
+def _kept(container: Any) -> bool:
     """Whether the container was made to stay after its exit (as Docker has it), for its files."""
-    return not handle.container.attrs.get("HostConfig", {}).get("AutoRemove", True)
+    return not container.attrs.get("HostConfig", {}).get("AutoRemove", True)
 
 
-def end_container(handle: DockerHandle) -> None:
+def end_container(container: Any) -> None:
     """A container past its stop's grace: killed and removed; one kept for its files only killed (its wait
     thread brings them home, then removes it); one never started (nothing in it yet) removed."""
-    container = handle.container
-    if not _kept(handle):
+    if not _kept(container):
         container.remove(force=True)
         return
     try:
@@ -115,6 +112,6 @@ def end_container(handle: DockerHandle) -> None:
             container.remove(force=True)
 
 
-def removal_wait(handle: DockerHandle) -> float:
+def removal_wait(container: Any) -> float:
     """How long a stop waits for a killed container to be gone: its files' journey home included."""
-    return BRING_TIMEOUT + 10 if _kept(handle) else 10
+    return BRING_TIMEOUT + 10 if _kept(container) else 10

@@ -207,6 +207,12 @@ class SSHBackend(Backend[SSHHandle]):
             self._controller_ip = _route_address(self.hosts[0].address)
         return self._controller_ip
 
+    async def _bring_home(self, handle: SSHHandle) -> None:
+        """Its collect= files, from its host (ssh/collect.py), once its connection has ended."""
+        address = handle.host.address
+        python_on_host = functools.partial(self.ssh_argv, address, self.python)
+        await collect.over_ssh(handle.spec, self.capabilities(), self.context, address, python_on_host)
+
     def ssh_argv(self, host: str, *command: str, connect_timeout: int = CONNECT_TIMEOUT) -> list[str]:
         """The ssh command line that runs `command` on `host` (options first: ssh keeps the first value)."""
         argv = ["ssh", "-T", "-o", "BatchMode=yes", "-p", str(self.port)]
@@ -353,7 +359,7 @@ class SSHBackend(Backend[SSHHandle]):
     async def wait(self, handle: SSHHandle) -> int:
         code = await handle.remote.finished()  # through connections that drop and come back
         self._release(handle)
-        await collect.over_ssh(self, handle)
+        await self._bring_home(handle)
         return int(_exit_code(code) or 0)
 
     def _release(self, handle: SSHHandle) -> None:
@@ -364,7 +370,7 @@ class SSHBackend(Backend[SSHHandle]):
     async def stop(self, handle: SSHHandle, grace: float = 5.0) -> None:
         await handle.remote.stop(grace)  # the host ends the worker; an unreachable one is given up
         self._release(handle)
-        await collect.over_ssh(self, handle)
+        await self._bring_home(handle)
 
     def output(self, handle: SSHHandle) -> str:
         return log_tail(handle.log_path)

@@ -12,30 +12,37 @@ import json
 import logging
 import subprocess
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...collect import paths as results
-from ...collect.home import BRING_TIMEOUT, Arrival, Homecoming, checked_report
+from ...collect.home import BRING_TIMEOUT, Arrival, Homecoming, brought_home, checked_report
 from ...collect.on_host import KEEP_DAYS
 from ...workers import WorkerSpec
 
 if TYPE_CHECKING:
-    from .backend import SSHBackend, SSHHandle
+    from ..base import Capabilities, SessionContext
 
 log = logging.getLogger(__name__)
 
 HOST_MODULE = "cmlcluster.collect.on_host"
 
 
-async def over_ssh(backend: SSHBackend, handle: SSHHandle) -> None:
-    """Once the worker's ssh connection has ended: its kept files, from its host into spec.cwd."""
-    spec = handle.spec
-    if spec is None or not results.brought_home(spec.collect, backend.capabilities(), spec.cwd):
+async def over_ssh(
+    spec: WorkerSpec | None,
+    capabilities: Capabilities,
+    context: SessionContext,
+    host: str,
+    python_on_host: Callable[..., list[str]],
+) -> None:
+    """Once the worker's ssh connection has ended: its kept files, from `host` into spec.cwd.
+    python_on_host(*args): the argv that runs the host's Python with `args` over ssh."""
+    if spec is None or not brought_home(spec, capabilities):
         return
-    home = Homecoming.of(backend.context)
+    home = Homecoming.of(context)
     caps = (str(results.cap_bytes()), str(results.cap_files()))
-    argv = backend.ssh_argv(handle.host.address, backend.python, "-m", HOST_MODULE, "send", spec.worker_id, *caps)
-    await home.once(spec.worker_id, lambda: asyncio.to_thread(_fetch, home, argv, spec, handle.host.address))
+    argv = python_on_host("-m", HOST_MODULE, "send", spec.worker_id, *caps)
+    await home.once(spec.worker_id, lambda: asyncio.to_thread(_fetch, home, argv, spec, host))
 
 
 def _fetch(home: Homecoming, argv: list[str], spec: WorkerSpec, host: str) -> None:
