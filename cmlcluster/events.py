@@ -17,7 +17,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, ClassVar
+
+from .workers import FAILED, Status
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +59,79 @@ class LaunchFailed(Event):
 
 
 @dataclass(frozen=True)
+class Member:
+    """One worker of a job, and what it is there: a role ("ps", "worker", "host") and its index."""
+
+    worker_id: str
+    role: str
+    index: int
+    address: str = ""  # the worker's IP, once it runs
+    hostname: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.role} task {self.index} (worker {self.worker_id})"
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    """A member that failed, or never started, with what a UI shows without parsing text."""
+
+    member: Member
+    status: Status
+    exit_code: int | None
+    reason: str
+    host: str = ""  # where it ran (its address), "" when it never ran
+    output_tail: str = ""  # its last lines of output
+
+    def __str__(self) -> str:
+        code = "" if self.exit_code is None else f" with exit code {self.exit_code}"
+        return f"{self.member} {self.status}{code}: {self.reason}"
+
+    @classmethod
+    def of(cls, member: Member, record: Mapping[str, Any], tail: str = "") -> JobFailure:
+        address = record.get("ip_address") or ""
+        return cls(
+            member,
+            Status(record.get("status", FAILED)),
+            record.get("exit_code"),
+            record.get("message") or record.get("status", ""),
+            host="" if address == "unknown" else address,
+            output_tail=tail,
+        )
+
+
+class JobState(str, Enum):
+    """What happened to a job (JobChanged.state), as a view says it."""
+
+    STARTED = "started"
+    MEMBER_LOST = "member_lost"
+    MEMBER_REPLACED = "member_replaced"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
 class JobChanged(Event):
     """A job (a TensorFlow cluster, a Horovod run) started, lost a member, replaced it, finished or failed."""
 
     kind: ClassVar[str] = "job"
     job: str  # its name: "TensorFlow cluster", "Horovod run"
-    state: str  # "started" | "member_lost" | "member_replaced" | "finished" | "failed"
-    # jobs.Member, one per worker (role and index); member_lost: the lost one; member_replaced: (lost, new)
-    members: tuple[Any, ...] = ()
-    failures: tuple[Any, ...] = ()  # jobs.JobFailure, when it failed or lost a member
+    state: JobState
+    # One per worker (role and index); MEMBER_LOST: the lost one; MEMBER_REPLACED: (lost, new)
+    members: tuple[Member, ...] = ()
+    failures: tuple[JobFailure, ...] = ()  # when it failed or lost a member
     restarts: int = 0  # members replaced so far (jobs.Restarts)
 
     def notes(self) -> list[str]:
         """What a view says of it, beside its rows: a failure, a lost member and its replacement."""
-        if self.state == "failed":
+        if self.state == JobState.FAILED:
             return [f"{self.job} failed: {failure}" for failure in self.failures]
-        if self.state == "member_lost":
+        if self.state == JobState.MEMBER_LOST:
             return [f"{self.job}: lost {failure}; replacing it (restart {self.restarts})" for failure in self.failures]
-        if self.state == "member_replaced":
+        if self.state == JobState.MEMBER_REPLACED:
             lost, new = self.members
             return [f"{self.job}: worker {new.worker_id} replaced worker {lost.worker_id} as {lost.role} {lost.index}"]
         return []

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import CmlClusterError, WorkerError
-from .events import JobChanged, WorkerStatus
+from .events import JobChanged, JobFailure, JobState, Member, WorkerStatus
 from .workers import FAILED, TAIL_LINES, Resources
 
 if TYPE_CHECKING:
@@ -42,48 +42,6 @@ log = logging.getLogger(__name__)
 # A failed job's other members get this long between TERM and KILL: their peer is gone, and a
 # program blocked in user code (a training step, a wait on the dead peer) would use all of it.
 FAILED_JOB_STOP_GRACE = 1.0
-
-
-@dataclass(frozen=True)
-class Member:
-    """One worker of a job, and what it is there: a role ("ps", "worker", "host") and its index."""
-
-    worker_id: str
-    role: str
-    index: int
-    address: str = ""  # the worker's IP, once it runs
-    hostname: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.role} task {self.index} (worker {self.worker_id})"
-
-
-@dataclass(frozen=True)
-class JobFailure:
-    """A member that failed, or never started, with what a UI shows without parsing text."""
-
-    member: Member
-    status: str
-    exit_code: int | None
-    reason: str
-    host: str = ""  # where it ran (its address), "" when it never ran
-    output_tail: str = ""  # its last lines of output
-
-    def __str__(self) -> str:
-        code = "" if self.exit_code is None else f" with exit code {self.exit_code}"
-        return f"{self.member} {self.status}{code}: {self.reason}"
-
-    @classmethod
-    def of(cls, member: Member, record: Mapping[str, Any], tail: str = "") -> JobFailure:
-        address = record.get("ip_address") or ""
-        return cls(
-            member,
-            record.get("status", FAILED),
-            record.get("exit_code"),
-            record.get("message") or record.get("status", ""),
-            host="" if address == "unknown" else address,
-            output_tail=tail,
-        )
 
 
 class JobStartFailed(CmlClusterError):
@@ -169,7 +127,7 @@ class Job:
         self.failed = threading.Event()
         self._finished = False
         self._unsubscribe = session.subscribe(self._on_event)
-        session.publish(JobChanged(name, "started", tuple(self.members)))
+        session.publish(JobChanged(name, JobState.STARTED, tuple(self.members)))
         # A member may have ended before the job began watching.
         for record in session.list_workers():
             if record["id"] in self._by_id:
@@ -212,7 +170,7 @@ class Job:
             restart,
             self._restarts.max_restarts,
         )
-        self.session.publish(JobChanged(self.name, "member_lost", (member,), (failure,), restarts=restart))
+        self.session.publish(JobChanged(self.name, JobState.MEMBER_LOST, (member,), (failure,), restarts=restart))
         threading.Thread(
             target=self._replace, args=(member, failure, restart), name=f"cmlcluster-replace-{member.worker_id}"
         ).start()
@@ -264,7 +222,7 @@ class Job:
         with self._lock:  # published under it: never after the job's "finished"
             if self._finished:
                 return  # ended while the framework took it in: it is stopped with the others, unannounced
-            self.session.publish(JobChanged(self.name, "member_replaced", (lost, new), restarts=restart))
+            self.session.publish(JobChanged(self.name, JobState.MEMBER_REPLACED, (lost, new), restarts=restart))
         log.warning("cmlcluster: %s replaced %s in the %s", new, lost, self.name)
 
     def fail(self, failure: JobFailure) -> None:
@@ -281,7 +239,9 @@ class Job:
         others = [m.worker_id for m in self.members if m != failure.member]
         log.warning("cmlcluster: the %s failed: %s; stopping its other %d workers", self.name, failure, len(others))
         self.session.stop_workers_soon(*others, grace=FAILED_JOB_STOP_GRACE)
-        self.session.publish(JobChanged(self.name, "failed", tuple(self.members), (failure,), restarts=self.restarts))
+        self.session.publish(
+            JobChanged(self.name, JobState.FAILED, tuple(self.members), (failure,), restarts=self.restarts)
+        )
         self.failed.set()
         if callback is not None:
             callback(failure)
@@ -319,7 +279,7 @@ class Job:
             failed = self.failure is not None
         self._unsubscribe()
         if not failed:
-            self.session.publish(JobChanged(self.name, "finished", tuple(self.members), restarts=self.restarts))
+            self.session.publish(JobChanged(self.name, JobState.FINISHED, tuple(self.members), restarts=self.restarts))
 
 
 def _tail(session: Session, worker_id: str) -> str:

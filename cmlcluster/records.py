@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from . import origin, session_summary, stop_socket
 from .errors import ConfigError
-from .events import Event, JobChanged, ResourceUse, WorkerStatus
+from .events import Event, JobChanged, JobState, ResourceUse, WorkerStatus
 from .viewers import ViewedSession
 from .worker_env import worker_label
 from .workers import TERMINAL
@@ -155,7 +155,7 @@ class Recorder:
                 kept["pid"] = self.session.worker_pid(w["id"])
                 kept["usage"] = self._workers.get(w["id"], {}).get("usage")
                 self._workers[w["id"]] = kept
-            elif isinstance(event, JobChanged) and event.state in ("started", "member_replaced"):
+            elif isinstance(event, JobChanged) and event.state in (JobState.STARTED, JobState.MEMBER_REPLACED):
                 for member in event.members:
                     self._labels[member.worker_id] = worker_label(
                         member.worker_id, role=member.role, index=member.index

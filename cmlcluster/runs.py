@@ -21,7 +21,7 @@ from .shipping import Shipment
 
 if TYPE_CHECKING:
     from .backends import Backend
-    from .jobs import JobFailure
+    from .events import JobFailure
 
 RESULT_LINES_KEPT = 10_000  # per rank, in a run's result (a run may print for hours)
 

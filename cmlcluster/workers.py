@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from . import checks, wire
@@ -25,14 +26,28 @@ from .errors import ConfigError, WorkerError
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIR = os.path.join(PACKAGE_PARENT, "cmlcluster")  # the package itself
 
-# CML's statuses. "timedout" is never stored: await_workers reports it for
-# workers that were not where the caller wanted them by the deadline.
-SCHEDULING = "scheduling"
-RUNNING = "running"
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-STOPPED = "stopped"
-TIMEDOUT = "timedout"
+
+class Status(str, Enum):
+    """A worker's status: each equal to CML's string for it ("running" == Status.RUNNING), and written as
+    that string (str(), f-strings, JSON). "timedout" is never a worker's: await_workers reports it for
+    workers that were not where the caller wanted them by the deadline."""
+
+    SCHEDULING = "scheduling"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    TIMEDOUT = "timedout"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+SCHEDULING, RUNNING, SUCCEEDED = Status.SCHEDULING, Status.RUNNING, Status.SUCCEEDED
+FAILED, STOPPED, TIMEDOUT = Status.FAILED, Status.STOPPED, Status.TIMEDOUT
 TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED})
 
 UNKNOWN_ADDRESS = "unknown"
@@ -104,7 +119,7 @@ def _iso(timestamp: float | None) -> str | None:
 class Ending:
     """How a worker ends, decided while its process is still on its way out (see Session._end)."""
 
-    status: str
+    status: Status
     exit_code: int | None = None  # None: the process's, once it is gone
     message: str | None = None
 
@@ -117,7 +132,7 @@ class Worker:
     program: Program
     kernel: str
     backend: str
-    status: str = SCHEDULING
+    status: Status = SCHEDULING
     program_started: bool = False
     ip_address: str = UNKNOWN_ADDRESS
     hostname: str | None = None
@@ -145,7 +160,7 @@ class Worker:
     def finished(self) -> bool:
         return self.status in TERMINAL
 
-    def finish(self, status: str, *, exit_code: int | None = None, message: str | None = None) -> bool:
+    def finish(self, status: Status, *, exit_code: int | None = None, message: str | None = None) -> bool:
         """Move to a terminal status once; later calls only fill in a missing exit code."""
         if self.finished:
             if self.exit_code is None and exit_code is not None:
@@ -166,7 +181,7 @@ class Worker:
         start = self.running_at if self.running_at is not None else self.created_at
         record: dict[str, Any] = {
             "id": self.id,
-            "status": self.status,
+            "status": self.status.value,  # CML's string: a dict's repr shows it as CML's does
             "created_at": _iso(self.created_at),
             "running_at": _iso(self.running_at),
             "finished_at": _iso(self.finished_at),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..jobs import JobFailed, JobFailure
+from ..events import JobFailure
+from ..jobs import JobFailed
 from ..runs import RunError, RunResult
 
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import CmlClusterError, WorkerError
-from ..events import Event, JobChanged
-from ..jobs import Job, Member, Restarts, Role, launch_job
+from ..events import Event, JobChanged, JobState, Member
+from ..jobs import Job, Restarts, Role, launch_job
 from ..runs import send_files
 from ..session import Session
 from ..shipping import Shipment
@@ -152,7 +152,7 @@ class SSHCluster:
             self.discovery.set(self.hosts)
 
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, JobChanged) and event.state == "member_lost" and event.job == self.job.name:
+        if isinstance(event, JobChanged) and event.state == JobState.MEMBER_LOST and event.job == self.job.name:
             for member in event.members:
                 self._lose(member)
 

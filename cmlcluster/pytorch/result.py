@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..jobs import JobFailed, JobFailure
+from ..events import JobFailure
+from ..jobs import JobFailed
 from ..runs import RunError, RunResult
 
 

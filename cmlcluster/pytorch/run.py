@@ -40,8 +40,8 @@ from .. import checks
 from ..backends import Backend
 from ..collect.paths import check_collect
 from ..errors import CmlClusterError, ConfigError, install_hint
-from ..events import Event, OutputLine
-from ..jobs import Job, JobFailure, Member, Restarts, Role, launch_job
+from ..events import Event, JobFailure, Member, OutputLine
+from ..jobs import Job, Restarts, Role, launch_job
 from ..runs import RESULT_LINES_KEPT, report_end, send_files, session_for
 from ..session import Session
 from ..workers import FAILED, Resources, check_env, user_file

@@ -24,7 +24,8 @@ from .. import wire
 from ..api import get_session
 from ..collect import paths as results
 from ..errors import CmlClusterError, ConfigError, SharedMachineWarning
-from ..jobs import Job, JobFailed, JobFailure, Member, Restarts, Role, launch_job
+from ..events import JobFailure, Member
+from ..jobs import Job, JobFailed, Restarts, Role, launch_job
 from ..ports import free_ports
 from ..session import Session
 from ..shipping import Shipment

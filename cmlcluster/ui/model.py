@@ -29,6 +29,7 @@ from ..events import (
     CallStarted,
     Event,
     JobChanged,
+    JobState,
     LaunchFailed,
     LinesDropped,
     OutputLine,
@@ -309,7 +310,7 @@ class Router:
         if isinstance(event, WorkerStatus):
             self._first_seen(event.worker["id"])
         elif isinstance(event, JobChanged):
-            if event.state in ("started", "member_replaced"):
+            if event.state in (JobState.STARTED, JobState.MEMBER_REPLACED):
                 for member in event.members:
                     if member.worker_id:
                         self.names.labels[member.worker_id] = worker_label(

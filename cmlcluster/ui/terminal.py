@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from ..events import (
     Event,
     JobChanged,
+    JobState,
     LaunchFailed,
     LinesDropped,
     OutputLine,
@@ -165,9 +166,9 @@ class TerminalView:
             del self._task_bars[task]
 
     def _on_job(self, event: JobChanged) -> None:
-        if event.state == "started":
+        if event.state == JobState.STARTED:
             self._write(f"[cmlcluster] {event.job} started: {len(event.members)} workers")
-        elif event.state == "finished":
+        elif event.state == JobState.FINISHED:
             self._finished.update(m.worker_id for m in event.members)
             self._close_bars()
             self._write(f"[cmlcluster] {event.job} finished")

@@ -239,8 +239,8 @@ def test_the_hosts_addresses_file_is_replaced_whole_0600_and_read_strictly(tmp_p
 
 
 def test_the_cluster_writes_each_hosts_addresses_before_discovery_lists_it(tmp_path, monkeypatch):
+    from cmlcluster.events import Member
     from cmlcluster.horovod import ssh_cluster
-    from cmlcluster.jobs import Member
     from cmlcluster.ssh.keys import SessionSSH, new_ed25519
 
     host_key = new_ed25519()[1]

@@ -10,8 +10,8 @@ import pytest
 
 from cmlcluster import Session
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
-from cmlcluster.events import JobChanged
-from cmlcluster.jobs import JobFailed, Member, Restarts, Role, launch_job
+from cmlcluster.events import JobChanged, Member
+from cmlcluster.jobs import JobFailed, Restarts, Role, launch_job
 from cmlcluster.workers import STOPPED, Resources
 
 ONE = Resources(cpu=1, memory=1)

@@ -179,8 +179,7 @@ def test_a_session_s_record_says_which_process_it_is(state):
 def test_a_record_names_each_worker_as_the_views_do_and_keeps_what_it_asked_for(state):
     import time
 
-    from cmlcluster.events import JobChanged
-    from cmlcluster.jobs import Member
+    from cmlcluster.events import JobChanged, Member
 
     with Session(FakeBackend([FakeWorker(run_time=60), FakeWorker(run_time=60)]), echo=False) as s:
         ps, plain = s.launch_workers(2, cpu=0.5, memory=1.5, name="trainer")

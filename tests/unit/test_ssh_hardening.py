@@ -318,8 +318,8 @@ def test_a_workers_sshd_reports_its_own_interface_addresses_but_loopback(monkeyp
 
 
 def test_a_hostile_sshd_answer_never_reaches_the_sessions_known_hosts(tmp_path):
+    from cmlcluster.events import Member
     from cmlcluster.horovod.ssh_cluster import SSHCluster
-    from cmlcluster.jobs import Member
     from cmlcluster.ssh.keys import SessionSSH
 
     good = new_ed25519()[1]

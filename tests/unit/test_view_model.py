@@ -6,6 +6,7 @@ from cmlcluster.events import (
     CallStarted,
     JobChanged,
     LaunchFailed,
+    Member,
     OutputLine,
     Progress,
     ResourceUse,
@@ -13,7 +14,6 @@ from cmlcluster.events import (
     SessionClosed,
     WorkerStatus,
 )
-from cmlcluster.jobs import Member
 from cmlcluster.ui.model import Router, is_noise, order_key, reason
 
 

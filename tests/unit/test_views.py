@@ -9,8 +9,7 @@ import pytest
 
 from cmlcluster import Session
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
-from cmlcluster.events import JobChanged, Progress
-from cmlcluster.jobs import Member
+from cmlcluster.events import JobChanged, Member, Progress
 from cmlcluster.ui.terminal import TerminalView
 from cmlcluster.ui.widget import LOG_TAIL_BYTES, RENDER_HZ, WidgetView
 
