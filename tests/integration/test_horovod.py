@@ -62,10 +62,16 @@ def horovod_backend(name, request, tmp_path_factory):
     return name
 
 
-# Docker as root in the matrix tier: as a uid the image does not name, it is the same and more.
+# Docker as root in the matrix tier: as a uid the image does not name, it is the same and more. Pods there
+# too: to horovodrun they are hosts with sshd on their own IPs, as containers are (kill -9 on pods: test_faults).
 @pytest.mark.parametrize(
     "backend_name",
-    [pytest.param("docker", marks=pytest.mark.matrix), "docker as a uid the image does not name", "ssh", "kubernetes"],
+    [
+        pytest.param("docker", marks=pytest.mark.matrix),
+        "docker as a uid the image does not name",
+        "ssh",
+        pytest.param("kubernetes", marks=pytest.mark.matrix),
+    ],
 )
 def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_path_factory, capsys):
     # As a new user does: a script in the system's temp folder, which no worker sees.
