@@ -21,6 +21,7 @@ from cmlcluster import WorkerError, run_cluster, start_cluster
 from cmlcluster.tensorflow import versions
 
 pytestmark = pytest.mark.integration
+LONGEST = True  # the default run's longest file: conftest.py starts it first
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "worker_scripts"
 
