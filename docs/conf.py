@@ -22,6 +22,7 @@ copyright = "cmlcluster's authors"
 extensions = [
     "myst_nb",  # MyST Markdown pages, and the notebooks (it includes myst_parser)
     "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",  # the public API's numpydoc sections (Parameters, Returns, Raises) as field lists
 ]
 
 # notebooks/ is a link to the repository's notebooks: shown as they are in git, never run here

@@ -95,16 +95,96 @@ def run_horovod(
 ) -> HorovodResult:
     """Run `script args` under horovodrun on this session's workers; return what happened.
 
-    np: processes in all (default: workers x slots). workers: how many workers (default: enough
-    for np). slots: processes per worker (default: its GPUs, or 1). env: variables for every rank
-    (ranks on other machines get only these and Horovod's own), read by each rank from a 0600 file,
-    never on a command line. reuse: keep the workers (and
-    their sshd) for the next run, and use those of the previous reuse=True run.
-    ship_working_folder: copy the working folder to workers that do not see it. check: raise
-    HorovodError instead of returning a failed result. max_restarts: replace a lost worker (on this
-    machine: start a killed rank again) up to this many times; horovodrun's elastic mode, for a
-    script that trains under hvd.elastic.run (docs/guide/horovod.md). 0: the first loss fails the run.
-    collect: paths under the workers' folders ("outputs") whose files come here as each ends (launch_workers').
+    On workers elsewhere (containers, SSH hosts), each host's worker starts sshd for this session's
+    key only, and horovodrun runs here over SSH; every rank's output streams back live, prefixed by
+    its rank. Where workers would be processes on this machine (the local backend), horovodrun
+    starts the ranks itself on localhost, without workers or SSH.
+
+    Parameters
+    ----------
+    script : str
+        The training script's path (relative to the working folder); shipped to hosts that do not
+        see it.
+    args : Sequence[str], default ()
+        The script's arguments.
+    np : int | None, default None
+        Processes in all, a whole number, 1 or more, at most workers x slots (default: workers x
+        slots).
+    workers : int | None, default None
+        How many workers, 1 or more (default: enough for np, else 1).
+    slots : int | None, default None
+        Processes per worker, 1 or more (default: its GPUs, or 1).
+    cpu : float, default 1
+        Cores per worker.
+    memory : float, default 1
+        Memory per worker, in GB.
+    nvidia_gpu : int, default 0
+        GPUs per worker.
+    env : Mapping[str, str] | None, default None
+        Variables for every rank (ranks on other machines get only these and Horovod's own), read by
+        each rank from a 0600 file, never on a command line.
+    backend : str | Backend | None, default None
+        Without `session`: run in a session of its own on this backend, closed when the run ends;
+        with reuse, the default session, moved to this backend if it runs no workers. None: the
+        default session (cmlcluster.get_session()).
+    session : Session | None, default None
+        The session to run in.
+    start_timeout : int, default 60
+        horovodrun's --start-timeout, in whole seconds, 1 or more.
+    ssh_port : int, default 2222
+        The TCP port sshd listens on in each worker.
+    reuse : bool, default False
+        Keep the workers (and their sshd) for the next run, and use those of the previous reuse=True
+        run (with as many workers). Not with max_restarts or collect.
+    ship_working_folder : bool, default False
+        Copy the working folder to workers that do not see it.
+    max_restarts : int, default 0
+        Replace a lost worker (on this machine: start a killed rank again) up to this many times;
+        horovodrun's elastic mode, for a script that trains under hvd.elastic.run
+        (docs/guide/horovod.md). 0: the first loss fails the run. On workers elsewhere, it needs ranks
+        on 2 or more hosts.
+    collect : str | Sequence[str] | None, default None
+        Paths under the workers' folders ("outputs") whose files come here as each ends
+        (launch_workers').
+    echo : bool, default True
+        Show the run in the session's view: the ranks' and horovodrun's output, and how it ended.
+    check : bool, default False
+        Raise HorovodError instead of returning a failed result.
+
+    Returns
+    -------
+    HorovodResult
+        What the run did: ok, exit_code, each rank's last lines (output), horovodrun's own
+        (driver_output), failed_rank, worker_failure (a worker that ended during the run), hosts,
+        argv, duration and restarts.
+
+    Raises
+    ------
+    ConfigError
+        Bad arguments, before any worker starts: slots, workers or np not a whole number, 1 or more,
+        or np past workers x slots; max_restarts not a whole number, 0 or more, or with reuse, or (on
+        workers elsewhere) with fewer than 2 workers; collect with reuse; a script that is no file; a
+        bad env or collect entry; Horovod not installed in this Python; backend= with reuse while the
+        default session runs workers on another backend. Later: max_restarts with the workers on
+        fewer than 2 hosts; start_timeout or ssh_port out of range (checked once horovodrun's command
+        is built, on workers elsewhere after they started).
+    cmlcluster.jobs.JobStartFailed
+        A worker did not start; every worker that did was stopped.
+    WorkerError
+        A worker could not be made ready (its sshd, say).
+    HorovodError
+        With check=True, the run failed; its `result` is the HorovodResult.
+    KeyboardInterrupt
+        Ctrl-C: raised again once horovodrun and its ranks were stopped (the workers too, unless kept
+        for reuse).
+
+    Examples
+    --------
+    ::
+
+        result = cmlcluster.run_horovod("train.py", ["--epochs", "3"], np=2)
+        result.ok, result.exit_code, result.output[1], result.duration, result.hosts, result.failed_rank
+        result = cmlcluster.run_horovod("train.py", np=2, max_restarts=2)  # result.restarts: workers replaced
     """
     # Everything is checked before anything starts.
     slots = slots if slots is not None else max(nvidia_gpu, 1)

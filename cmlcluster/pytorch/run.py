@@ -87,17 +87,99 @@ def run_torch(
 ) -> TorchResult:
     """Run `script args` (or `script(*args, **kwargs)` for a function) under torchrun on `nnodes` workers.
 
-    nproc_per_node: processes per worker ("auto": its GPUs, or 1). dist_backend: what
-    cmlcluster.pytorch.init_process_group() uses ("nccl" with GPUs, else "gloo"; its name is in
-    CMLCLUSTER_DIST_BACKEND). join_timeout: seconds for every node to reach worker 0's
-    rendezvous. rank0_only: stream only rank 0's output. A function's return value on rank 0
-    comes back as result.value. check: raise TorchError instead of returning a failed result.
-    max_restarts: replace a lost worker up to this many times in all, and restart the ranks
-    (torchrun's elastic mode; the script resumes from its snapshot: docs/guide/pytorch.md); needs
-    torch in this Python too, which hosts the rendezvous. 0: a static run, the first loss fails it.
-    Workers get env= and cmlcluster's own variables (docs/guide/workers.md, "What workers see").
-    collect: paths under the workers' folders ("outputs", "checkpoints") whose files come to this working
-    folder when each worker ends, where workers do not share it (launch_workers' collect=).
+    One worker per node, launched together as one job; each starts torchrun, which sets RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process, and every process's output
+    streams back as ``[rank r] text``. The first failure ends the run, and the workers belong to the
+    run: they are stopped when it ends. Bad arguments are refused before any worker starts.
+
+    Parameters
+    ----------
+    script : str | Callable[..., Any]
+        The training script's path (relative to the working folder; shipped to workers that do not
+        see it), or a function, pickled with cloudpickle, whose return value on rank 0 comes back as
+        result.value.
+    args : Sequence[Any], default ()
+        A script's arguments, a list of strings (e.g. ``["--epochs", "3"]``); a function's
+        positional arguments.
+    nnodes : int, default 1
+        Workers, one torchrun each: a whole number, 1 or more.
+    nproc_per_node : int | str, default "auto"
+        Processes per worker ("auto": its GPUs, or 1); with GPUs, at most nvidia_gpu.
+    cpu : float, default 1
+        Cores per worker, shared among its processes (OMP_NUM_THREADS).
+    memory : float, default 1
+        Memory per worker, in GB.
+    nvidia_gpu : int, default 0
+        GPUs per worker, a whole number, 0 or more.
+    kwargs : Mapping[str, Any] | None, default None
+        A function's keyword arguments; not for a script (pass its options in args).
+    env : Mapping[str, str] | None, default None
+        Variables for every worker. Workers get env= and cmlcluster's own variables
+        (docs/guide/workers.md, "What workers see").
+    dist_backend : str | None, default None
+        What cmlcluster.pytorch.init_process_group() uses: "gloo", "nccl", "mpi" or "ucc"; None:
+        "nccl" with GPUs, else "gloo" ("nccl" needs GPUs). Its name is in CMLCLUSTER_DIST_BACKEND.
+    backend : str | Backend | None, default None
+        Without `session`: run in a session of its own on this backend, closed when the run ends.
+        None: the default session (cmlcluster.get_session()).
+    session : Session | None, default None
+        The session to run in.
+    start_timeout : float, default 60
+        Seconds, above 0, for the workers to run (and for a lost worker's replacement).
+    join_timeout : float, default 120
+        Seconds, above 0, for every node to reach worker 0's rendezvous (the session's, in an elastic
+        run).
+    rank0_only : bool, default False
+        Stream only rank 0's output.
+    max_restarts : int, default 0
+        Replace a lost worker up to this many times in all, and restart the ranks (torchrun's elastic
+        mode; the script resumes from its snapshot: docs/guide/pytorch.md); needs torch in this Python
+        too, which hosts the rendezvous. 0: a static run, the first loss fails it.
+    ship_working_folder : bool, default False
+        Copy the working folder to workers that do not see it.
+    collect : str | Sequence[str] | None, default None
+        Paths under the workers' folders ("outputs", "checkpoints") whose files come to this working
+        folder when each worker ends, where workers do not share it (launch_workers' collect=).
+    echo : bool, default True
+        Show the run in the session's view, and how it ended.
+    check : bool, default False
+        Raise TorchError instead of returning a failed result.
+
+    Returns
+    -------
+    TorchResult
+        What the run did: ok, exit_code, each rank's last lines (output), failed_rank and failure
+        (the rank that failed first, and why), worker_failure (a worker that ended during the run),
+        master, hosts, value (a function's, from rank 0) and restarts.
+
+    Raises
+    ------
+    ConfigError
+        Before any worker starts: nnodes, nproc_per_node, cpu, memory, nvidia_gpu, start_timeout,
+        join_timeout or max_restarts out of range; an unknown dist_backend, or "nccl" without GPUs; max_restarts
+        without torch in this Python; kwargs with a script, or a script that is neither a file nor a
+        function; args of a script that are not strings; a function that cannot be pickled, or no
+        cloudpickle; a bad env or collect entry.
+    cmlcluster.jobs.JobStartFailed
+        A node's worker did not start; every worker that did was stopped.
+    TorchError
+        With check=True, the run failed; its `result` is the TorchResult.
+    KeyboardInterrupt
+        Ctrl-C: raised again once every worker, and every process they ran, was stopped.
+
+    Examples
+    --------
+    ::
+
+        result = cmlcluster.run_torch("train.py", ["--epochs", "3"], nnodes=2, nproc_per_node=2)
+        result.ok, result.exit_code, result.output[3], result.failed_rank, result.failure, result.master
+        result = cmlcluster.run_torch("train.py", nnodes=4, max_restarts=2)  # a lost worker replaced, twice at most
+
+        def train(lr):  # a function, pickled to the workers
+            ...
+            return accuracy
+
+        cmlcluster.run_torch(train, (0.1,), nnodes=2).value  # rank 0's return value
     """
     # Everything is checked before anything starts.
     paths = check_collect(collect)

@@ -255,15 +255,85 @@ def start_cluster(
 ) -> TFCluster:
     """Launch n_ps parameter servers (never with GPUs) and n_workers workers, and make them a cluster.
 
-    With servers=True every task runs its tf.distribute.Server, reachable before
-    this returns. With coordinator=True (the default when servers run) the spec
-    also holds a "chief" task at this process's address, for TF2's
-    ParameterServerStrategy with the notebook as coordinator (see TFCluster.resolver).
-    With min_workers, the cluster goes on with the workers that started if at
-    least that many did (a warning names the others). With max_restarts=N, a
-    worker task lost while this process coordinates is replaced, N times in all,
-    and training goes on (a lost parameter server still fails the cluster). collect: paths
-    of each task's folder that come to this working folder when it ends (launch_workers').
+    One worker per TensorFlow task. The cluster outlives this call, on the default session unless
+    `session` is given: use it as a context manager, or call its stop().
+
+    Parameters
+    ----------
+    n_workers : int
+        Worker tasks, 1 or more.
+    n_ps : int, default 0
+        Parameter servers, 0 or more; never with GPUs.
+    cpu : float, default 1
+        Cores per task.
+    memory : float, default 1
+        Memory per task, in GB.
+    nvidia_gpu : int, default 0
+        GPUs per worker task.
+    port : int, default 2323
+        The tasks' TCP port (never 2222, sshd's in every worker), on workers with addresses of their
+        own (containers, pods) in a cluster this process does not coordinate; tasks sharing an address
+        get port, port+1, ... Elsewhere each task gets a port picked free on its host.
+    servers : bool, default True
+        Every task runs its tf.distribute.Server, reachable before this returns. False: for a
+        strategy that starts its own servers from TF_CONFIG (TFCluster.run_script).
+    coordinator : bool | None, default None
+        The spec also holds a "chief" task at this process's address, for TF2's
+        ParameterServerStrategy with the notebook as coordinator (see TFCluster.resolver). None: the
+        same as servers. True needs servers=True.
+    min_workers : int | None, default None
+        The cluster goes on with the workers that started if at least that many did (a warning names
+        the others, which are stopped); from 1 to n_workers. None: every worker must start.
+    max_restarts : int, default 0
+        A worker task lost while this process coordinates is replaced, this many times in all, and
+        training goes on (a lost parameter server still fails the cluster). Needs coordinator=True and a
+        backend that can give a replacement the lost worker's address (local, ssh, or docker with its
+        own session network).
+    timeout_seconds : float, default 60
+        Seconds for the workers to run, and then for their servers to start.
+    env : Mapping[str, str] | None, default None
+        Variables for every task.
+    session : Session | None, default None
+        The session to launch in; None: the default session (never one of the cluster's own).
+    collect : str | Sequence[str] | None, default None
+        Paths of each task's folder that come to this working folder when it ends (launch_workers').
+
+    Returns
+    -------
+    TFCluster
+        The running cluster: its cluster_spec, session_addr, tf_config(), resolver, run_script(),
+        run_cml_script() and stop().
+
+    Raises
+    ------
+    ConfigError
+        Before anything starts: n_workers, n_ps or min_workers out of range; a port that is no TCP port,
+        or 2222; coordinator=True with servers=False; max_restarts not a whole number, 0 or more, or
+        without a coordinator, or on a backend that cannot keep a worker's address; a bad env or
+        collect entry. cpu, memory or nvidia_gpu out of range, as the tasks are launched.
+    cmlcluster.jobs.JobStartFailed
+        Fewer workers than min_workers (all of them, without it) or not every parameter server
+        started; every worker that did was stopped.
+    WorkerError
+        A task's server did not start in its worker.
+    CmlClusterError
+        A task's server did not accept connections within 30 s.
+
+    Warns
+    -----
+    SharedMachineWarning
+        Once per session, where TensorFlow's servers start on this machine (the local backend's
+        workers, or this process's own as coordinator): every user of the machine can reach them.
+
+    Examples
+    --------
+    ::
+
+        with cdsw.start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2) as cluster:
+            strategy = tf.distribute.ParameterServerStrategy(cluster.resolver)
+
+        with cdsw.start_cluster(n_workers=2, servers=False, cpu=1, memory=2) as cluster:
+            cluster.run_script("worker_scripts/tf_multiworker_train.py", args=["--epochs", "3"])
     """
     min_workers = layout.check_counts(n_workers, n_ps, min_workers)
     env, paths = check_env(env), results.check_collect(collect)
@@ -326,11 +396,58 @@ def run_cluster(
 ) -> tuple[layout.ClusterDict | None, str | None]:
     """Cloudera's run_cluster: returns (cluster_spec, session_addr) of a running cluster.
 
-    With worker_script, every worker task calls the script's run(cluster, server,
-    task_index) while the parameter servers serve; once the workers are done the
-    cluster is stopped and (None, None) returned. A failing worker raises
-    WorkerError naming it, with its traceback, after everything is stopped.
-    Other options are start_cluster's (port, min_workers, env, session, collect).
+    Every task runs its tf.distribute.Server, without a coordinator task: TF1-style, clients
+    connect to session_addr. Without worker_script the cluster keeps running: stop_workers() stops
+    it, on the default session.
+
+    Parameters
+    ----------
+    n_workers : int
+        Worker tasks, 1 or more.
+    n_ps : int
+        Parameter servers, 0 or more; never with GPUs.
+    cpu : float
+        Cores per task.
+    memory : float
+        Memory per task, in GB.
+    nvidia_gpu : int, default 0
+        GPUs per worker task.
+    worker_script : str | None, default None
+        A script every worker task runs: it calls the script's run(cluster, server, task_index) while
+        the parameter servers serve; once the workers are done the cluster is stopped. A file here, or
+        a module name the workers import (e.g. mypackage.train).
+    timeout_seconds : float, default 60
+        Seconds for the workers to run, and then for their servers to start (start_cluster's).
+    **options : Any
+        Other options are start_cluster's (port, min_workers, env, session, collect); servers=True
+        and coordinator=False are set here, so max_restarts above 0 is refused. session: the default
+        session when not given.
+
+    Returns
+    -------
+    tuple[layout.ClusterDict | None, str | None]
+        (cluster_spec, session_addr): ``{"worker": ["ip:port", ...], "ps": [...]}`` and
+        ``"grpc://<worker 0>:<port>"``; with worker_script, (None, None).
+
+    Raises
+    ------
+    ConfigError
+        Before anything starts: a worker_script that is neither a file here nor a module name, or
+        what start_cluster refuses.
+    WorkerError
+        With worker_script, a failing worker, named, with its traceback, after everything is stopped.
+    CmlClusterError
+        With worker_script, its tasks did not all finish (stopped on request, say); the cluster was
+        stopped. Also start_cluster's errors when the cluster does not start (JobStartFailed,
+        WorkerError, CmlClusterError).
+
+    Examples
+    --------
+    ::
+
+        cluster_spec, session_addr = cdsw.run_cluster(n_workers=2, n_ps=1, cpu=1, memory=2)
+        cdsw.stop_workers()
+        cdsw.run_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, worker_script="worker_scripts/tf_ps_train.py")
     """
     if worker_script is not None:
         worker_script = check_script(worker_script, "worker_script")  # before the cluster starts
