@@ -272,7 +272,7 @@ def stop_workers(*ids: str | Mapping[str, Any]) -> list[StopResponse]:
     """Stop these workers, or all of the default session's workers when none are named.
 
     In parallel; stopping a stopped worker does nothing. Starts no session: before the default
-    session has started, it returns [] whatever is named.
+    session has started, nothing is stopped, and a worker named is refused as unknown.
 
     Parameters
     ----------
@@ -288,7 +288,7 @@ def stop_workers(*ids: str | Mapping[str, Any]) -> list[StopResponse]:
     Raises
     ------
     ConfigError
-        An id is no worker of the default session.
+        An id is no worker of the default session (or no session has started in this process).
 
     Examples
     --------
@@ -297,7 +297,12 @@ def stop_workers(*ids: str | Mapping[str, Any]) -> list[StopResponse]:
         cdsw.stop_workers()  # all of them
         cdsw.stop_workers(*workers)  # these, by their dicts
     """
-    return get_session().stop_workers(*ids) if _default is not None else []
+    if _default is not None:
+        return get_session().stop_workers(*ids)
+    if ids:  # as a session refuses an id that is none of its workers
+        first = ids[0].get("id") if isinstance(ids[0], Mapping) else ids[0]
+        raise ConfigError(f"{first!r} is not a worker: no session runs in this process (launch_workers starts one)")
+    return []
 
 
 def tensorboard(logdir: str, port: int | None = None) -> Any:

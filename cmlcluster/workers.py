@@ -239,6 +239,17 @@ class StopResponse(dict[str, Any]):
         return f"<StopResponse [{self.status_code}] {dict.__repr__(self)}>"
 
 
+def check_resources(cpu: float, memory: float, nvidia_gpu: int) -> None:
+    """Refuse (ConfigError, naming the value and the fix) what no worker can be given: for launch_workers
+    and for every run, before anything starts."""
+    for name, value in (("cpu", cpu), ("memory", memory)):
+        if not checks.number(value, above=0):
+            unit = " (GB)" if name == "memory" else ""
+            raise ConfigError(f"{name}={value!r}: {name}{unit} must be a number greater than 0, e.g. {name}=1")
+    if not checks.whole(nvidia_gpu, 0):
+        raise ConfigError(f"nvidia_gpu={nvidia_gpu!r}: must be a whole number of GPUs, 0 or more")
+
+
 def validate_launch(
     n: int,
     cpu: float,
@@ -256,12 +267,7 @@ def validate_launch(
         raise ConfigError(f"name={name!r}: give the workers' name as one line of text, at most {MAX_NAME} characters")
     if not checks.whole(n, 1):
         raise ConfigError(f"n={n!r}: the number of workers must be an integer of at least 1")
-    for name, value in (("cpu", cpu), ("memory", memory)):
-        if not checks.number(value, above=0):
-            unit = " (GB)" if name == "memory" else ""
-            raise ConfigError(f"{name}={value!r}: {name}{unit} must be a number greater than 0, e.g. {name}=1")
-    if not checks.whole(nvidia_gpu, 0):
-        raise ConfigError(f"nvidia_gpu={nvidia_gpu!r}: must be a whole number of GPUs, 0 or more")
+    check_resources(cpu, memory, nvidia_gpu)
     if kernel not in ("python3", "python"):
         raise ConfigError(f"kernel={kernel!r}: only Python workers are supported; use kernel='python3'")
     if script and code:

@@ -75,9 +75,14 @@ def _check_np(np: int, hosts: Hosts) -> None:
         raise ConfigError(f"np={np!r}: the hosts have {slots} slots in all; ask for 1 to {slots} processes")
 
 
-def _check_port(port: int) -> None:
+def check_port(port: int) -> None:
     if not checks.port(port):
         raise ConfigError(f"ssh_port={port!r}: give the TCP port sshd listens on in the workers (2222)")
+
+
+def check_start_timeout(seconds: int) -> None:
+    if not checks.whole(seconds, 1):
+        raise ConfigError(f"start_timeout={seconds!r}: give whole seconds, 1 or more")
 
 
 # horovod blacklists a host with a failed rank, for good unless given a cooldown (elastic/discovery.py):
@@ -151,13 +156,12 @@ def horovodrun_argv(
     argv = [*horovodrun, "-np", str(np)]
     argv += elastic.argv() if elastic is not None else ["-H", hosts_arg(hosts)]
     if ssh_port is not None:
-        _check_port(ssh_port)
+        check_port(ssh_port)
         argv += ["-p", str(ssh_port)]
     if identity_file:
         argv += ["-i", identity_file]
     if start_timeout is not None:
-        if not checks.whole(start_timeout, 1):
-            raise ConfigError(f"start_timeout={start_timeout!r}: give whole seconds, 1 or more")
+        check_start_timeout(start_timeout)
         argv += ["--start-timeout", str(start_timeout)]
     if network_interfaces:
         argv += ["--network-interfaces", ",".join(network_interfaces)]
@@ -178,7 +182,7 @@ def mpirun_argv(
 ) -> list[str]:
     """The OpenMPI equivalent, for MPI builds of Horovod: ssh on the workers' port, TCP on their NICs."""
     _check_np(np, hosts)
-    _check_port(ssh_port)
+    check_port(ssh_port)
     ssh_args = ["-p", str(ssh_port)]
     if identity_file:
         ssh_args += ["-i", identity_file]

@@ -47,7 +47,7 @@ from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..ssh.sshd import write_env_file
 from ..wire import RANK_ENV_FILE_ENV
-from ..workers import Resources, check_env, user_file
+from ..workers import Resources, check_env, check_resources, user_file
 from . import commands
 from .elastic import discovery
 from .rendezvous import run_key
@@ -162,12 +162,12 @@ def run_horovod(
     ------
     ConfigError
         Bad arguments, before any worker starts: slots, workers or np not a whole number, 1 or more,
-        or np past workers x slots; max_restarts not a whole number, 0 or more, or with reuse, or (on
-        workers elsewhere) with fewer than 2 workers; collect with reuse; a script that is no file; a
-        bad env or collect entry; Horovod not installed in this Python; backend= with reuse while the
-        default session runs workers on another backend. Later: max_restarts with the workers on
-        fewer than 2 hosts; start_timeout or ssh_port out of range (checked once horovodrun's command
-        is built, on workers elsewhere after they started).
+        or np past workers x slots; cpu, memory or nvidia_gpu out of range; start_timeout not whole
+        seconds, 1 or more; ssh_port no TCP port; max_restarts not a whole number, 0 or more, or with
+        reuse, or (on workers elsewhere) with fewer than 2 workers; collect with reuse; a script that is
+        no file; a bad env or collect entry; Horovod not installed in this Python; backend= with reuse
+        while the default session runs workers on another backend. Later: max_restarts with the workers
+        on fewer than 2 hosts (known once they run).
     cmlcluster.jobs.JobStartFailed
         A worker did not start; every worker that did was stopped.
     WorkerError
@@ -187,6 +187,7 @@ def run_horovod(
         result = cmlcluster.run_horovod("train.py", np=2, max_restarts=2)  # result.restarts: workers replaced
     """
     # Everything is checked before anything starts.
+    check_resources(cpu, memory, nvidia_gpu)
     slots = slots if slots is not None else max(nvidia_gpu, 1)
     for name, value in (("slots", slots), ("workers", workers), ("np", np)):
         if value is not None and not checks.whole(value, 1):
@@ -201,6 +202,8 @@ def run_horovod(
         )
     if not checks.whole(max_restarts, 0):
         raise ConfigError(f"max_restarts={max_restarts!r}: give a whole number of restarts, 0 or more")
+    commands.check_start_timeout(start_timeout)
+    commands.check_port(ssh_port)
     if max_restarts and reuse:
         raise ConfigError("max_restarts with reuse: an elastic run's workers are its own; leave one of them out")
     if (paths := check_collect(collect)) and reuse:

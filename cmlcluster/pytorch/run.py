@@ -44,7 +44,7 @@ from ..events import Event, JobFailure, Member, OutputLine
 from ..jobs import Job, Restarts, Role, launch_job
 from ..runs import RESULT_LINES_KEPT, report_end, send_files, session_for
 from ..session import Session
-from ..workers import FAILED, Resources, check_env, user_file
+from ..workers import FAILED, Resources, check_env, check_resources, user_file
 from . import commands
 from .result import RankFailure, TorchError, TorchResult
 from .store import SessionStore
@@ -185,8 +185,7 @@ def run_torch(
     paths = check_collect(collect)
     if not checks.whole(nnodes, 1):
         raise ConfigError(f"nnodes={nnodes!r}: give a whole number of workers, 1 or more")
-    if not checks.whole(nvidia_gpu, 0):
-        raise ConfigError(f"nvidia_gpu={nvidia_gpu!r}: give a whole number of GPUs per worker, 0 or more")
+    check_resources(cpu, memory, nvidia_gpu)
     nproc = commands.nproc_for(nproc_per_node, nvidia_gpu)
     process_group = commands.dist_backend_for(dist_backend, nvidia_gpu)
     for name, seconds in (("join_timeout", join_timeout), ("start_timeout", start_timeout)):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from .. import wire
+from .. import checks, wire
 from ..api import get_session
 from ..collect import paths as results
 from ..errors import CmlClusterError, ConfigError, SharedMachineWarning
@@ -29,7 +29,7 @@ from ..jobs import Job, JobFailed, Restarts, Role, launch_job
 from ..ports import free_ports
 from ..session import Session
 from ..shipping import Shipment
-from ..workers import Program, Resources, check_env, user_file
+from ..workers import Program, Resources, check_env, check_resources, user_file
 from . import coordinator, layout, stopping, versions
 
 log = logging.getLogger(__name__)
@@ -307,10 +307,10 @@ def start_cluster(
     Raises
     ------
     ConfigError
-        Before anything starts: n_workers, n_ps or min_workers out of range; a port that is no TCP port,
-        or 2222; coordinator=True with servers=False; max_restarts not a whole number, 0 or more, or
-        without a coordinator, or on a backend that cannot keep a worker's address; a bad env or
-        collect entry. cpu, memory or nvidia_gpu out of range, as the tasks are launched.
+        Before anything starts: n_workers, n_ps or min_workers out of range; cpu, memory or nvidia_gpu
+        out of range; timeout_seconds not above 0; a port that is no TCP port, or 2222; coordinator=True
+        with servers=False; max_restarts not a whole number, 0 or more, or without a coordinator, or on
+        a backend that cannot keep a worker's address; a bad env or collect entry.
     cmlcluster.jobs.JobStartFailed
         Fewer workers than min_workers (all of them, without it) or not every parameter server
         started; every worker that did was stopped.
@@ -336,6 +336,9 @@ def start_cluster(
             cluster.run_script("worker_scripts/tf_multiworker_train.py", args=["--epochs", "3"])
     """
     min_workers = layout.check_counts(n_workers, n_ps, min_workers)
+    check_resources(cpu, memory, nvidia_gpu)
+    if not checks.number(timeout_seconds, above=0):
+        raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give the seconds the workers have to start, above 0")
     env, paths = check_env(env), results.check_collect(collect)
     layout.check_port(port)
     if coordinator is None:

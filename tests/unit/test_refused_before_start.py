@@ -98,3 +98,37 @@ def test_a_running_clusters_missing_script_is_refused_and_the_cluster_kept(sessi
         with pytest.raises(ConfigError, match=r"script='tf_train\.py': no such file"):
             cluster.run_script("tf_train.py")
         assert not cluster.stopped  # a typo costs no new cluster
+
+
+def _script(tmp_path):
+    (tmp_path / "train.py").write_text("print('training')\n")
+    return str(tmp_path / "train.py")
+
+
+@pytest.mark.parametrize(
+    "run, kwargs, message",
+    [
+        ("torch", {"cpu": "two"}, r"cpu='two': cpu must be a number greater than 0"),
+        ("torch", {"memory": 0}, r"memory=0: memory \(GB\) must be a number greater than 0"),
+        ("horovod", {"nvidia_gpu": 1.5}, r"nvidia_gpu=1.5: must be a whole number of GPUs"),
+        ("horovod", {"start_timeout": 0}, r"start_timeout=0: give whole seconds, 1 or more"),
+        ("horovod", {"ssh_port": 70000}, r"ssh_port=70000: give the TCP port sshd listens on"),
+        ("cluster", {"cpu": -1}, r"cpu=-1: cpu must be a number greater than 0"),
+        ("cluster", {"timeout_seconds": -5}, r"timeout_seconds=-5: give the seconds the workers have to start"),
+    ],
+)
+def test_every_run_refuses_resources_and_timeouts_no_worker_could_have_before_anything_starts(
+    session, tmp_path, monkeypatch, run, kwargs, message
+):
+    from cmlcluster import run_horovod, run_torch, start_cluster
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        if run == "torch":
+            run_torch(_script(tmp_path), session=session, **kwargs)
+        elif run == "horovod":
+            run_horovod(_script(tmp_path), session=session, **kwargs)
+        else:
+            start_cluster(1, 1, session=session, **kwargs)
+    assert session.list_workers() == []
+    assert not session.backend.control.started  # not even the controller

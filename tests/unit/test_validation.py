@@ -352,3 +352,12 @@ def test_a_backends_options_are_read_from_its_constructor_for_help_and_the_comma
         backend_from(parser.parse_args(["--backend", "local", "--backend-option", "forks=True"]))
     with pytest.raises(ConfigError, match="give KEY=VALUE"):
         backend_from(parser.parse_args(["--backend-option", "fork"]))
+
+
+def test_stop_workers_before_any_session_refuses_a_named_worker_and_starts_nothing(default_backend, monkeypatch):
+    refuse_to_connect(monkeypatch)
+    cmlcluster.use_backend("fake")
+    assert cmlcluster.stop_workers() == []  # nothing to stop
+    with pytest.raises(ConfigError, match=r"'w-7' is not a worker: no session runs in this process"):
+        cmlcluster.stop_workers({"id": "w-7"})
+    assert api._default is None  # nothing started
