@@ -11,7 +11,8 @@ __init__.py, when missing). Then, in cmlcluster/, tests/, scripts/, bench/ and n
 - absolute imports and dotted names in strings ("cmlcluster.agent_files:unpack_files", `-m ...`,
   monkeypatch targets, docs) are renamed, longest name first.
 
-It moves with `git mv` and prints what it changed; read the diff after it.
+It moves with `git mv` and prints what it changed; read the diff after it, and grep what it cannot see:
+`from cmlcluster import old_name` inside a string (a test's child program) is code it does not parse.
 """
 
 from __future__ import annotations
