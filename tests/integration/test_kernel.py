@@ -189,7 +189,8 @@ SLEEPING_WORKERS = """
 import cmlcluster as cdsw
 ws = cdsw.launch_workers(2, cpu=0.5, memory=0.5, code="import time; time.sleep(600)")
 ready = cdsw.await_workers(ws, wait_for_completion=False, timeout_seconds=60)
-stop = cdsw.get_session().view.latest.stop_button  # the cell's own view
+from cmlcluster.ui.attached import view_of
+stop = view_of(cdsw.get_session()).latest.stop_button  # the cell's own view
 print(stop.comm.comm_id, *[w["id"] for w in ws], *[cdsw.get_session().worker_pid(w) for w in ws])
 """
 
