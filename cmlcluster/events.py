@@ -17,10 +17,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, ClassVar
 
-from .workers import FAILED, Status
+from .workers import FAILED, Status, Text
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +99,14 @@ class JobFailure:
         )
 
 
-class JobState(str, Enum):
-    """What happened to a job (JobChanged.state), as a view says it."""
+class JobState(Text):
+    """What happened to a job (JobChanged.state)."""
 
     STARTED = "started"
     MEMBER_LOST = "member_lost"
     MEMBER_REPLACED = "member_replaced"
     FINISHED = "finished"
     FAILED = "failed"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,19 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIR = os.path.join(PACKAGE_PARENT, "cmlcluster")  # the package itself
 
 
-class Status(str, Enum):
-    """A worker's status: each equal to CML's string for it ("running" == Status.RUNNING), and written as
-    that string (str(), f-strings, JSON). "timedout" is never a worker's: await_workers reports it for
+class Text(str, Enum):
+    """An enum whose members are their strings: equal to them ("running" == Status.RUNNING) and written as
+    them (str(), f-strings, JSON), as CML's dicts and the events' readers have them."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Status(Text):
+    """A worker's status, as CML names it. "timedout" is never a worker's: await_workers reports it for
     workers that were not where the caller wanted them by the deadline."""
 
     SCHEDULING = "scheduling"
@@ -38,12 +48,6 @@ class Status(str, Enum):
     FAILED = "failed"
     STOPPED = "stopped"
     TIMEDOUT = "timedout"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 SCHEDULING, RUNNING, SUCCEEDED = Status.SCHEDULING, Status.RUNNING, Status.SUCCEEDED

@@ -30,6 +30,20 @@ def test_workers_run_their_program_and_succeed():
         assert s.output(workers[0]) == "hello"
 
 
+def test_a_workers_status_is_cmls_plain_string_in_its_dict_and_equal_to_the_enum_inside():
+    from cmlcluster.events import WorkerStatus
+    from cmlcluster.workers import Status
+
+    seen = []
+    with fake_session(FakeWorker()) as s:
+        s.subscribe(lambda e: seen.append(e.worker["status"]) if isinstance(e, WorkerStatus) else None)
+        [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
+        [done] = s.await_workers([w], timeout_seconds=10)["workers"]
+    # A CML dict holds the plain string: its repr, json and a caller's `is`/type checks are CML's.
+    assert type(done["status"]) is str and "'status': 'succeeded'" in repr(done)
+    assert seen[-1] == Status.SUCCEEDED == "succeeded" and f"{Status.SUCCEEDED}" == str(Status.SUCCEEDED) == "succeeded"
+
+
 def test_wait_for_running_returns_addresses_of_running_workers():
     with fake_session(FakeWorker(start_delay=0.1), FakeWorker(start_delay=0.2)) as s:
         workers = s.launch_workers(2, cpu=0.5, memory=2)  # no program: they serve until stopped
