@@ -51,7 +51,9 @@ def test_a_sigkilled_worker_or_relay_leaves_no_folder_nor_process_on_its_host(ss
         assert tmpdir in _folders(host)
         assert any(f.startswith(f"/tmp/cmlcluster-{worker['id']}-") for f in _folders(host)), _folders(host)
         ((agent, relay),) = [(pid, ppid) for pid, ppid, args in _processes(host) if "cmlcluster.agent" in args]
-        assert any(pid == relay and "backends.ssh.remote" in args for pid, _, args in _processes(host)), _processes(host)
+        assert any(pid == relay and "backends.ssh.remote" in args for pid, _, args in _processes(host)), _processes(
+            host
+        )
 
         assert host.exec("kill", "-KILL", str(agent if killed == "worker" else relay)).returncode == 0
 
