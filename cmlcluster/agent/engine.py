@@ -139,6 +139,13 @@ class AgentEngine(IPEngine):
             AgentEngine.interrupting = False
             agent_program.stop_program(sig)
             return
+        if AgentEngine.stop_signal is not None:
+            # Stopping already. A stop's TERM comes twice on SSH hosts (to the worker's group, and to each
+            # process below its relay), and the second can land while this handler runs on the same thread,
+            # inside the sampler's Event.set: a second set() would wait forever for the lock the first holds,
+            # and the grace's SIGKILL ended the worker (-9, in 5 of 8 runs of test_workers' stop on SSH hosts
+            # with sampling on; py-spy showed the handler within the handler).
+            return
         AgentEngine.stop_signal = sig
         for helper in (AgentEngine.sampler, AgentEngine.forwarder):
             if helper is not None:

@@ -65,7 +65,7 @@ def test_local_workers_usage_shows_in_list_workers_and_events_and_nowhere_in_the
         assert s.output(other) == f"holding {150 * MIB}"
 
 
-@pytest.mark.parametrize("backend", on("local", "docker"), indirect=True)  # SSH hosts and pods: -m matrix
+@pytest.mark.parametrize("backend", on("local", "docker", "ssh"), indirect=True)  # pods: -m matrix
 def test_every_backends_workers_send_samples(session):
     # Wherever the agent runs (the session's Python, a container's, a host's, a pod's), psutil is there.
     [w] = session.launch_workers(1, cpu=0.5, memory=0.5, env=FAST)

@@ -37,7 +37,7 @@ from ...errors import BackendError, ConfigError, host_install_hint
 from ...ports import route_address
 from ...ssh.config import keepalive_options, keepalive_seconds, ssh_path
 from ...ssh.keys import tofu_known_hosts
-from ...wire import DEFAULT_SILENCE_TIMEOUT, USAGE_SECONDS_ENV
+from ...wire import DEFAULT_SILENCE_TIMEOUT
 from ...workers import Resources, WorkerSpec, user_file
 from ..base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import collect
@@ -329,10 +329,6 @@ class SSHBackend(Backend[SSHHandle]):
         gpus, host.free_gpus = host.free_gpus[: spec.resources.nvidia_gpu], host.free_gpus[spec.resources.nvidia_gpu :]
         env = dict(spec.env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # zero GPUs means none visible, not all of them
-        # Resource sampling is off on SSH hosts unless asked for (env=): with it on, about 4 stops in 10 of
-        # a worker there ended by the grace's SIGKILL (exit -9), not its SIGTERM; the cause is not found yet
-        # (not psutil's import on the sampler's thread, not the stop's lock around its sends).
-        env.setdefault(USAGE_SECONDS_ENV, "0")
         log_path = self.context.log_path(spec.worker_id)
         request: dict[str, object] = {"worker_id": spec.worker_id, "argv": list(spec.argv), "env": env}
         request |= {"cpu": spec.resources.cpu, "memory": spec.resources.memory, "collect": list(spec.collect)}
