@@ -51,7 +51,7 @@ def test_the_probes_of_tensorflows_private_names_pass_on_the_newest_tensorflow(t
 @pytest.mark.matrix
 @pytest.mark.timeout(2400)
 def test_the_tensorflow_tests_pass_on_the_newest_tensorflow(tmp_path):
-    assert pytest_on_newest(tmp_path, [*BACKENDS, *TRAINING]) >= 10
+    assert pytest_on_newest(tmp_path, [*BACKENDS, *TRAINING]) >= 7  # the local ones BACKENDS leaves
 
 
 def pytest_on_newest(tmp_path: Path, arguments: list[str]) -> int:
