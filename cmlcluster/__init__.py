@@ -56,7 +56,9 @@ _EXPORTS = {
         "WorkerError",
     ),
     "events": ("Event",),
+    "accelerate": ("AccelerateError", "AccelerateResult", "run_accelerate"),
     "horovod": ("HorovodError", "HorovodResult", "run_horovod"),
+    "jax": ("JaxError", "JaxResult", "run_jax"),
     "progress": ("keras_callback", "report"),
     "pytorch": ("TorchError", "TorchResult", "run_torch"),
     "session": ("Session",),
@@ -65,6 +67,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from .accelerate import AccelerateError, AccelerateResult, run_accelerate
     from .api import (
         await_workers,
         client,
@@ -80,6 +83,7 @@ if TYPE_CHECKING:
     from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, SharedMachineWarning, WorkerError
     from .events import Event
     from .horovod import HorovodError, HorovodResult, run_horovod
+    from .jax import JaxError, JaxResult, run_jax
     from .progress import keras_callback, report
     from .pytorch import TorchError, TorchResult, run_torch
     from .session import Session
@@ -91,13 +95,15 @@ __getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, globals())
 
 
 def load_ipython_extension(ipython: object) -> None:
-    """%load_ext cmlcluster: the %horovod, %%horovod, %torchrun and %%torchrun magics."""
+    """%load_ext cmlcluster: the %horovod, %torchrun, %jaxrun and %accelerate magics (and their %% forms)."""
     from .magics import load_ipython_extension as load
 
     load(ipython)
 
 
 __all__ = [
+    "AccelerateError",
+    "AccelerateResult",
     "BackendError",
     "CmlClusterError",
     "ConfigError",
@@ -105,6 +111,8 @@ __all__ = [
     "Event",
     "HorovodError",
     "HorovodResult",
+    "JaxError",
+    "JaxResult",
     "Program",
     "Session",
     "SharedMachineWarning",
@@ -121,8 +129,10 @@ __all__ = [
     "list_workers",
     "load_ipython_extension",
     "report",
+    "run_accelerate",
     "run_cluster",
     "run_horovod",
+    "run_jax",
     "run_torch",
     "start_cluster",
     "stop_session",

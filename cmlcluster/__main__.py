@@ -4,6 +4,8 @@ cmlcluster demo          the main job: parameter-server training on local worker
 cmlcluster run-cluster   a TensorFlow cluster whose worker tasks run a script
 cmlcluster horovod       a script under horovodrun on fresh workers
 cmlcluster torchrun      a script under torchrun (PyTorch distributed) on fresh workers
+cmlcluster jaxrun        a script as one JAX process on each of fresh workers
+cmlcluster accelerate    an Accelerate script on fresh workers, one machine each
 cmlcluster list          the sessions running on this machine, and their workers (--watch: what they use, live)
 cmlcluster top           the same as list --watch
 cmlcluster logs          the workers' logs, kept after their session (which sessions, without one)
@@ -53,19 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_backend_arguments(cluster)
     cluster.add_argument("--timeout", type=float, default=120, help="seconds for the tasks to start")
 
-    from .horovod import options as horovod_options
+    from .runs.verbs import VERBS, add_verb_arguments, options_of
 
-    horovod = commands.add_parser("horovod", help="run a script under horovodrun on fresh workers")
-    horovod_options.add_options(horovod)
-    horovod.add_argument("script")
-    horovod.add_argument("args", nargs=argparse.REMAINDER)
-
-    from .pytorch import options as torch_options
-
-    torchrun = commands.add_parser("torchrun", help="run a script under torchrun on fresh workers")
-    torch_options.add_options(torchrun)
-    torchrun.add_argument("script")
-    torchrun.add_argument("args", nargs=argparse.REMAINDER)
+    for verb in VERBS:
+        add_verb_arguments(commands.add_parser(verb, help=options_of(verb).HELP), verb, magic=False, with_script=True)
 
     listing = commands.add_parser("list", help="the sessions running on this machine (any backend) and their workers")
     listing.add_argument(
@@ -105,11 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return main_job.run(args.workers, args.ps, args.epochs, _backend(args), args.timeout)
         if args.command == "run-cluster":
             return run_cluster(args)
-        if args.command == "horovod":
-            result = horovod_options.run(args, args.script, args.args)
-            return result.exit_code
-        if args.command == "torchrun":
-            return torch_options.run(args, args.script, args.args).exit_code
+        if args.command in VERBS:
+            return int(options_of(args.command).run(args, args.script, args.args).exit_code)
         if args.command == "list" and not args.watch:
             return list_sessions()
         if args.command in ("list", "top"):

@@ -1,20 +1,17 @@
-"""IPython magics, registered by ``%load_ext cmlcluster``:
+"""IPython magics, registered by ``%load_ext cmlcluster``: one for each run verb (cmlcluster.runs.verbs).
 
     %horovod [options] train.py [script args]     run a script under horovodrun on fresh workers
-    %%horovod [options]                           the cell is the training script
     %torchrun [options] train.py [script args]    run a script under torchrun on fresh workers
-    %%torchrun [options]                          the cell is the training script
+    %jaxrun [options] train.py [script args]      run a script as one JAX process on each of fresh workers
+    %accelerate [options] train.py [script args]  run an Accelerate script on fresh workers, one machine each
+    %%horovod [options], %%torchrun, ...          the cell is the script
 
-%horovod's options: -np N (processes in all), -n/--workers N, --slots S (processes per worker;
-default its GPUs or 1), --cpu, --memory (GB), --gpus (per worker), --backend NAME,
---start-timeout S, --ssh-port P, --reuse (keep the workers for the next run), --max-restarts N,
---collect PATH (repeatable: what comes home from each worker's folder as it ends). Its value is a
-HorovodResult.
-
-%torchrun's options: --nnodes N (workers), --nproc-per-node K (default: the worker's GPUs, or 1),
---cpu, --memory (GB), --gpus (per worker), --dist-backend gloo|nccl, --backend NAME,
---start-timeout S, --join-timeout S, --rank0-only, --max-restarts N, --collect PATH. Its value is a
-TorchResult.
+Every verb has --cpu, --memory (GB), --gpus (per worker), --backend NAME (and --backend-option KEY=VALUE),
+--start-timeout S, --max-restarts N and --collect PATH (repeatable: what comes home from each worker's
+folder as it ends). %horovod: -np N, -n/--workers N, --slots S, --ssh-port P, --reuse (keep the workers
+for the next run). %torchrun: --nnodes N, --nproc-per-node K, --dist-backend gloo|nccl, --join-timeout S,
+--rank0-only. %jaxrun: --nnodes N. %accelerate: --num-machines N, --num-processes K, --launch-args '...',
+--join-timeout S, --rank0-only (`cmlcluster VERB --help` describes each). Each returns its run's result.
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from .horovod import options as horovod_options
-from .pytorch import options as torch_options
+from .runs.verbs import VERBS, add_verb_arguments, options_of
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,18 +34,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
 
 
-def _parser(name: str, add_options: Callable[[argparse.ArgumentParser], None], with_script: bool) -> _Parser:
-    parser = _Parser(prog=f"%{name}" if with_script else f"%%{name}", add_help=False)
-    add_options(parser)
-    if with_script:
-        parser.add_argument("script")
-        parser.add_argument("args", nargs=argparse.REMAINDER)
+def _parser(verb: str, with_script: bool) -> _Parser:
+    parser = _Parser(prog=f"%{verb}" if with_script else f"%%{verb}", add_help=False)
+    add_verb_arguments(parser, verb, magic=True, with_script=with_script)
     return parser
-
-
-def _horovod_options(parser: argparse.ArgumentParser) -> None:
-    horovod_options.add_options(parser)
-    parser.add_argument("--reuse", action="store_true")
 
 
 def _run_cell(cell: str, name: str, run: Callable[[str], Any]) -> Any:
@@ -65,32 +52,22 @@ def _run_cell(cell: str, name: str, run: Callable[[str], Any]) -> Any:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@magics_class
-class ClusterMagics(Magics):
-    @line_magic
-    def horovod(self, line: str) -> Any:
-        """%horovod [options] train.py [args]: run a training script under horovodrun on workers."""
-        parsed = _parser("horovod", _horovod_options, with_script=True).parse_args(shlex.split(line))
-        return horovod_options.run(parsed, parsed.script, parsed.args, reuse=parsed.reuse)
+def magic(verb: str) -> Callable[..., Any]:
+    """%verb [options] script [args], and %%verb [options] with the cell as the script."""
 
-    @cell_magic("horovod")  # type: ignore[arg-type]  # IPython types the named form poorly
-    def horovod_cell(self, line: str, cell: str) -> Any:
-        """%%horovod [options]: the cell is the training script."""
-        parsed = _parser("horovod", _horovod_options, with_script=False).parse_args(shlex.split(line))
-        return _run_cell(cell, "horovod", lambda path: horovod_options.run(parsed, path, [], reuse=parsed.reuse))
+    def run_verb(line: str, cell: str | None = None) -> Any:
+        parsed = _parser(verb, with_script=cell is None).parse_args(shlex.split(line))
+        more = {"reuse": parsed.reuse} if hasattr(parsed, "reuse") else {}
+        run = options_of(verb).run
+        if cell is None:
+            return run(parsed, parsed.script, parsed.args, **more)
+        return _run_cell(cell, verb, lambda path: run(parsed, path, [], **more))
 
-    @line_magic
-    def torchrun(self, line: str) -> Any:
-        """%torchrun [options] train.py [args]: run a training script under torchrun on workers."""
-        parsed = _parser("torchrun", torch_options.add_options, with_script=True).parse_args(shlex.split(line))
-        return torch_options.run(parsed, parsed.script, parsed.args)
-
-    @cell_magic("torchrun")  # type: ignore[arg-type]
-    def torchrun_cell(self, line: str, cell: str) -> Any:
-        """%%torchrun [options]: the cell is the training script."""
-        parsed = _parser("torchrun", torch_options.add_options, with_script=False).parse_args(shlex.split(line))
-        return _run_cell(cell, "torchrun", lambda path: torch_options.run(parsed, path, []))
+    run_verb.__name__ = verb
+    run_verb.__doc__ = f"%{verb} [options] script [args] | %%{verb} [options]: {options_of(verb).HELP}"
+    return run_verb
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    ipython.register_magics(ClusterMagics)
+    for verb in VERBS:
+        ipython.register_magic_function(magic(verb), magic_kind="line_cell", magic_name=verb)

@@ -84,9 +84,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "agent",
             "collect.in_worker",  # in a pod's agent: its collect= files, for the session to take
             "apps.forward",  # relays a worker's own address to its web app on 127.0.0.1
+            "runs.entry",  # what a rank runs (a script, a function), for every framework's rank runner
+            "runs.node_process",  # a node's launcher on its worker, for every framework of one node per worker
             "pytorch.node",
             "pytorch.rank",
             "pytorch.launch",
+            "accelerate.launch",
+            "jax.node",
+            "jax.process",
             "horovod.rank",
             "horovod.driver",
             "tensorflow.task",
@@ -122,7 +127,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The views, above the session they show (typed against viewers.ViewedSession); the face registers them.
     ("views", ("ui",)),
     ("jobs", ("jobs", "runs", "api")),
-    ("frameworks", ("tensorflow", "horovod", "pytorch")),
+    ("frameworks", ("tensorflow", "horovod", "pytorch", "jax", "accelerate")),
     # "": the package itself; cml_shim.cml: CML's `cml` package, over api.
     ("faces", ("magics", "demo", "__main__", "", "cml_shim.cml", "lab", "apps.proxy_hosts")),
 ]

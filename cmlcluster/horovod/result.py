@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..events import JobFailure
 from ..jobs import JobFailed
-from ..runs import RunError, RunResult
+from ..runs.result import RunError, RunResult
 
 
 @dataclass

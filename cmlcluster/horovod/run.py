@@ -42,7 +42,8 @@ from ..events import OutputLine
 from ..jobs import Job
 from ..lines import CUT_MARK, MAX_LINE_CHARS
 from ..progress import output_event
-from ..runs import RESULT_LINES_KEPT, report_end, session_for
+from ..runs.result import RESULT_LINES_KEPT
+from ..runs.skeleton import report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..ssh.sshd import write_env_file

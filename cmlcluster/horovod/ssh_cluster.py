@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..errors import CmlClusterError, WorkerError
 from ..events import Event, JobChanged, JobState, Member
 from ..jobs import Job, Restarts, Role, launch_job
-from ..runs import send_files
+from ..runs.skeleton import send_files
 from ..session import Session
 from ..shipping import Shipment
 from ..ssh.config import SshdAnswer, sshd_answer

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from .. import checks
 from ..errors import ConfigError
@@ -16,7 +15,6 @@ DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")  # what torch.distributed.init_pr
 DEFAULT_JOIN_TIMEOUT = 120  # seconds for every node to reach the rendezvous
 # torchrun --tee prefixes what a local process writes with its role and local rank: "[default1]:".
 TEE_HEADER = re.compile(r"\[default(\d+)\]:")
-RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$", re.DOTALL)  # how a rank's line reaches the session
 # Each process's first line, on stdout and stderr (rank.py): its ranks in this round of the run.
 RANK_MARKER = "@cmlcluster-rank"
 RANK_MARKER_LINE = re.compile(re.escape(RANK_MARKER) + r" (\d+) (\d+) (\d+) (\d+)$")  # rank local group restart
@@ -186,15 +184,3 @@ class TeedLines:
         lines = [(self.rank_of(local), text) for local, text in sorted(self.partial.items())]
         self.partial.clear()
         return lines
-
-
-def parse_rank_line(text: str) -> tuple[int, str] | None:
-    """(rank, text) of a line as the session receives it, "[rank 3] text"; None for other lines."""
-    match = RANK_LINE.match(text)
-    return (int(match.group(1)), match.group(2)) if match else None
-
-
-def check_script_args(args: Any) -> list[str]:
-    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
-        raise ConfigError(f"args={args!r}: a script's arguments are a list of strings, e.g. ['--epochs', '3']")
-    return list(args)

@@ -15,9 +15,11 @@ process takes out of its environment before torchrun starts any process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -45,7 +47,9 @@ def failures_of(error: Any) -> list[dict[str, Any]]:
     return records
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], configure: Callable[[argparse.Namespace], None] | None = None) -> None:
+    """torchrun with argv (see the module's docstring); configure(torchrun's arguments), when given, runs
+    before torchrun does (Accelerate's launch sets its environment there: cmlcluster.accelerate.launch)."""
     split = argv.index("--")
     report, wait_for, arguments = argv[0], argv[1:split], argv[split + 1 :]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -67,6 +71,8 @@ def main(argv: list[str]) -> None:
             sys.exit(1)
     os.environ["CMLCLUSTER_TORCHRUN_PID"] = str(os.getpid())  # each process dies with this one (rank.py)
     args = parse_args(arguments)
+    if configure is not None:
+        configure(args)
     os.environ.pop(rendezvous.RUN_ID_ENV, None)  # read (args.rdzv_id); the ranks have TORCHELASTIC_RUN_ID
     static_host = args.rdzv_backend == "static" and args.node_rank == 0
     store = listening_store(args.master_addr, args.master_port) if static_host else None

@@ -9,28 +9,22 @@ elastic run's node (plan["endpoint"]: the session's rendezvous store) learns its
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import selectors
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
-from .. import _lifeline
 from .._proc import python_module
 from ..agent import files as agent_files
-from ..lines import MAX_LINE_CHARS
+from ..runs.node_process import run_launcher
 from . import commands
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # what every process runs
-RANKS_STOP_GRACE = 1.0  # seconds the ranks have after their worker's stop (TERM) before torchrun is KILLed
+# What each node runs: torchrun (launch.py), or Accelerate's launch, which runs torchrun (accelerate/launch.py).
+LAUNCHERS = {"torch": "cmlcluster.pytorch.launch", "accelerate": "cmlcluster.accelerate.launch"}
 
 
 def run(plan: dict[str, Any]) -> dict[str, Any]:
@@ -71,22 +65,15 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             # alone, never on a command line (launch.py takes the key out before the ranks start).
             env.update(commands.elastic_env(plan["run_id"], plan["rdzv_key"]))
         # torchrun's agent imports nothing of the worker's folder (the ranks do, as a script does).
-        torchrun = python_module("cmlcluster.pytorch.launch", report, *_torchrun_args(plan, folder, entry))
-        process = subprocess.Popen(
-            [sys.executable, _lifeline.__file__, "--", *torchrun],
-            env=env,
-            stdin=subprocess.PIPE,  # the lifeline: torchrun dies with this worker
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
+        argv = python_module(
+            LAUNCHERS[plan["launcher"]], *_launcher_head(plan, report), *_torchrun_args(plan, folder, entry)
         )
-        try:
-            with _stops_reach(process):
-                _relay(process, plan.get("node_rank"), plan["nproc_per_node"], plan["rank0_only"])
-                code = process.wait()
-        finally:
-            assert process.stdin is not None
-            process.stdin.close()
+        code = run_launcher(
+            argv,
+            env,
+            lambda: commands.TeedLines(plan.get("node_rank"), plan["nproc_per_node"]),
+            rank0_only=plan["rank0_only"],
+        )
         reported: dict[str, Any] = {}
         if os.path.exists(report):
             with open(report) as f:
@@ -103,6 +90,21 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         }
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _launcher_head(plan: dict[str, Any], report: str) -> list[str]:
+    """The launcher's first arguments: REPORT, and for Accelerate's, its settings for this node."""
+    if plan["launcher"] != "accelerate":
+        return [report]
+    settings = {
+        "launch_args": plan["launch_args"],
+        "nnodes": plan["nnodes"],
+        "nproc_per_node": plan["nproc_per_node"],
+        "node_rank": plan.get("node_rank"),
+        "master_addr": plan.get("master_addr") or plan["local_addr"],
+        "cpu": plan["dist_backend"] == "gloo",
+    }
+    return [report, json.dumps(settings)]
 
 
 def _torchrun_args(plan: dict[str, Any], folder: str, entry: list[str]) -> list[str]:
@@ -136,62 +138,3 @@ def _torchrun_args(plan: dict[str, Any], folder: str, entry: list[str]) -> list[
             entry=entry,
         ),
     ]
-
-
-@contextlib.contextmanager
-def _stops_reach(process: subprocess.Popen[bytes]) -> Iterator[None]:
-    """A stop of this worker (SIGTERM to its agent) reaches torchrun at once: the agent ends a running
-    program on it, but this is a call, which it leaves to run (here, until torchrun ends) until the
-    KILL after the backend's grace. The lifeline passes the TERM to torchrun, torchrun to the ranks;
-    torchrun itself then takes seconds to exit (torch's teardown), so its lifeline is cut a moment later."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers are the main thread's
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def stop(sig: int, frame: Any) -> None:
-        process.terminate()
-        assert process.stdin is not None
-        cut = threading.Timer(RANKS_STOP_GRACE, process.stdin.close)  # EOF: the lifeline KILLs torchrun
-        cut.daemon = True
-        cut.start()
-        if callable(previous):
-            previous(sig, frame)  # the agent's own: its engine stops once this call returns
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _relay(process: subprocess.Popen[bytes], node_rank: int | None, nproc: int, rank0_only: bool) -> None:
-    """Print torchrun's output line by line as it comes (the engine streams it to the session)."""
-    assert process.stdout is not None and process.stderr is not None
-    targets: dict[IO[bytes], Any] = {process.stdout: sys.stdout, process.stderr: sys.stderr}
-    partial: dict[IO[bytes], bytes] = {pipe: b"" for pipe in targets}
-    teed = {pipe: commands.TeedLines(node_rank, nproc) for pipe in targets}
-    with selectors.DefaultSelector() as selector:
-        for pipe in targets:
-            selector.register(pipe, selectors.EVENT_READ)
-        while selector.get_map():
-            for key, _ in selector.select():
-                pipe = process.stdout if key.fileobj is process.stdout else process.stderr
-                chunk = os.read(pipe.fileno(), 65536)
-                if not chunk:
-                    selector.unregister(pipe)
-                    lines = [partial.pop(pipe)] if partial[pipe] else []
-                else:
-                    *lines, partial[pipe] = (partial[pipe] + chunk).split(b"\n")
-                    if len(partial[pipe]) > MAX_LINE_CHARS:  # a line with no end (a "\r" progress bar): pass it on
-                        lines.append(partial[pipe])
-                        partial[pipe] = b""
-                labelled = [line for raw in lines for line in teed[pipe].feed(raw.decode(errors="replace"))]
-                if not chunk:
-                    labelled += teed[pipe].flush()
-                for rank, text in labelled:
-                    if rank is None:
-                        print(text, file=targets[pipe])
-                    elif rank == 0 or not rank0_only:
-                        print(f"[rank {rank}] {text}", file=targets[pipe])
-                targets[pipe].flush()

@@ -9,19 +9,16 @@ value into RESULT. The exit status is what the script decided: the process ends 
 cmlcluster._exit, which does what Python's exit does but leaves without finalizing the
 interpreter, where Gloo's threads can abort a rank that finished. Its first line, on stdout and
 stderr, is its rank marker (see say_ranks). Only the standard library, torch and cmlcluster's
-_exit, pytorch.commands and pytorch.store (none of the session's side) are imported here.
+_exit, runs.entry, pytorch.commands and pytorch.store (none of the session's side) are imported here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import pickle
-import runpy
 import signal
 import sys
 import traceback
-from types import TracebackType
 from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
@@ -66,23 +63,6 @@ def process_group_store() -> Any:
     return listening_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
 
-def run_script(script: str, args: list[str]) -> None:
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
-
-
-def run_function(call_file: str, result_file: str) -> None:
-    with open(call_file, "rb") as f:
-        fn, args, kwargs = pickle.load(f)  # noqa: S301  # written by this run's node, in a private folder
-    value: Any = fn(*args, **kwargs)
-    if os.environ.get("RANK") == "0":
-        import cloudpickle
-
-        with open(result_file, "wb") as f:
-            cloudpickle.dump(value, f)
-
-
 def release_process_group() -> None:
     """Destroy the default process group if the user's code left it, while the interpreter is whole.
 
@@ -98,13 +78,6 @@ def release_process_group() -> None:
         dist.destroy_process_group()
 
 
-def user_frames(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback from the user's code on: without this module's frames, nor runpy's."""
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
-        tb = tb.tb_next
-    return tb
-
-
 def main(argv: list[str]) -> NoReturn:
     die_with_parent()
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
@@ -113,13 +86,14 @@ def main(argv: list[str]) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     from cmlcluster._exit import exit_now, status_of
+    from cmlcluster.runs.entry import run_function, run_script, user_frames
 
     errors = ErrorHandler()
     errors.initialize()
     try:
         store = process_group_store()  # noqa: F841  # serves while this process runs
         if argv[:1] == ["--function"] and len(argv) == 3:
-            run_function(argv[1], argv[2])
+            run_function(argv[1], argv[2], keep_value=os.environ.get("RANK") == "0")
         elif argv and not argv[0].startswith("--"):
             run_script(argv[0], argv[1:])
         else:
@@ -130,7 +104,7 @@ def main(argv: list[str]) -> NoReturn:
     except BaseException as e:
         # As `python script` would show it, and in torchrun's error file for the session: the
         # exception from the user's code, without this wrapper's frames.
-        e.__traceback__ = user_frames(e.__traceback__)
+        e.__traceback__ = user_frames(e.__traceback__, [__file__])
         errors.record_exception(e)
         traceback.print_exception(e)
         status = 1

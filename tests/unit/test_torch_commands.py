@@ -12,6 +12,7 @@ import pytest
 from cmlcluster import ConfigError
 from cmlcluster.pytorch import commands, rendezvous
 from cmlcluster.pytorch.launch import failures_of
+from cmlcluster.runs.nodes import check_script_args, parse_rank_line
 
 
 def test_processes_per_node_follow_the_gpus_unless_given():
@@ -178,9 +179,9 @@ def test_teed_lines_get_their_global_rank():
     warning = "W1122 torch/distributed/run.py:874] warning"
     assert teed.feed(warning) == [(None, warning)]
     assert teed.flush() == []
-    assert commands.parse_rank_line("[rank 9] loss 0.5") == (9, "loss 0.5")
-    assert commands.parse_rank_line("[rank 9]loss") is None
-    assert commands.parse_rank_line("epoch 3") is None
+    assert parse_rank_line("[rank 9] loss 0.5") == (9, "loss 0.5")
+    assert parse_rank_line("[rank 9]loss") is None
+    assert parse_rank_line("epoch 3") is None
 
 
 def test_a_line_torchrun_read_in_parts_is_put_back_together():
@@ -215,11 +216,11 @@ def test_teed_lines_follow_each_process_s_rank_marker_across_an_elastic_run_s_ro
 
 
 def test_script_arguments_are_strings():
-    assert commands.check_script_args(("--epochs", "3")) == ["--epochs", "3"]
+    assert check_script_args(("--epochs", "3")) == ["--epochs", "3"]
     with pytest.raises(ConfigError, match="list of strings"):
-        commands.check_script_args("--epochs 3")
+        check_script_args("--epochs 3")
     with pytest.raises(ConfigError, match="list of strings"):
-        commands.check_script_args(["--epochs", 3])
+        check_script_args(["--epochs", 3])
 
 
 def test_failures_come_back_first_failure_first_with_the_traceback(tmp_path):

@@ -1,0 +1,28 @@
+"""Hugging Face Accelerate across workers: run_accelerate, and the %accelerate magic.
+
+- run.py: run_accelerate and what it returns (AccelerateResult): a PyTorch run whose nodes launch through Accelerate
+- launch.py: Accelerate's launch on a node: its parser, config and environment, then torchrun
+- options.py: %accelerate's and `cmlcluster accelerate`'s options
+
+accelerate is imported only in the workers' launchers: this package loads where it is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .run import AccelerateError, AccelerateResult, run_accelerate
+
+
+def __getattr__(name: str) -> Any:
+    if name not in ("run_accelerate", "AccelerateResult", "AccelerateError"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import run
+
+    value = getattr(run, name)
+    globals()[name] = value  # found here from now on
+    return value
+
+
+__all__ = ["AccelerateError", "AccelerateResult", "run_accelerate"]
