@@ -13,12 +13,14 @@ import argparse
 import hashlib
 import os
 import socket
+import time
 
 import torch
 from accelerate import Accelerator
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=5)
+parser.add_argument("--epoch-seconds", type=float, default=0, help="each epoch takes at least this long")
 options = parser.parse_args()
 
 accelerator = Accelerator()
@@ -32,7 +34,7 @@ x = torch.randn(512, 8)
 y = x @ torch.arange(1.0, 9.0).unsqueeze(1)
 data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
 model = torch.nn.Linear(8, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 model, optimizer, data = accelerator.prepare(model, optimizer, data)
 for epoch in range(options.epochs):
     total = torch.zeros(1, device=accelerator.device)
@@ -45,5 +47,6 @@ for epoch in range(options.epochs):
     losses = accelerator.gather(total / len(data))  # one value from every process
     if accelerator.is_main_process:
         print(f"epoch {epoch} loss {losses.mean().item():.4f} from {len(losses)} processes", flush=True)
+    time.sleep(options.epoch_seconds)
 weights = accelerator.unwrap_model(model).weight.detach().cpu().numpy().tobytes()
 print(f"parameters {hashlib.sha256(weights).hexdigest()[:16]}", flush=True)
