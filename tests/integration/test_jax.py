@@ -88,7 +88,13 @@ def test_jaxrun_magics_in_a_real_ipython_shell(shell, capsys):
     result = shell.run_line_magic("jaxrun", f"--nnodes 2 {EXAMPLE} --steps 20")
     assert result.ok, result.message
     assert "[rank 1] process 1 of 2" in capsys.readouterr().out  # live, process by process
-    cell = "import jax\njax.distributed.initialize()\nprint('hello from', jax.process_index(), 'of', jax.process_count())\n"
+    cell = "\n".join(
+        [
+            "import jax",
+            "jax.distributed.initialize()",
+            "print('hello from', jax.process_index(), 'of', jax.process_count())",
+        ]
+    )
     result = shell.run_cell_magic("jaxrun", "--nnodes 2", cell)
     assert result.ok, result.message
     assert result.output == {0: ["hello from 0 of 2"], 1: ["hello from 1 of 2"]}
