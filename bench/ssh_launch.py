@@ -1,6 +1,6 @@
 """Launch -> all running, for N workers on 3 SSH hosts: cmlcluster against the same agents started by hand.
 
-The hosts are the tests' (tests/sshhosts.py: containers with their own IPs, key-only sshd, a
+The hosts are the tests' (tests/harness/sshhosts.py: containers with their own IPs, key-only sshd, a
 non-root user). Both sides use one warm session's controller, so only the launch is timed:
 
 - ours: session.launch_workers(N) + await_workers until every worker runs (placement, one ssh

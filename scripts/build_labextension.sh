@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the JupyterLab panel's TypeScript (labextension/) into the prebuilt extension the package ships
 # (cmlcluster/lab/labextension/, committed: installing cmlcluster and running CI need no node), and record
-# the sources' hash beside it (tests/unit/test_lab_bundle.py fails when a source changed since).
+# the sources' hash beside it (tests/unit/lab/test_panel_data.py fails when a source changed since).
 #
 #   bash scripts/build_labextension.sh        needs node >= 18 and npm (Debian's nodejs), and .venv
 #

@@ -4,7 +4,7 @@
     python scripts/labextension_sources.py --write   # record it in the bundle's folder (build_labextension.sh)
 
 CI never runs node: the built bundle (cmlcluster/lab/labextension/) is committed with its sources, and
-tests/unit/test_lab_bundle.py fails when the hash recorded there is not the hash of the sources now, i.e.
+tests/unit/lab/test_panel_data.py fails when the hash recorded there is not the hash of the sources now, i.e.
 when a source changed and scripts/build_labextension.sh was not run again.
 """
 

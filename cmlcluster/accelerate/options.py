@@ -6,8 +6,8 @@ import argparse
 import shlex
 from typing import Any
 
-from ..pytorch import commands
-from ..runs.options import add_worker_arguments, worker_keywords
+from ..pytorch.options import add_node_arguments
+from ..runs.options import worker_keywords
 
 HELP = "run an Accelerate script on fresh workers, one machine each"
 
@@ -23,11 +23,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         metavar="'ARGS'",
         help="more of accelerate launch's arguments, quoted: '--mixed_precision bf16'",
     )
-    parser.add_argument(
-        "--join-timeout", type=float, default=commands.DEFAULT_JOIN_TIMEOUT, help="seconds to reach the rendezvous"
-    )
-    parser.add_argument("--rank0-only", action="store_true", help="show only rank 0's output")
-    add_worker_arguments(parser, restarts_help="replace a lost worker up to N times and resume (elastic)")
+    add_node_arguments(parser)
 
 
 def run(options: argparse.Namespace, script: str, args: list[str], **more: Any) -> Any:

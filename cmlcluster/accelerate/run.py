@@ -18,9 +18,9 @@ from .. import checks
 from ..errors import ConfigError
 from ..pytorch import commands
 from ..pytorch.result import TorchResult
-from ..pytorch.run import TorchNodes, check_join_timeout, needs_torch_here
+from ..pytorch.run import TorchNodes
 from ..runs import skeleton
-from ..runs.options import worker_options
+from ..runs.options import WorkerOptions, worker_options
 from ..runs.result import RunError
 from .launch import TOPOLOGY
 
@@ -127,21 +127,19 @@ def run_accelerate(
             "run_accelerate(script=...): give the path of an Accelerate script (run_torch runs functions)"
         )
     accelerate = Accelerate(
-        script, args, num_machines, _per_machine(num_processes, num_machines, nvidia_gpu), nvidia_gpu, launch_args
-    )
-    accelerate.settings.update(
-        join_timeout=check_join_timeout(join_timeout),
-        threads=commands.threads_per_process(cpu, accelerate.nproc),
-        dist_backend=commands.dist_backend_for(None, nvidia_gpu),
+        script,
+        args,
+        num_machines,
+        _per_machine(num_processes, num_machines),
+        options,
+        launch_args=launch_args,
+        join_timeout=join_timeout,
         rank0_only=rank0_only,
-        max_restarts=max_restarts,
     )
-    if max_restarts:
-        needs_torch_here(max_restarts)
     return skeleton.run(options, accelerate)
 
 
-def _per_machine(num_processes: int | None, num_machines: int, nvidia_gpu: int) -> int | str:
+def _per_machine(num_processes: int | None, num_machines: int) -> int | str:
     if num_processes is None:
         return "auto"
     if not checks.whole(num_processes, 1) or not checks.whole(num_machines, 1) or num_processes % num_machines:
@@ -180,13 +178,27 @@ class Accelerate(TorchNodes[AccelerateResult]):
         args: Sequence[str],
         num_machines: int,
         nproc_per_node: int | str,
-        nvidia_gpu: int,
+        options: WorkerOptions,
+        *,
         launch_args: Sequence[str],
+        join_timeout: float,
+        rank0_only: bool,
     ):
         launch = check_launch_args(launch_args)
         if not checks.whole(num_machines, 1):
             raise ConfigError(f"num_machines={num_machines!r}: give a whole number of workers, 1 or more")
-        super().__init__(script, args, None, num_machines, nproc_per_node, nvidia_gpu, function_of="run_accelerate")
+        super().__init__(
+            script,
+            args,
+            None,
+            num_machines,
+            nproc_per_node,
+            options,
+            function_of="run_accelerate",
+            dist_backend=None,  # NCCL with GPUs, Gloo without: Accelerate's own choice
+            join_timeout=join_timeout,
+            rank0_only=rank0_only,
+        )
         self.settings["launch_args"] = launch
 
     def new_result(self) -> AccelerateResult:

@@ -9,15 +9,11 @@ bound to its worker's address alone (JAX would listen on every interface).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
 import sys
-import tempfile
 from typing import Any
 
-from ..agent import files as agent_files
-from ..runs.node_process import OneRank, run_launcher
+from ..runs.node_process import OneRank, node_folder, run_launcher
 from .process import REPORT_ENV
 
 PROCESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "process.py")
@@ -33,37 +29,17 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             f"JAX is not installed in this worker's Python ({sys.executable}); install jax in the workers' "
             "image or environment (pip install 'jax[cpu]', or jax[cuda12] for GPUs)"
         )
-    folder = tempfile.mkdtemp(prefix="cmlcluster-jax-")
-    try:
-        report = os.path.join(folder, "report.json")
-        result = os.path.join(folder, "value.pickle")
-        if plan["call"]:
-            call_file = os.path.join(folder, "call.pickle")
-            with open(call_file, "wb") as f:
-                f.write(plan["call"])
-            entry = ["--function", call_file, result]
-        else:
-            entry = [agent_files.script_path(plan["script"]), *plan["args"]]
+    with node_folder("jax") as folder:
         coordinator = f"{plan['master_addr']}:{plan['master_port']}"
         env = {
             **os.environ,
             **process_env(plan["nnodes"], plan["node_rank"], coordinator, cpu=not plan["gpus"]),
-            REPORT_ENV: report,
+            REPORT_ENV: folder.report,
             "PYTHONUNBUFFERED": "1",
         }
         env.setdefault("OMP_NUM_THREADS", str(plan["threads"]))
-        code = run_launcher([sys.executable, PROCESS, *entry], env, lambda: OneRank(plan["node_rank"]))
-        reported: dict[str, Any] = {}
-        if os.path.exists(report):
-            with open(report) as f:
-                reported = json.load(f)
-        value = b""
-        if code == 0 and os.path.exists(result):
-            with open(result, "rb") as f:
-                value = f.read()
-        return {"exit_code": code, "failures": reported.get("failures", []), "error": "", "value": value}
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        argv = [sys.executable, PROCESS, *folder.entry(plan)]
+        return folder.reply(run_launcher(argv, env, lambda: OneRank(plan["node_rank"])))
 
 
 def process_env(nnodes: int, process_id: int, coordinator: str, *, cpu: bool) -> dict[str, str]:

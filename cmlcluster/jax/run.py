@@ -19,7 +19,7 @@ from .. import checks
 from ..errors import ConfigError
 from ..runs import skeleton
 from ..runs.nodes import NodeFramework, entry_of
-from ..runs.options import worker_options
+from ..runs.options import WorkerOptions, worker_options
 from ..runs.result import NodesResult, RunError
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def run_jax(
         echo=echo,
         check=check,
     )
-    return skeleton.run(options, Jax(script, args, kwargs, nnodes, options.cpu, options.nvidia_gpu))
+    return skeleton.run(options, Jax(script, args, kwargs, nnodes, options))
 
 
 class Jax(NodeFramework[JaxResult]):
@@ -132,8 +132,7 @@ class Jax(NodeFramework[JaxResult]):
         args: Sequence[Any],
         kwargs: Mapping[str, Any] | None,
         nnodes: int,
-        cpu: float,
-        gpus: int,
+        options: WorkerOptions,
     ):
         if not checks.whole(nnodes, 1):
             raise ConfigError(f"nnodes={nnodes!r}: give a whole number of workers, 1 or more")
@@ -141,7 +140,7 @@ class Jax(NodeFramework[JaxResult]):
         self.call, self.path, self.script_args = entry_of(script, args, kwargs, "run_jax")
         self.files = [self.path] if self.path else []
         self.title = f"run_jax {os.path.basename(self.path) or getattr(script, '__name__', 'function')}"
-        self.settings = {"nnodes": nnodes, "threads": max(1, int(cpu)), "gpus": gpus}
+        self.settings = {"nnodes": nnodes, "threads": max(1, int(options.cpu)), "gpus": options.nvidia_gpu}
 
     def new_result(self) -> JaxResult:
         return JaxResult(exit_code=-1, nnodes=self.nnodes, nproc_per_node=1, hosts=[], master="", duration=0)

@@ -12,14 +12,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from typing import Any
 
 from .._proc import python_module
-from ..agent import files as agent_files
-from ..runs.node_process import run_launcher
+from ..runs.node_process import node_folder, run_launcher
 from . import commands
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")  # what every process runs
@@ -40,22 +37,13 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             f"PyTorch is not installed in this worker's Python ({sys.executable}); install torch in the "
             "workers' image or environment (pip install torch)"
         )
-    folder = tempfile.mkdtemp(prefix="cmlcluster-torch-")
-    try:
-        report = os.path.join(folder, "report.json")
-        result = os.path.join(folder, "value.pickle")
-        if plan.get("call"):
-            call_file = os.path.join(folder, "call.pickle")
-            with open(call_file, "wb") as f:
-                f.write(plan["call"])
-            entry = [RANK, "--function", call_file, result]
-        else:
-            entry = [RANK, agent_files.script_path(plan["script"]), *plan["args"]]
+    with node_folder("torch") as folder:
+        entry = [RANK, *folder.entry(plan)]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(plan["threads"]))  # torchrun would say 1
         env["CMLCLUSTER_DIST_BACKEND"] = plan["dist_backend"]
         # The node's own folder for snapshots: kept while this node runs, across restarts of its processes.
-        env["CMLCLUSTER_CHECKPOINT_DIR"] = os.path.join(folder, "checkpoints")
+        env["CMLCLUSTER_CHECKPOINT_DIR"] = os.path.join(folder.path, "checkpoints")
         env["PYTHONUNBUFFERED"] = "1"
         if plan.get("node_rank") is None:
             # Each round's process-group store at that round's rank 0, not at the first round's
@@ -66,7 +54,9 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             env.update(commands.elastic_env(plan["run_id"], plan["rdzv_key"]))
         # torchrun's agent imports nothing of the worker's folder (the ranks do, as a script does).
         argv = python_module(
-            LAUNCHERS[plan["launcher"]], *_launcher_head(plan, report), *_torchrun_args(plan, folder, entry)
+            LAUNCHERS[plan["launcher"]],
+            *_launcher_head(plan, folder.report),
+            *_torchrun_args(plan, folder.path, entry),
         )
         code = run_launcher(
             argv,
@@ -74,22 +64,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             lambda: commands.TeedLines(plan.get("node_rank"), plan["nproc_per_node"]),
             rank0_only=plan["rank0_only"],
         )
-        reported: dict[str, Any] = {}
-        if os.path.exists(report):
-            with open(report) as f:
-                reported = json.load(f)
-        value = b""
-        if code == 0 and os.path.exists(result):
-            with open(result, "rb") as f:
-                value = f.read()
-        return {
-            "exit_code": code,
-            "failures": reported.get("failures", []),
-            "error": reported.get("error", ""),
-            "value": value,
-        }
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        return folder.reply(code)
 
 
 def _launcher_head(plan: dict[str, Any], report: str) -> list[str]:

@@ -23,6 +23,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dist-backend", default=None, choices=commands.DIST_BACKENDS, help="default: nccl with GPUs, else gloo"
     )
+    add_node_arguments(parser)
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every run of torchrun's nodes has (%torchrun's, %accelerate's): the rendezvous timeout,
+    rank 0's output alone, elastic restarts, and the worker options."""
     parser.add_argument(
         "--join-timeout", type=float, default=commands.DEFAULT_JOIN_TIMEOUT, help="seconds to reach the rendezvous"
     )

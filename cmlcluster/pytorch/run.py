@@ -34,7 +34,7 @@ from .. import checks
 from ..errors import ConfigError
 from ..runs import skeleton
 from ..runs.nodes import NodeFramework, entry_of
-from ..runs.options import worker_options
+from ..runs.options import WorkerOptions, worker_options
 from . import commands
 from .result import TorchError, TorchResult
 from .store import SessionStore
@@ -183,23 +183,19 @@ def run_torch(
         echo=echo,
         check=check,
     )
-    torch = Torch(script, args, kwargs, nnodes, nproc_per_node, nvidia_gpu, function_of="run_torch")
-    torch.settings.update(
-        join_timeout=check_join_timeout(join_timeout),
-        threads=commands.threads_per_process(cpu, torch.nproc),
-        dist_backend=commands.dist_backend_for(dist_backend, nvidia_gpu),
+    torch = Torch(
+        script,
+        args,
+        kwargs,
+        nnodes,
+        nproc_per_node,
+        options,
+        function_of="run_torch",
+        dist_backend=dist_backend,
+        join_timeout=join_timeout,
         rank0_only=rank0_only,
-        max_restarts=max_restarts,
     )
-    if max_restarts:
-        needs_torch_here(max_restarts)
     return skeleton.run(options, torch)
-
-
-def check_join_timeout(seconds: float) -> float:
-    if not checks.number(seconds, above=0):
-        raise ConfigError(f"join_timeout={seconds!r}: give a number of seconds above 0")
-    return seconds
 
 
 def needs_torch_here(max_restarts: int) -> None:
@@ -227,19 +223,36 @@ class TorchNodes(NodeFramework[TR]):
         kwargs: Mapping[str, Any] | None,
         nnodes: int,
         nproc_per_node: int | str,
-        nvidia_gpu: int,
+        options: WorkerOptions,
         *,
         function_of: str,
+        dist_backend: str | None,
+        join_timeout: float,
+        rank0_only: bool,
     ):
+        """Checks its arguments (ConfigError, before anything starts): `function_of` names the caller."""
         if not checks.whole(nnodes, 1):
             raise ConfigError(f"nnodes={nnodes!r}: give a whole number of workers, 1 or more")
+        if not checks.number(join_timeout, above=0):
+            raise ConfigError(f"join_timeout={join_timeout!r}: give a number of seconds above 0")
+        if options.max_restarts:
+            needs_torch_here(options.max_restarts)
         self.nnodes = nnodes
-        self.nproc = commands.nproc_for(nproc_per_node, nvidia_gpu)
+        self.nproc = commands.nproc_for(nproc_per_node, options.nvidia_gpu)
         self.call, self.path, self.script_args = entry_of(script, args, kwargs, function_of)
         self.files = [self.path] if self.path else []
         name = os.path.basename(self.path) or getattr(script, "__name__", "function")
         self.title = f"{function_of} {name}"
-        self.settings: dict[str, Any] = {"nnodes": nnodes, "nproc_per_node": self.nproc, "launcher": self.launcher}
+        self.settings: dict[str, Any] = {  # what every node is given (node.py)
+            "launcher": self.launcher,
+            "nnodes": nnodes,
+            "nproc_per_node": self.nproc,
+            "join_timeout": join_timeout,
+            "threads": commands.threads_per_process(options.cpu, self.nproc),
+            "dist_backend": commands.dist_backend_for(dist_backend, options.nvidia_gpu),
+            "rank0_only": rank0_only,
+            "max_restarts": options.max_restarts,
+        }
 
     def plan(self, shipment: Shipment) -> dict[str, Any]:
         return {

@@ -6,19 +6,69 @@ lifeline, stopped with its worker, and its output relayed line by line, each pro
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any, Protocol
 
 from .. import _lifeline
+from ..agent import files as agent_files
 from ..lines import MAX_LINE_CHARS
 
 RANKS_STOP_GRACE = 1.0  # seconds the ranks have after their worker's stop (TERM) before the launcher is KILLed
+
+
+class NodeFolder:
+    """A node's private folder while it runs: its function's call, the failure report its launcher writes
+    (REPORT: {"failures": [...], "error": ...}) and rank 0's value; removed when the node ends."""
+
+    def __init__(self, framework: str):
+        self.path = tempfile.mkdtemp(prefix=f"cmlcluster-{framework}-")
+        self.report = os.path.join(self.path, "report.json")
+        self.value = os.path.join(self.path, "value.pickle")
+
+    def entry(self, plan: dict[str, Any]) -> list[str]:
+        """What each rank runner is given: the script as shipped and its arguments, or
+        ``--function CALL RESULT`` for a function's pickled call (plan["call"])."""
+        if not plan["call"]:
+            return [agent_files.script_path(plan["script"]), *plan["args"]]
+        call = os.path.join(self.path, "call.pickle")
+        with open(call, "wb") as f:
+            f.write(plan["call"])
+        return ["--function", call, self.value]
+
+    def reply(self, exit_code: int) -> dict[str, Any]:
+        """What the node tells the session (runs/nodes.py): its exit code, the failures and error its
+        launcher reported, and rank 0's pickled value after a success."""
+        reported: dict[str, Any] = {}
+        if os.path.exists(self.report):
+            with open(self.report) as f:
+                reported = json.load(f)
+        value = b""
+        if exit_code == 0 and os.path.exists(self.value):
+            with open(self.value, "rb") as f:
+                value = f.read()
+        failures = reported.get("failures", [])
+        return {"exit_code": exit_code, "failures": failures, "error": reported.get("error", ""), "value": value}
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def node_folder(framework: str) -> Iterator[NodeFolder]:
+    folder = NodeFolder(framework)
+    try:
+        yield folder
+    finally:
+        folder.remove()
 
 
 class Labeller(Protocol):

@@ -234,7 +234,7 @@ def jupyter_lab(
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             "--LabApp.extension_manager=readonly",  # lists what is installed; never asks PyPI
             # Kernels on unix sockets in this server's folder, which no other test's stray client reaches
-            # (tests/kernels.py says why); named k-<n> there, short enough for a socket's path.
+            # (tests/harness/kernels.py says why); named k-<n> there, short enough for a socket's path.
             "--KernelManager.transport=ipc",
             f"--KernelManager.ip={home / 'k'}",
         ]

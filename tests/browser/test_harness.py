@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from processes import command_line, own_tree
+from harness.processes import command_line, own_tree
 
 from browser.jupyterlab import CHROMIUM, TEMP_PREFIX, jupyter_lab, open_notebook, write_notebook
 

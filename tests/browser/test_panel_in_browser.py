@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from processes import wait_until
+from harness.processes import wait_until
 
 from browser.jupyterlab import NotebookPage, jupyter_lab, open_notebook, write_notebook
 from cmlcluster import origin, records

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from processes import command_line, is_worker_agent, own_tree
+from harness.processes import command_line, is_worker_agent, own_tree
 
 from browser.jupyterlab import NotebookPage, jupyter_lab, open_notebook, write_notebook
 

@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import on
-from processes import agent_pid, processes_running, wait_until
+from harness.fixtures import on
+from harness.processes import agent_pid, processes_running, wait_until
 
 from cmlcluster import ConfigError, Session, run_accelerate
 from cmlcluster.events import OutputLine

@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 from cmlcluster.backends import Backend, Capabilities, SessionContext, backend_class, known_backends
 from cmlcluster.backends.fake import FakeBackend, FakeWorker

@@ -2,7 +2,7 @@
 its own network namespace, as a switch's failover or a Wi-Fi roam would) for less than the session's
 silence_timeout carries on once it is back and its program finishes; one cut for longer fails with the
 structured failure naming the silence, in bounded time, with nothing of it left running. On Docker
-containers, on SSH hosts (containers standing in for machines: tests/sshhosts.py) and on pods of the
+containers, on SSH hosts (containers standing in for machines: tests/harness/sshhosts.py) and on pods of the
 stand-in Kubernetes cluster (whose pods are containers; matrix tier). An SSH worker also
 outlives its ssh connection: one whose connection dropped (its ssh client killed, or ssh's keepalives
 given up during a cut) is connected again, and its log holds what it printed meanwhile, once.
@@ -21,8 +21,8 @@ import time
 
 import psutil
 import pytest
-from conftest import DOCKER_TEST_IMAGE, kube_backend, leftovers_on
-from processes import own_tree, run_containers, wait_until
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, leftovers_on
+from harness.processes import own_tree, run_containers, wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.docker.backend import DockerBackend
@@ -90,7 +90,7 @@ def ssh_clients() -> list[psutil.Process]:
 
 def container_of(kind, request, worker):
     """The container the worker runs in: its own, its pod's (the stand-in's pods are containers), or
-    its SSH host's (tests/sshhosts.py)."""
+    its SSH host's (tests/harness/sshhosts.py)."""
     if kind == "docker":
         [container] = run_containers(label=[f"cmlcluster.worker={worker['id']}"])
     elif kind == "kubernetes":

@@ -1,8 +1,8 @@
 """A user's session beside the test suite comes through it unharmed.
 
-The run's root process starts the bystander (tests/bystander.py) before the first test (conftest.py):
+The run's root process starts the bystander (tests/harness/bystander.py) before the first test (conftest.py):
 another process, not the run's child, with two local workers and a Docker worker, as a notebook on the
-same machine would have. This test is the run's last (conftest orders it so, and under pytest-xdist it
+same machine would have. This test is the run's last (harness/run.py orders it so, and under pytest-xdist it
 waits for the other workers' tests): after the whole run, the bystander's workers are the same
 processes, still running, and no leak check of any process of the run ever reported one of them.
 """
@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 import time
 
-import bystander
-import conftest
 import pytest
+from harness import bystander, identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.bystander]
 
@@ -23,17 +22,17 @@ EVERYTHING_ELSE = 3000  # seconds, at most, for the other workers' tests (a hang
 
 @pytest.mark.timeout(EVERYTHING_ELSE + 300)
 def test_a_session_beside_the_run_is_unharmed_and_never_reported(request):
-    assert os.path.exists(conftest.BYSTANDER), "the run's root starts the bystander when this test is collected"
+    assert os.path.exists(identity.BYSTANDER), "the run's root starts the bystander when this test is collected"
     others = {item.nodeid for item in request.session.items} - {request.node.nodeid}
     deadline = time.monotonic() + EVERYTHING_ELSE
-    while running := others - set(conftest.read_lines(conftest.FINISHED)):
+    while running := others - set(identity.read_lines(identity.FINISHED)):
         assert time.monotonic() < deadline, f"still running: {sorted(running)}"
         time.sleep(1)
-    reported = conftest.read_lines(conftest.REPORTS)
+    reported = identity.read_lines(identity.REPORTS)
     pids = {pid for report in reported for pid in report.get("pids", [])}
     containers = [name for report in reported for name in report.get("containers", [])]
 
-    handle = bystander.Bystander.saved(conftest.BYSTANDER)
+    handle = bystander.Bystander.saved(identity.BYSTANDER)
     ready = handle.ready
     now = handle.check()
     assert now["statuses"] == ["running"] * 3, now

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, ssh_backend
+from harness.fixtures import DOCKER_TEST_IMAGE, ssh_backend
 
 from cmlcluster.apps import ports as app_ports
 

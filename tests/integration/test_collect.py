@@ -3,7 +3,7 @@ the paths named is in the session's working folder when each ends, whether it su
 stopped, as on CML's shared disk; what else they leave there is named in one warning that says collect=.
 
 For real, on SSH hosts (containers standing in for machines, which see none of the session's files:
-tests/sshhosts.py), on Docker containers that do not mount the working folder (mount_cwd=False), and on
+tests/harness/sshhosts.py), on Docker containers that do not mount the working folder (mount_cwd=False), and on
 the stand-in Kubernetes cluster's pods run from a folder off its shared volume (their files come through
 their agents: collect/through_agents.py). One session each, three workers at once, to keep the suite short.
 On the shared volume, pods write where the session reads, as on CML."""
@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 from cmlcluster import Session
 from cmlcluster.backends.docker.backend import DockerBackend

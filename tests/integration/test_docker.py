@@ -14,7 +14,7 @@ import time
 import docker
 import ipyparallel as ipp
 import pytest
-from conftest import DOCKER_TEST_IMAGE
+from harness.fixtures import DOCKER_TEST_IMAGE
 
 from cmlcluster import ConfigError, Session, origin
 from cmlcluster.backends.base import SessionContext, run_tag_labels

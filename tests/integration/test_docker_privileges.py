@@ -15,8 +15,8 @@ import time
 import docker
 import ipyparallel as ipp
 import pytest
-from conftest import DOCKER_TEST_IMAGE
-from docker_window import refused_unless_in_dockers_window
+from harness.docker_window import refused_unless_in_dockers_window
+from harness.fixtures import DOCKER_TEST_IMAGE
 
 from cmlcluster import ConfigError, Session
 from cmlcluster.backends.docker import engine as docker_engine

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, on
-from processes import agent_pid, kill_later, processes_running, running, wait_until
-from tf_training import stacks_in_update_server_def, threads_in_update_server_def, train_as_coordinator
+from harness.fixtures import DOCKER_TEST_IMAGE, on
+from harness.processes import agent_pid, kill_later, processes_running, running, wait_until
+from harness.tf_training import stacks_in_update_server_def, threads_in_update_server_def, train_as_coordinator
 
 import cmlcluster
 from cmlcluster import Session, run_cluster

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
 
 import cmlcluster
 from cmlcluster import CmlClusterError, Session

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import backend_for
-from processes import agent_pid, processes_running, wait_until
+from harness.fixtures import backend_for
+from harness.processes import agent_pid, processes_running, wait_until
 
 from cmlcluster import Session
 from cmlcluster.events import JobChanged, Progress

@@ -19,8 +19,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from conftest import ssh_backend
-from horovod_scripts import ALLREDUCE, ELASTIC_ALLREDUCE
+from harness.fixtures import ssh_backend
+from harness.horovod_scripts import ALLREDUCE, ELASTIC_ALLREDUCE
 
 from cmlcluster._proc import descendants
 from cmlcluster.horovod import run_horovod

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import ssh_backend
-from horovod_scripts import ALLREDUCE, ELASTIC_ALLREDUCE
+from harness.fixtures import ssh_backend
+from harness.horovod_scripts import ALLREDUCE, ELASTIC_ALLREDUCE
 
 from cmlcluster.horovod import run_horovod
 
@@ -41,7 +41,7 @@ def two_nic_hosts() -> Iterator[tuple[Any, SecondNetwork]]:
     pytest.importorskip("horovod.tensorflow")
     if os.getuid() != 0 or not shutil.which("nsenter"):
         pytest.skip("needs root and nsenter to rename an interface in a host's network namespace")
-    from sshhosts import NETWORK_LABEL, start_hosts
+    from harness.sshhosts import NETWORK_LABEL, start_hosts
 
     nic = f"hvd{secrets.token_hex(4)}"  # an interface name: 15 characters at most
     with start_hosts(2) as hosts:

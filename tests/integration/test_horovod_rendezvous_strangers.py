@@ -19,7 +19,7 @@ import sys
 import threading
 
 import pytest
-from processes import wait_until
+from harness.processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.horovod import run_horovod

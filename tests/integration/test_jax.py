@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import on
+from harness.fixtures import on
 
 from cmlcluster import ConfigError, JaxError, Session, run_jax
 

@@ -9,10 +9,10 @@ import time
 
 import psutil
 import pytest
-from conftest import DOCKER_TEST_IMAGE
-from kernels import running_kernel
-from processes import agents as all_agents
-from processes import running
+from harness.fixtures import DOCKER_TEST_IMAGE
+from harness.kernels import running_kernel
+from harness.processes import agents as all_agents
+from harness.processes import running
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def kernel():
 
 
 def test_a_test_kernels_channels_are_unix_sockets_of_its_own(kernel):
-    """What keeps other tests' stray clients off its iopub (tests/kernels.py). Its one TCP listener is
+    """What keeps other tests' stray clients off its iopub (tests/harness/kernels.py). Its one TCP listener is
     ipykernel's pipe for its subprocesses' output, which drops a message that lacks the pipe's random id."""
     km, _ = kernel
     with open(km.connection_file) as f:

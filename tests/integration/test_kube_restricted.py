@@ -21,12 +21,12 @@ import urllib.request
 import docker
 import ipyparallel as ipp
 import pytest
-from conftest import DOCKER_TEST_IMAGE, kube_backend
-from docker_window import refused_unless_in_dockers_window
+from harness.docker_window import refused_unless_in_dockers_window
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend
+from harness.processes import wait_until
 from kubernetes.client import ApiClient, CoreV1Api, NetworkingV1Api
 from kubernetes.client.exceptions import ApiException
 from kubestandin import RANDOM_UIDS
-from processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.kubernetes import names

@@ -19,9 +19,9 @@ import sys
 
 import ipyparallel as ipp
 import pytest
-from conftest import DOCKER_TEST_IMAGE, kube_backend
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend
+from harness.processes import wait_until
 from kubernetes.client import ApiClient, CoreV1Api
-from processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.kubernetes import names

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import DOCKER_TEST_IMAGE
-from processes import own_tree, running
+from harness.fixtures import DOCKER_TEST_IMAGE
+from harness.processes import own_tree, running
 
 from cmlcluster import Session, run_horovod, run_torch
 from cmlcluster.backends.docker.backend import DockerBackend

@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from processes import wait_until
+from harness.processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.local import LocalBackend

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from kernels import kernel_manager
+from harness.kernels import kernel_manager
 from nbclient import NotebookClient
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def execute(name: str) -> list[str]:
 # notebook, run by a real kernel.
 @pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_horovod_notebook_runs_allreduce_and_cleans_up(backend, monkeypatch):
-    from conftest import DOCKER_TEST_IMAGE
+    from harness.fixtures import DOCKER_TEST_IMAGE
 
     monkeypatch.setenv("CMLCLUSTER_BACKEND", backend)  # the kernel inherits it
     monkeypatch.setenv("CMLCLUSTER_DOCKER_IMAGE", DOCKER_TEST_IMAGE)
@@ -100,7 +100,7 @@ def test_hyperparameter_search_notebook_spreads_configurations_over_workers():
 # On local: DDP across containers is test_torch's; this is the notebook, run by a real kernel.
 @pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_pytorch_notebook_trains_ddp_on_four_ranks_and_cleans_up(backend, monkeypatch):
-    from conftest import DOCKER_TEST_IMAGE
+    from harness.fixtures import DOCKER_TEST_IMAGE
 
     monkeypatch.setenv("CMLCLUSTER_BACKEND", backend)
     monkeypatch.setenv("CMLCLUSTER_DOCKER_IMAGE", DOCKER_TEST_IMAGE)

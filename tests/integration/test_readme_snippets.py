@@ -1,5 +1,5 @@
 """The README's python blocks run as copied: in one real kernel started in the repository's root, each
-block a cell, top to bottom (tests/readme_blocks.py reads them; blocks marked as excerpts are left out).
+block a cell, top to bottom (tests/harness/readme_blocks.py reads them; blocks marked as excerpts are left out).
 
 A block fails the test when its cell raises, and also when a run or a worker it started failed without
 raising (a `%horovod` whose rank exited 1 returns a result; an await_workers lists failures): the kernel
@@ -14,9 +14,9 @@ import json
 import re
 
 import pytest
-import readme_blocks
-from kernels import running_kernel
-from processes import alive_after, cmlcluster_processes
+from harness import readme_blocks
+from harness.kernels import running_kernel
+from harness.processes import alive_after, cmlcluster_processes
 
 from cmlcluster import records
 

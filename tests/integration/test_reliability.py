@@ -20,8 +20,8 @@ import warnings
 import psutil
 import pytest
 import zmq
-from conftest import on
-from processes import agents
+from harness.fixtures import on
+from harness.processes import agents
 
 import cmlcluster.control.plane
 from cmlcluster import Session

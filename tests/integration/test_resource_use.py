@@ -14,8 +14,8 @@ import threading
 import time
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE, on
-from processes import wait_until
+from harness.fixtures import DOCKER_TEST_IMAGE, on
+from harness.processes import wait_until
 
 from cmlcluster import Session
 from cmlcluster.backends.docker.backend import DockerBackend

@@ -6,7 +6,7 @@ import logging
 import textwrap
 
 import pytest
-from conftest import DOCKER_TEST_IMAGE
+from harness.fixtures import DOCKER_TEST_IMAGE
 
 from cmlcluster import Session
 from cmlcluster.backends.docker.backend import DockerBackend

@@ -16,8 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import leftovers_on, ssh_backend
-from sshhosts import start_hosts
+from harness.fixtures import ssh_backend
+from harness.leaks import leftovers_on
+from harness.sshhosts import start_hosts
 
 from cmlcluster import ConfigError, Session
 from cmlcluster.backends.ssh.backend import SSHBackend, parse_hosts

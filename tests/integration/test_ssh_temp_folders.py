@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import leftovers_on, ssh_backend
+from harness.fixtures import ssh_backend
+from harness.leaks import leftovers_on
 
 from cmlcluster import Session
 

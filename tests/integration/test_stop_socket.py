@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from processes import wait_until
+from harness.processes import wait_until
 
 from cmlcluster import records, stop_socket
 from cmlcluster.errors import ConfigError

@@ -22,7 +22,7 @@ import urllib.request
 
 import psutil
 import pytest
-from processes import command_line, own_tree
+from harness.processes import command_line, own_tree
 
 from cmlcluster.errors import CmlClusterError, ConfigError
 from cmlcluster.tensorboard_server import DEFAULT_PORT, TensorBoard

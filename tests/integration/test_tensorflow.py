@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import on
+from harness.fixtures import on
 
 from cmlcluster import WorkerError, run_cluster, start_cluster
 from cmlcluster.tensorflow import versions

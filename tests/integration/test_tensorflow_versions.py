@@ -24,7 +24,7 @@ NEWEST = "2.21.0"
 VENV = ROOT / ".venv-tf2.21"
 # The TensorFlow tests that run on the newest version too: the probes of its private names in the default run,
 # the training and fault tests in the matrix tier (the default run trains on the TensorFlow the main job pins).
-PROBES = ["tests/unit/test_tf_versions.py", "tests/unit/test_tf_internals.py"]
+PROBES = ["tests/unit/tensorflow/test_versions.py", "tests/unit/tensorflow/test_internals.py"]
 TRAINING = [
     "tests/integration/test_tensorflow.py",
     "tests/integration/test_faults.py::test_kill_9_of_a_worker_while_this_process_coordinates_fails_fit_and_the_next_cluster_trains",

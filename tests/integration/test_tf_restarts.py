@@ -10,8 +10,8 @@ import threading
 import traceback
 
 import pytest
-from processes import agent_pid, wait_until
-from tf_training import threads_in_update_server_def, train_as_coordinator
+from harness.processes import agent_pid, wait_until
+from harness.tf_training import threads_in_update_server_def, train_as_coordinator
 
 import cmlcluster
 from cmlcluster import Session

@@ -10,8 +10,8 @@ import threading
 
 import psutil
 import pytest
-from processes import wait_until
-from tf_training import stacks_in_update_server_def, threads_in_update_server_def, train_as_coordinator
+from harness.processes import wait_until
+from harness.tf_training import stacks_in_update_server_def, threads_in_update_server_def, train_as_coordinator
 
 import cmlcluster
 from cmlcluster import StoppedFromWidget, blocking

@@ -17,8 +17,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import on
-from processes import agent_pid, kill_later, processes_running, time_all_gone, wait_until
+from harness.fixtures import on
+from harness.processes import agent_pid, kill_later, processes_running, time_all_gone, wait_until
 
 import cmlcluster
 from cmlcluster import ConfigError, Session, run_torch
@@ -128,7 +128,7 @@ def test_a_process_group_left_by_successful_code_is_destroyed_before_exit(tmp_pa
 def test_a_run_whose_ranks_finished_is_ok_whatever_their_interpreters_do_at_exit(tmp_path):
     # Gloo's threads abort ranks that finished while their interpreter finalizes (SIGABRT, "terminate
     # called without an active exception"): this script aborts there too, both ways it could.
-    script = Path(__file__).parents[1] / "aborts_at_exit.py"
+    script = Path(__file__).parents[1] / "harness" / "aborts_at_exit.py"
     with Session("local", echo=False) as session:
         result = run_torch(str(script), [str(tmp_path / "log")], nproc_per_node=2, session=session, echo=False)
     assert result.ok, result.message
@@ -167,7 +167,7 @@ time.sleep(600)
 
 @pytest.mark.parametrize("backend_name", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_a_failing_rank_is_named_and_every_other_process_stopped(backend_name, tmp_path_factory, tmp_path):
-    from conftest import backend_for
+    from harness.fixtures import backend_for
 
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
@@ -202,7 +202,7 @@ time.sleep(600)
 
 @pytest.mark.parametrize("backend_name", ["local", pytest.param("docker", marks=pytest.mark.matrix)])
 def test_a_worker_killed_mid_run_fails_it_and_stops_the_others(backend_name, tmp_path_factory, tmp_path):
-    from conftest import backend_for
+    from harness.fixtures import backend_for
 
     script = tmp_path / "long.py"
     script.write_text(LONG)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from processes import agent_pid, own_tree, processes_running, wait_until
+from harness.processes import agent_pid, own_tree, processes_running, wait_until
 
 from cmlcluster import Session, run_torch
 from cmlcluster.events import JobChanged, Progress

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kernels import running_kernel
-from processes import own_tree
+from harness.kernels import running_kernel
+from harness.processes import own_tree
 
 from cmlcluster import Session, origin
 from cmlcluster.ui.widget import RENDER_HZ, WidgetView

@@ -15,8 +15,8 @@ import time
 import ipyparallel as ipp
 import psutil
 import pytest
-from conftest import on
-from processes import command_line, running
+from harness.fixtures import on
+from harness.processes import command_line, running
 
 from cmlcluster import Session
 from cmlcluster.backends.kubernetes import names

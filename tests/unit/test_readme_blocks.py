@@ -17,7 +17,7 @@ import sys
 import tokenize
 
 import pytest
-import readme_blocks
+from harness import readme_blocks
 from IPython.core.inputtransformer2 import TransformerManager
 
 TRANSFORM = TransformerManager()

@@ -123,7 +123,7 @@ def test_the_ssh_backend_sizes_its_keepalives_and_tells_the_host_its_silence_tim
     argv = backend.ssh_argv("10.0.0.5", "true")
     assert "ServerAliveInterval=2" in argv and "ServerAliveCountMax=1" in argv  # gives up after 4 s
     assert "ConnectTimeout=3" in backend.ssh_argv("10.0.0.5", "true", connect_timeout=3)
-    # How the session gives up on a host, and what it says then: tests/unit/test_ssh_relay.py.
+    # How the session gives up on a host, and what it says then: tests/unit/backends/ssh/test_relay.py.
 
 
 def test_a_worker_its_agent_ended_for_silence_fails_naming_the_silence():

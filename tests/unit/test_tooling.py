@@ -29,9 +29,28 @@ def test_clean(argv):
 
 
 def test_no_two_test_modules_share_a_name():
-    # The test folders are no packages: pytest imports each test module by its file name alone, and a
-    # second one of the same name stops the whole run at collection ("import file mismatch").
+    # pytest imports a test module by its name below the first folder up that is no package (tests/unit is
+    # one, tests/integration is not): a second module of the same name stops the whole run at collection
+    # ("import file mismatch").
     names: dict[str, list[str]] = {}
     for path in (ROOT / "tests").rglob("test_*.py"):
-        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+        parts, folder = [path.stem], path.parent
+        while (folder / "__init__.py").exists():
+            parts.insert(0, folder.name)
+            folder = folder.parent
+        names.setdefault(".".join(parts), []).append(str(path.relative_to(ROOT)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_the_unit_tier_alone_imports_none_of_the_integration_harness():
+    # tests/conftest.py loads harness.run, .leaks and .fixtures (processes, containers, SSH hosts) only for
+    # a run with more than tests/unit; a unit test that needs one of their fixtures fails here.
+    code = (
+        "import sys, pytest;"
+        "status = pytest.main(['-q', '-n', '0', '-p', 'no:cacheprovider', 'tests/unit/test_events.py']);"
+        "print('LOADED', sorted(m for m in sys.modules if m.startswith('harness'))); sys.exit(status)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    loaded = result.stdout.split("LOADED ")[-1].strip()
+    assert loaded == "['harness', 'harness.identity', 'harness.isolation']", loaded

@@ -1,7 +1,7 @@
 """What the API's answers say: pure readers of the client's model objects (V1Pod as a list or a
 watch delivers it, a node's allocatable quantities, an ApiException's body).
 
-Nothing here calls the API or changes what it reads; tests/unit/test_kubernetes_pods.py runs
+Nothing here calls the API or changes what it reads; tests/unit/backends/kubernetes/test_pods.py runs
 each reader on recorded pod JSON, deserialized as the watch does it.
 """
 

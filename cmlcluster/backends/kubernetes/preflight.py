@@ -33,7 +33,7 @@ class Access:
     when: str = ALWAYS
 
 
-# Every call the backend makes to the API, once each (tests/unit/test_kubernetes_manifests.py reads
+# Every call the backend makes to the API, once each (tests/unit/backends/kubernetes/test_manifests.py reads
 # the package's calls and checks that this list and they say the same). check_access asks for all
 # but the OPTIONAL ones before anything starts.
 BACKEND_ACCESS = (

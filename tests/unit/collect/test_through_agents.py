@@ -8,13 +8,13 @@ import logging
 import os
 
 import pytest
-from test_collect_paths import HOSTILE, stream
 
 from cmlcluster import Session
 from cmlcluster.agent import files as agent_files
 from cmlcluster.agent.program import call
 from cmlcluster.backends.base import Capabilities
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
+from unit.collect.test_paths import HOSTILE, stream
 
 
 @pytest.fixture

@@ -10,9 +10,8 @@ import asyncio
 import time
 from typing import Any
 
-from test_kubernetes_pods import as_watched, raw
-
 from cmlcluster.backends.kubernetes.watch import PodHandle, PodTracker
+from unit.backends.kubernetes.test_pods import as_watched, raw
 
 LOG = [b"epoch 1/3\n", b"Killed\n"]
 

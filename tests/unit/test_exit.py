@@ -15,7 +15,7 @@ import pytest
 from cmlcluster._exit import status_of
 
 # Finishes, then aborts as Gloo makes ranks that finished abort, once the interpreter finalizes.
-ABORTS_AT_EXIT = pathlib.Path(__file__).parents[1] / "aborts_at_exit.py"
+ABORTS_AT_EXIT = pathlib.Path(__file__).parents[1] / "harness" / "aborts_at_exit.py"
 
 
 def run_rank(script: str, *args: str) -> subprocess.CompletedProcess[str]:

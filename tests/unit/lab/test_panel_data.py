@@ -18,7 +18,7 @@ from cmlcluster import lab, origin, records, session_summary, stop_socket
 from cmlcluster.errors import ConfigError
 from cmlcluster.lab import sessions
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import labextension_sources  # noqa: E402

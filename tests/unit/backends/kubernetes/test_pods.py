@@ -16,7 +16,7 @@ from kubernetes.client.rest import ApiException
 
 from cmlcluster.backends.kubernetes import pods
 
-DATA = pathlib.Path(__file__).parent / "data" / "kubernetes_pods"
+DATA = pathlib.Path(__file__).parents[2] / "data" / "kubernetes_pods"
 RECORDED = sorted(path.stem for path in DATA.glob("*.json"))
 
 
