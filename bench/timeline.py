@@ -53,15 +53,15 @@ class Timeline:
     def _on_event(self, event: Event) -> None:
         if isinstance(event, WorkerStatus):
             worker = event.worker
-            self._status[worker["id"]] = worker["status"]
+            self._status[worker.id] = worker.status
             statuses = set(self._status.values())
-            if worker["status"] == "scheduling":
+            if worker.status == "scheduling":
                 self.mark("workers started", last=True)
-            elif worker["status"] == "running":
+            elif worker.status == "running":
                 self._controller_listening()
                 if statuses <= {"running", *ENDED}:
                     self.mark("workers registered", last=True)
-            elif worker["status"] in ENDED:
+            elif worker.status in ENDED:
                 self.mark("first worker ended")
                 if statuses <= set(ENDED):
                     self.mark("workers ended", last=True)

@@ -19,6 +19,7 @@ import time
 from cmlcluster import Session
 from cmlcluster.events import CallStarted, OutputLine, WorkerStatus
 from cmlcluster.ui.widget import SessionViews, WidgetView
+from cmlcluster.workers import Status, WorkerSnapshot
 
 FLOOD = """
 for i in range({lines}):
@@ -43,7 +44,7 @@ def job(lines: int, n_views: int) -> tuple[float, float]:
         views = SessionViews.of(session)
         for i in range(n_views - 1):  # earlier calls: a finished worker's row each
             open_view(session, views, f"earlier-{i}")
-            session.publish(WorkerStatus({"id": f"{session.id}-{1000 + i}", "status": "succeeded", "cpu": 1}))
+            session.publish(WorkerStatus(WorkerSnapshot(f"{session.id}-{1000 + i}", Status.SUCCEEDED, cpu=1)))
         open_view(session, views, "current")
         passes: list[float] = []
         render_all = views._render_all

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .workers import FAILED, Status, Text
+from .workers import FAILED, Status, Text, WorkerSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,10 @@ class Event:
 
 @dataclass(frozen=True)
 class WorkerStatus(Event):
-    """A worker's record (CML's dict) after a change of status."""
+    """A worker after a change of status (its snapshot; CML's dict is worker.to_dict())."""
 
     kind: ClassVar[str] = "status"
-    worker: dict[str, Any]
+    worker: WorkerSnapshot
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,10 @@ class JobFailure:
         return f"{self.member} {self.status}{code}: {self.reason}"
 
     @classmethod
-    def of(cls, member: Member, record: Mapping[str, Any], tail: str = "") -> JobFailure:
+    def of(cls, member: Member, record: Mapping[str, Any] | WorkerSnapshot, tail: str = "") -> JobFailure:
+        """The failure of a member whose worker ended so (its snapshot, or a CML dict of await_workers')."""
+        if isinstance(record, WorkerSnapshot):
+            record = record.to_dict()
         address = record.get("ip_address") or ""
         return cls(
             member,

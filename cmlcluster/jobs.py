@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CmlClusterError, WorkerError
 from .events import JobChanged, JobFailure, JobState, Member, WorkerStatus
-from .workers import FAILED, TAIL_LINES, Resources
+from .workers import FAILED, TAIL_LINES, Resources, WorkerSnapshot
 
 if TYPE_CHECKING:
     from .events import Event
@@ -129,9 +129,9 @@ class Job:
         self._unsubscribe = session.subscribe(self._on_event)
         session.publish(JobChanged(name, JobState.STARTED, tuple(self.members)))
         # A member may have ended before the job began watching.
-        for record in session.list_workers():
-            if record["id"] in self._by_id:
-                self._check(record)
+        for worker in session.snapshots():
+            if worker.id in self._by_id:
+                self._check(worker)
 
     @property
     def worker_ids(self) -> list[str]:
@@ -141,14 +141,14 @@ class Job:
         return self._by_id[worker_id]
 
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, WorkerStatus) and event.worker["id"] in self._by_id:
+        if isinstance(event, WorkerStatus) and event.worker.id in self._by_id:
             self._check(event.worker)
 
-    def _check(self, record: dict[str, Any]) -> None:
-        if record["status"] != FAILED or self.session.closed or self.failed.is_set():
+    def _check(self, worker: WorkerSnapshot) -> None:
+        if worker.status != FAILED or self.session.closed or self.failed.is_set():
             return  # succeeded or stopped on request: the job's owner decides what that means
-        member = self._by_id[record["id"]]
-        failure = JobFailure.of(member, record, _tail(self.session, member.worker_id))
+        member = self._by_id[worker.id]
+        failure = JobFailure.of(member, worker, _tail(self.session, member.worker_id))
         with self._lock:
             if member.worker_id in self._lost:
                 return  # being replaced already: this is the same end, seen again

@@ -150,11 +150,12 @@ class Recorder:
                 return
             if isinstance(event, WorkerStatus):
                 w = event.worker
-                kept = {k: w.get(k) for k in RECORDED}
-                kept["label"] = worker_label(w["id"], self._labels.get(w["id"]))
-                kept["pid"] = self.session.worker_pid(w["id"])
-                kept["usage"] = self._workers.get(w["id"], {}).get("usage")
-                self._workers[w["id"]] = kept
+                record = w.to_dict()  # the record file holds CML's dicts, as `cmlcluster list` shows them
+                kept = {k: record.get(k) for k in RECORDED}
+                kept["label"] = worker_label(w.id, self._labels.get(w.id))
+                kept["pid"] = self.session.worker_pid(w.id)
+                kept["usage"] = self._workers.get(w.id, {}).get("usage")
+                self._workers[w.id] = kept
             elif isinstance(event, JobChanged) and event.state in (JobState.STARTED, JobState.MEMBER_REPLACED):
                 for member in event.members:
                     self._labels[member.worker_id] = worker_label(

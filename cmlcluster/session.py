@@ -28,7 +28,7 @@ from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
 from .supervisor import STOP_GRACE
 from .wire import CONNECTION_ENV
-from .workers import Program, Resources, StopResponse, validate_launch
+from .workers import Program, Resources, StopResponse, WorkerSnapshot, validate_launch
 
 T = TypeVar("T")
 
@@ -163,7 +163,11 @@ class Session:
             return self._run(self._rt.wait(ids, wait_for_completion, float(timeout_seconds), fail_fast))
 
     def list_workers(self) -> list[dict[str, Any]]:
-        return self._read(lambda: [w.to_dict() for w in self._supervisor.workers.values()])
+        return [w.to_dict() for w in self.snapshots()]
+
+    def snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker of the session as it is now (list_workers' dicts, typed)."""
+        return self._read(lambda: [w.snapshot() for w in self._supervisor.workers.values()])
 
     def stop_workers(self, *ids: str | Mapping[str, Any]) -> list[StopResponse]:
         """Stop these workers (all of the session's when none are named), in parallel.

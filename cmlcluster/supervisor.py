@@ -418,7 +418,7 @@ class Supervisor:
     def _changed(self, worker: Worker) -> None:
         """A worker's status changed: wake the waiters, tell the subscribers."""
         self.changes.notify()
-        self._events.publish(WorkerStatus(worker.to_dict()))
+        self._events.publish(WorkerStatus(worker.snapshot()))
 
 
 def _exit_moment(worker: Worker) -> str:

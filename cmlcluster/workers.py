@@ -179,37 +179,100 @@ class Worker:
     def output_tail(self, lines: int = TAIL_LINES) -> str:
         return "\n".join(list(self.output)[-lines:])
 
+    def snapshot(self) -> WorkerSnapshot:
+        """This worker as it is now, frozen: what every WorkerStatus event carries."""
+        return WorkerSnapshot(
+            id=self.id,
+            status=self.status,
+            created_at=self.created_at,
+            running_at=self.running_at,
+            finished_at=self.finished_at,
+            ip_address=self.ip_address,
+            hostname=self.hostname,
+            exit_code=self.exit_code,
+            message=self.message,
+            cpu=self.spec.resources.cpu,
+            memory=self.spec.resources.memory,
+            nvidia_gpu=self.spec.resources.nvidia_gpu,
+            kernel=self.kernel,
+            backend=self.backend,
+            engine_id=self.engine_id,
+            name=self.spec.name,
+            # Where a browser opens what listens on its CDSW_APP_PORT; None until its address is known.
+            app_url=(
+                app_ports.worker_app_url(self.ip_address, self.spec.app_ports)
+                if self.spec.app_ports and self.ip_address != UNKNOWN_ADDRESS
+                else None
+            ),
+            usage=self.usage if not self.finished else None,  # what it uses now: nothing once it has ended
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """CML's worker dict (WorkerSnapshot.to_dict)."""
+        return self.snapshot().to_dict()
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """One worker at one moment, as the session's events carry it: its status (CML's strings), times
+    (seconds since the epoch), address, end, and what it asked for and uses. CML's dict only at the
+    edge: to_dict(), for the CML verbs and the records that `cmlcluster list` and the views' tables read."""
+
+    id: str
+    status: Status
+    created_at: float = 0.0
+    running_at: float | None = None
+    finished_at: float | None = None
+    ip_address: str = UNKNOWN_ADDRESS
+    hostname: str | None = None
+    exit_code: int | None = None
+    message: str | None = None
+    cpu: float = 0
+    memory: float = 0
+    nvidia_gpu: int = 0
+    kernel: str = "python3"
+    backend: str = ""
+    engine_id: int = -1
+    name: str | None = None
+    app_url: str | None = None
+    usage: Mapping[str, Any] | None = None  # its latest resource sample (events.ResourceUse.fields), while it runs
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds from running (or created) to its end; None while it has not ended."""
+        if self.finished_at is None:
+            return None
+        start = self.running_at if self.running_at is not None else self.created_at
+        return round(self.finished_at - start, 3)
+
     def to_dict(self) -> dict[str, Any]:
         """CML's worker dict, plus a few fields CML does not have (docs/guide/workers.md, "Worker dicts")."""
-        end = self.finished_at if self.finished_at is not None else None
-        start = self.running_at if self.running_at is not None else self.created_at
         record: dict[str, Any] = {
             "id": self.id,
             "status": self.status.value,  # CML's string: a dict's repr shows it as CML's does
             "created_at": _iso(self.created_at),
             "running_at": _iso(self.running_at),
             "finished_at": _iso(self.finished_at),
-            "duration": round(end - start, 3) if end is not None else None,
+            "duration": self.duration,
             "ip_address": self.ip_address,
-            "cpu": self.spec.resources.cpu,
-            "memory": self.spec.resources.memory,
-            "nvidia_gpu": self.spec.resources.nvidia_gpu,
+            "cpu": self.cpu,
+            "memory": self.memory,
+            "nvidia_gpu": self.nvidia_gpu,
             "kernel": self.kernel,
             "backend": self.backend,
             "engine_id": self.engine_id,
             "hostname": self.hostname,
             "exit_code": self.exit_code,
-            "name": self.spec.name,
-            # Where a browser opens what listens on its CDSW_APP_PORT; None until its address is known.
-            "app_url": (
-                app_ports.worker_app_url(self.ip_address, self.spec.app_ports)
-                if self.spec.app_ports and self.ip_address != UNKNOWN_ADDRESS
-                else None
-            ),
+            "name": self.name,
+            "app_url": self.app_url,
         }
         if self.message:
             record["message"] = self.message
-        if self.usage is not None and not self.finished:  # what it uses now: nothing once it has ended
+        if self.usage is not None:
             record.update(self.usage)
         return record
 

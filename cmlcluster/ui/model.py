@@ -40,7 +40,7 @@ from ..events import (
     WorkerStatus,
 )
 from ..worker_env import short_label, worker_label
-from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED
+from ..workers import FAILED, RUNNING, STOPPED, SUCCEEDED, WorkerSnapshot
 
 SCHEDULING = "scheduling"
 OUTPUT_LINES = 200  # lines kept per source (the widget's panel scrolls through them)
@@ -204,12 +204,12 @@ class ViewModel:
         if since is not None:
             self.running_since[record["id"]] = since
 
-    def _on_status(self, record: dict[str, Any]) -> None:
-        self.workers[record["id"]] = record
-        if record["status"] == RUNNING:
-            self.running_since.setdefault(record["id"], time.time())
+    def _on_status(self, worker: WorkerSnapshot) -> None:
+        self.workers[worker.id] = worker.to_dict()  # the table's row: CML's fields, as the panel's and `top`'s
+        if worker.status == RUNNING:
+            self.running_since.setdefault(worker.id, time.time())
         else:
-            self.running_since.pop(record["id"], None)  # its uptime no longer moves
+            self.running_since.pop(worker.id, None)  # its uptime no longer moves
 
     def _on_progress(self, progress: Progress) -> None:
         self.progress[progress.task] = progress
@@ -308,7 +308,7 @@ class Router:
         if isinstance(event, CallStarted):
             return self._start_call(event) if self._with_calls else []
         if isinstance(event, WorkerStatus):
-            self._first_seen(event.worker["id"])
+            self._first_seen(event.worker.id)
         elif isinstance(event, JobChanged):
             if event.state in (JobState.STARTED, JobState.MEMBER_REPLACED):
                 for member in event.members:
@@ -370,7 +370,7 @@ class Router:
 def _worker_of(event: Event) -> str | None:
     """The worker an event is about, if it is about one."""
     if isinstance(event, WorkerStatus):
-        return str(event.worker["id"])
+        return event.worker.id
     if isinstance(event, ResourceUse):
         return event.worker_id
     if isinstance(event, OutputLine):

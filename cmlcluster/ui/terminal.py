@@ -60,7 +60,7 @@ class TerminalView:
             if isinstance(event, OutputLine):
                 self._on_output(event)
             elif isinstance(event, WorkerStatus):
-                self._on_status(event.worker["id"])
+                self._on_status(event.worker.id)
             elif isinstance(event, Progress):
                 self._on_progress(event)
             elif isinstance(event, JobChanged):

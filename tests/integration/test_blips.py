@@ -21,7 +21,8 @@ import time
 
 import psutil
 import pytest
-from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, leftovers_on
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend
+from harness.leaks import leftovers_on
 from harness.processes import own_tree, run_containers, wait_until
 
 from cmlcluster import Session

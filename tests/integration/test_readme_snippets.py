@@ -38,8 +38,8 @@ _readme_publish = _events.EventBus.publish
 def _readme_record(bus, event):
     if isinstance(event, _events.RunEnded) and not event.ok:
         _readme_failures.append(f"run {event.run} failed: {event.message}")
-    elif isinstance(event, _events.WorkerStatus) and event.worker["status"] == "failed":
-        _readme_failures.append(f"worker {event.worker['id']} failed: exit code {event.worker.get('exit_code')}")
+    elif isinstance(event, _events.WorkerStatus) and event.worker.status == "failed":
+        _readme_failures.append(f"worker {event.worker.id} failed: exit code {event.worker.exit_code}")
     elif isinstance(event, _events.LaunchFailed):
         _readme_failures.append(f"a launch failed: {event.message}")
     return _readme_publish(bus, event)

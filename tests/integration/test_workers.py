@@ -72,7 +72,7 @@ def test_three_workers_run_with_real_addresses_stream_output_and_stop(session):
     assert [w["exit_code"] for w in stopped] == [-signal.SIGTERM] * 3
     if session.backend.name == "local":
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
-    assert [e.worker["status"] for e in events if e.kind == "status"].count("stopped") == 3
+    assert [e.worker.status for e in events if e.kind == "status"].count("stopped") == 3
 
 
 def test_what_a_child_process_prints_last_is_in_the_output():
@@ -240,7 +240,7 @@ def test_stopping_a_running_program_ends_it_through_its_cleanup_with_the_stop_si
     # output (what the widget shows), and as an output event before the "stopped" one.
     assert session.output(w).splitlines() == ["training", "saved a checkpoint"]
     session.drain()
-    told = [e.text if e.kind == "output" else e.worker["status"] for e in events if e.kind in ("output", "status")]
+    told = [e.text if e.kind == "output" else e.worker.status for e in events if e.kind in ("output", "status")]
     assert told[-2:] == ["saved a checkpoint", "stopped"], told
 
 
@@ -255,7 +255,7 @@ def test_a_finished_program_s_last_lines_are_in_before_it_is_reported_succeeded(
     assert [r["status"] for r in result["workers"]] == ["succeeded"], result
     assert session.output(w).splitlines()[-2:] == ["line 1999", "the last line"]
     session.drain()
-    told = [e.text if e.kind == "output" else e.worker["status"] for e in events if e.kind in ("output", "status")]
+    told = [e.text if e.kind == "output" else e.worker.status for e in events if e.kind in ("output", "status")]
     assert told[-2:] == ["the last line", "succeeded"], told[-5:]
     assert told.count("succeeded") == 1 and len([t for t in told if t.startswith("line ")]) == 2000
 

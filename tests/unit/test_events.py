@@ -7,6 +7,7 @@ import time
 
 from cmlcluster import events
 from cmlcluster.events import EventBus, LinesDropped, OutputLine, WorkerStatus
+from cmlcluster.workers import Status, WorkerSnapshot
 
 
 def line(i: int) -> OutputLine:
@@ -74,7 +75,7 @@ def test_a_subscriber_far_behind_misses_the_oldest_output_lines_and_is_told_how_
     bus.subscribe(slow)
     for i in range(300):
         bus.publish(line(i))
-    status = WorkerStatus({"id": "w-0", "status": "running"})
+    status = WorkerStatus(WorkerSnapshot(id="w-0", status=Status.RUNNING))
     bus.publish(status)  # never dropped
     release.set()
     bus.drain(5)

@@ -15,7 +15,7 @@ from cmlcluster.supervisor import EXIT_OUTPUT_GRACE
 
 def told(events):
     """Output lines and statuses, in the order the subscribers heard them."""
-    return [e.text if e.kind == "output" else e.worker["status"] for e in events if e.kind in ("output", "status")]
+    return [e.text if e.kind == "output" else e.worker.status for e in events if e.kind in ("output", "status")]
 
 
 def test_a_stopped_program_s_cleanup_output_comes_before_its_end():

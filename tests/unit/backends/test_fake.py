@@ -36,7 +36,7 @@ def test_a_workers_status_is_cmls_plain_string_in_its_dict_and_equal_to_the_enum
 
     seen = []
     with fake_session(FakeWorker()) as s:
-        s.subscribe(lambda e: seen.append(e.worker["status"]) if isinstance(e, WorkerStatus) else None)
+        s.subscribe(lambda e: seen.append(e.worker.status) if isinstance(e, WorkerStatus) else None)
         [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
         [done] = s.await_workers([w], timeout_seconds=10)["workers"]
     # A CML dict holds the plain string: its repr, json and a caller's `is`/type checks are CML's.
@@ -159,7 +159,7 @@ def test_events_reach_subscribers():
         s.subscribe(events.append)
         [w] = s.launch_workers(1, cpu=1, memory=1, code="pass")
         s.await_workers([w], timeout_seconds=10)
-    assert [e.worker["status"] for e in events if e.kind == "status"] == ["scheduling", "running", "succeeded"]
+    assert [e.worker.status for e in events if e.kind == "status"] == ["scheduling", "running", "succeeded"]
     assert [e.text for e in events if e.kind == "output"] == ["a", "b"]
 
 

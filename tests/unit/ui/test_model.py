@@ -15,10 +15,11 @@ from cmlcluster.events import (
     WorkerStatus,
 )
 from cmlcluster.ui.model import Router, is_noise, order_key, reason
+from cmlcluster.workers import Status, WorkerSnapshot
 
 
 def status(worker_id: str, state: str, **more) -> WorkerStatus:
-    return WorkerStatus({"id": worker_id, "status": state, **more})
+    return WorkerStatus(WorkerSnapshot(id=worker_id, status=Status(state), **more))
 
 
 def test_each_call_shows_its_own_workers_and_the_output_of_its_run():
@@ -48,7 +49,7 @@ def test_await_workers_in_a_later_cell_gets_a_view_of_the_workers_it_waits_for_a
     router = Router()
     launched = router.open_call("c0", "launch_workers")
     router.apply(CallStarted("c0", "launch_workers"))
-    router.apply(status("a", "running", running_at="now"))
+    router.apply(status("a", "running", running_at=1.0))
     router.join_call("c1", "c0")  # await_workers in the cell that launched them
     router.apply(CallStarted("c1", "await_workers", ("a",)))
     assert router.calls() == [launched]
