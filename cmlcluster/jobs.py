@@ -196,14 +196,14 @@ class Job:
             new_id = record.get("id", "")
             if not new_id:
                 raise CmlClusterError(record.get("message") or "it could not be launched")
-            ready = self.session.await_workers(
+            ready = self.session.wait_for(
                 [new_id], wait_for_completion=False, timeout_seconds=self._restarts.timeout_seconds
             )
-            if not ready["workers"]:
-                [late] = ready["failures"]
-                raise CmlClusterError(f"worker {new_id} did not start: {late.get('message') or late.get('status')}")
-            up = ready["workers"][0]
-            new = Member(new_id, lost.role, lost.index, up["ip_address"], up.get("hostname") or "")
+            if not ready.workers:
+                [late] = ready.failures
+                raise CmlClusterError(f"worker {new_id} did not start: {late.message or late.status}")
+            up = ready.workers[0]
+            new = Member(new_id, lost.role, lost.index, up.ip_address, up.hostname or "")
             if self._restarts.same_address and new.address != lost.address:
                 raise CmlClusterError(f"worker {new_id} runs at {new.address}, not at the lost one's {lost.address}")
             with self._lock:
@@ -311,20 +311,20 @@ def launch_job(
             if role.count:
                 records = role.launch(session, role.count)
                 launched += [(role, r) for r in records]
-        ready = session.await_workers(
-            [r for _, r in launched], wait_for_completion=False, timeout_seconds=timeout_seconds
-        )
-        up = {w["id"]: w for w in ready["workers"]}
+        ready = session.wait_for([r for _, r in launched], wait_for_completion=False, timeout_seconds=timeout_seconds)
+        up = {w.id: w for w in ready.workers}
         members: list[Member] = []
         failures: list[JobFailure] = []
         short: list[str] = []
         for role in roles:
             mine = [r for rl, r in launched if rl is role]
             running = [up[r["id"]] for r in mine if r.get("id") in up]
-            for i, record in enumerate(running):
-                members.append(Member(record["id"], role.name, i, record["ip_address"], record.get("hostname") or ""))
+            for i, worker in enumerate(running):
+                members.append(Member(worker.id, role.name, i, worker.ip_address, worker.hostname or ""))
             for i, record in enumerate(r for r in mine if r.get("id") not in up):
-                failed = next((f for f in ready["failures"] if f.get("id", "") == record.get("id")), record)
+                failed: WorkerSnapshot | dict[str, Any] = next(
+                    (f for f in ready.failures if f.id == record.get("id")), record
+                )
                 member = Member(record.get("id", ""), role.name, len(running) + i)
                 failures.append(
                     JobFailure.of(member, failed, _tail(session, member.worker_id) if member.worker_id else "")

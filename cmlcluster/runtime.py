@@ -130,7 +130,7 @@ class Runtime:
 
     async def wait(
         self, refs: list[str | Mapping[str, Any]], wait_for_completion: bool, timeout: float, fail_fast: bool
-    ) -> dict[str, list[dict[str, Any]]]:
+    ) -> waiting.AwaitResult:
         failures: list[dict[str, Any]] = []
         workers: list[Worker] = []
         for ref in refs:

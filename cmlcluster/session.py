@@ -27,6 +27,7 @@ from .events import CallStarted, Event, Subscriber
 from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
 from .supervisor import STOP_GRACE
+from .waiting import AwaitResult
 from .wire import CONNECTION_ENV
 from .workers import Program, Resources, StopResponse, WorkerSnapshot, validate_launch
 
@@ -154,6 +155,17 @@ class Session:
         With fail_fast, return as soon as one of them fails; the ones still going are
         then listed among the failures with their current status.
         """
+        return self.wait_for(ids, wait_for_completion, timeout_seconds, fail_fast=fail_fast).to_dict()
+
+    def wait_for(
+        self,
+        ids: Iterable[str | Mapping[str, Any]],
+        wait_for_completion: bool = True,
+        timeout_seconds: float = 60,
+        *,
+        fail_fast: bool = False,
+    ) -> AwaitResult:
+        """await_workers, typed: its result's workers and failures are WorkerSnapshots (to_dict(): CML's)."""
         if not checks.number(timeout_seconds, low=0):
             raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give seconds >= 0 (0 waits without a limit)")
         ids = list(ids)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TIMEDOUT, Worker
+from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TIMEDOUT, Worker, WorkerSnapshot
 
 
 class Changes:
@@ -58,35 +59,51 @@ def done_waiting(workers: list[Worker], wait_for_completion: bool, fail_fast: bo
     return all(decided(w, wait_for_completion) for w in workers) or one_failed(workers, fail_fast)
 
 
+@dataclass(frozen=True)
+class AwaitResult:
+    """What a wait for workers found: the workers where the caller wanted them (running, or succeeded),
+    and the others, each with why (a worker not there by the deadline has status TIMEDOUT), after the
+    launches that had failed before the wait (CML's dicts: no worker was made). to_dict() is CML's."""
+
+    workers: tuple[WorkerSnapshot, ...]
+    failures: tuple[WorkerSnapshot, ...]
+    failed_launches: tuple[Mapping[str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, list[dict[str, Any]]]:
+        """CML's {"workers": [...], "failures": [...]}."""
+        failures = [dict(f) for f in self.failed_launches] + [w.to_dict() for w in self.failures]
+        return {"workers": [w.to_dict() for w in self.workers], "failures": failures}
+
+
 def result(
     workers: list[Worker],
-    failures: list[dict[str, Any]],
+    failed_launches: list[dict[str, Any]],
     wait_for_completion: bool,
     timeout: float,
     fail_fast: bool,
     last_output: Callable[[Worker], str] = lambda worker: "",
-) -> dict[str, list[dict[str, Any]]]:
-    """CML's {"workers": [...], "failures": [...]} once the wait is over (or its time is up).
+) -> AwaitResult:
+    """What the wait found, once it is over (or its time is up).
 
-    `failures` holds what failed before the wait (a launch that could not start a worker);
-    `last_output(worker)` ends the message of one still starting when the time was up (what it
-    was doing then: its agent's last lines).
+    `failed_launches` are launches that failed before the wait (no worker was made); `last_output(worker)`
+    ends the message of one still starting when the time was up (what it was doing then: its agent's last
+    lines).
     """
-    ok: list[dict[str, Any]] = []
-    failures = list(failures)
+    ok: list[WorkerSnapshot] = []
+    failures: list[WorkerSnapshot] = []
     wanted = SUCCEEDED if wait_for_completion else RUNNING
     another_failed = one_failed(workers, fail_fast)
     for w in workers:
-        record = w.to_dict()
+        snapshot = w.snapshot()
         if w.status == wanted:
-            ok.append(record)
+            ok.append(snapshot)
             continue
         if not decided(w, wait_for_completion) and another_failed:
-            record["message"] = f"worker {w.id} was still {w.status} when another worker failed"
+            snapshot = replace(snapshot, message=f"worker {w.id} was still {w.status} when another worker failed")
         elif not decided(w, wait_for_completion):
-            record["status"] = TIMEDOUT
-            record["message"] = f"worker {w.id} was still {w.status} after {timeout:g} s{last_output(w)}"
-        elif not wait_for_completion and not record.get("message"):
-            record["message"] = f"worker {w.id} {w.status} while waiting for it to run"
-        failures.append(record)
-    return {"workers": ok, "failures": failures}
+            message = f"worker {w.id} was still {w.status} after {timeout:g} s{last_output(w)}"
+            snapshot = replace(snapshot, status=TIMEDOUT, message=message)
+        elif not wait_for_completion and not snapshot.message:
+            snapshot = replace(snapshot, message=f"worker {w.id} {w.status} while waiting for it to run")
+        failures.append(snapshot)
+    return AwaitResult(tuple(ok), tuple(failures), tuple(failed_launches))

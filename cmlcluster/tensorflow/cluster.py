@@ -147,7 +147,7 @@ class TFCluster:
         try:
             for worker_id, program in programs.items():
                 self.session.run_program([worker_id], program)
-            done = self.session.await_workers(
+            done = self.session.wait_for(
                 list(programs), wait_for_completion=True, timeout_seconds=timeout_seconds, fail_fast=True
             )
         except BaseException as e:  # Ctrl-C, or the session failed under us: nothing of the cluster stays
@@ -160,13 +160,11 @@ class TFCluster:
         if self.job.failure is not None:  # a task (a parameter server, say) ended: the job names it
             self.stop()  # its other workers are on their way out; the error says they are gone
             self.job.raise_if_failed()
-        if done["failures"]:  # none failed, but some were stopped on request or did not finish in time
+        if done.failures:  # none failed, but some were stopped on request or did not finish in time
             self.stop()
-            reasons = "\n".join(
-                f"  {self.job.member(f['id'])}: {f.get('message') or f['status']}" for f in done["failures"]
-            )
+            reasons = "\n".join(f"  {self.job.member(f.id)}: {f.message or f.status}" for f in done.failures)
             raise CmlClusterError(f"the TensorFlow cluster's tasks did not all finish; it was stopped:\n{reasons}")
-        return done["workers"]
+        return [w.to_dict() for w in done.workers]  # CML's dicts: what run_cluster's callers get
 
     def _fail_coordinator(self, failure: JobFailure) -> None:
         coordinator.fail(self.cluster_spec, self.job.error())
