@@ -36,19 +36,19 @@ from .. import _lifeline, checks
 from .._proc import descendants, end_group, python_module
 from ..api import get_session, stop_session, use_backend
 from ..backends import Backend
-from ..collect.paths import check_collect
 from ..errors import ConfigError
 from ..events import OutputLine
 from ..jobs import Job
 from ..lines import CUT_MARK, MAX_LINE_CHARS
 from ..progress import output_event
+from ..runs.options import worker_options
 from ..runs.result import RESULT_LINES_KEPT
 from ..runs.skeleton import report_end, session_for
 from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..ssh.sshd import write_env_file
 from ..wire import RANK_ENV_FILE_ENV
-from ..workers import Resources, check_env, check_resources, user_file
+from ..workers import user_file
 from . import commands
 from .elastic import discovery
 from .rendezvous import run_key
@@ -187,8 +187,22 @@ def run_horovod(
         result.ok, result.exit_code, result.output[1], result.duration, result.hosts, result.failed_rank
         result = cmlcluster.run_horovod("train.py", np=2, max_restarts=2)  # result.restarts: workers replaced
     """
-    # Everything is checked before anything starts.
-    check_resources(cpu, memory, nvidia_gpu)
+    # Everything is checked before anything starts: where and how the workers go as for every run.
+    commands.check_start_timeout(start_timeout)  # whole seconds: horovodrun's --start-timeout
+    options = worker_options(
+        cpu=cpu,
+        memory=memory,
+        nvidia_gpu=nvidia_gpu,
+        env=env,
+        backend=backend,
+        session=session,
+        start_timeout=start_timeout,
+        max_restarts=max_restarts,
+        collect=collect,
+        ship_working_folder=ship_working_folder,
+        echo=echo,
+        check=check,
+    )
     slots = slots if slots is not None else max(nvidia_gpu, 1)
     for name, value in (("slots", slots), ("workers", workers), ("np", np)):
         if value is not None and not checks.whole(value, 1):
@@ -201,16 +215,13 @@ def run_horovod(
             f"np={np}: {workers} workers with {slots} slots each hold {workers * slots} processes; "
             "ask for more workers or slots, or fewer processes"
         )
-    if not checks.whole(max_restarts, 0):
-        raise ConfigError(f"max_restarts={max_restarts!r}: give a whole number of restarts, 0 or more")
-    commands.check_start_timeout(start_timeout)
     commands.check_port(ssh_port)
     if max_restarts and reuse:
         raise ConfigError("max_restarts with reuse: an elastic run's workers are its own; leave one of them out")
-    if (paths := check_collect(collect)) and reuse:
+    if options.collect and reuse:
         raise ConfigError("collect= with reuse: kept workers do not end, so nothing comes home; leave one out")
     script = user_file(script)
-    env = check_env(env)
+    env = dict(options.env)
     horovodrun = _horovodrun()
     if session is None and backend is not None and reuse:
         session, backend = _default_session_on(backend), None  # what is kept for reuse lives there
@@ -244,9 +255,16 @@ def run_horovod(
             if max_restarts and workers < 2:
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
             shipment = session.ship([script], working_folder=ship_working_folder)
-            resources = Resources(cpu, memory, nvidia_gpu)
             cluster = ssh_cluster(
-                session, workers, slots, resources, ssh_port, reuse, shipment, max_restarts, collect=paths
+                session,
+                workers,
+                slots,
+                options.resources,
+                ssh_port,
+                reuse,
+                shipment,
+                max_restarts,
+                collect=options.collect,
             )
             if max_restarts and len(cluster.hosts) < 2:
                 raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
