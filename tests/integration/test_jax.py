@@ -37,7 +37,8 @@ def check_training(result, processes: int, n_hosts: int) -> None:
     assert losses[-1] < losses[0] / 100, losses
 
 
-@pytest.mark.parametrize("backend", on("local", "docker"), indirect=True)
+# Containers with their own addresses in the default run; local workers run every other JAX test here.
+@pytest.mark.parametrize("backend", on("docker"), indirect=True)
 def test_psum_training_across_two_workers(session, backend, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = run_jax(str(EXAMPLE), ["--steps", "30"], nnodes=2, session=session, echo=False)
