@@ -36,6 +36,7 @@ def test_a_running_programs_output_is_not_kept_by_the_client_and_bars_and_endles
     code = textwrap.dedent(PRINTER).replace("LINES", str(LINES)).replace("MAX_LINE_CHARS", str(MAX_LINE_CHARS))
     code = code.replace("GO", repr(str(go)))
     lines: list[str] = []
+    dropped: list[int] = []
     waiting = threading.Event()
 
     def on_event(event) -> None:
@@ -43,6 +44,8 @@ def test_a_running_programs_output_is_not_kept_by_the_client_and_bars_and_endles
             lines.append(event.text)
             if event.text == "waiting":
                 waiting.set()
+        elif event.kind == "lines_dropped":
+            dropped.append(event.count)
 
     with Session("local", echo=False) as session:
         session.subscribe(on_event)
@@ -59,6 +62,12 @@ def test_a_running_programs_output_is_not_kept_by_the_client_and_bars_and_endles
         result = session.await_workers([worker], timeout_seconds=60)
         assert [w["status"] for w in result["workers"]] == ["succeeded"], result
         session.drain()
-    assert lines[:LINES] == [f"line {i} {'x' * 200}" for i in range(LINES)]
-    assert lines[LINES:] == ["step 5000/5000", "y" * MAX_LINE_CHARS + CUT_MARK, "waiting", "the end"]
+    # A subscriber the machine starves falls 10,000 events behind and misses the oldest of them, told how
+    # many (events.py; seen on 2 busy cores): every line it got is whole and in order, and none is unaccounted.
+    missed = sum(dropped)
+    flood, tail = lines[: LINES - missed], lines[LINES - missed :]
+    numbers = [int(text.split()[1]) for text in flood]
+    assert flood == [f"line {i} {'x' * 200}" for i in numbers]
+    assert numbers == sorted(set(numbers)) and len(numbers) + missed == LINES
+    assert tail == ["step 5000/5000", "y" * MAX_LINE_CHARS + CUT_MARK, "waiting", "the end"]
     assert not os.path.exists(session.session_dir or "/nonexistent")
