@@ -9,20 +9,16 @@ accelerate is imported only in the workers' launchers: this package loads where 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import _lazy
 
 if TYPE_CHECKING:
     from .run import AccelerateError, AccelerateResult, run_accelerate
 
 
-def __getattr__(name: str) -> Any:
-    if name not in ("run_accelerate", "AccelerateResult", "AccelerateError"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import run
-
-    value = getattr(run, name)
-    globals()[name] = value  # found here from now on
-    return value
-
+__getattr__, __dir__ = _lazy.exports(
+    __name__, {"run": ("AccelerateError", "AccelerateResult", "run_accelerate")}, globals()
+)
 
 __all__ = ["AccelerateError", "AccelerateResult", "run_accelerate"]

@@ -10,20 +10,14 @@ jax itself is imported only in the workers' processes: this package loads where 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import _lazy
 
 if TYPE_CHECKING:
     from .run import JaxError, JaxResult, run_jax
 
 
-def __getattr__(name: str) -> Any:
-    if name not in ("run_jax", "JaxResult", "JaxError"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import run
-
-    value = getattr(run, name)
-    globals()[name] = value  # found here from now on
-    return value
-
+__getattr__, __dir__ = _lazy.exports(__name__, {"run": ("JaxError", "JaxResult", "run_jax")}, globals())
 
 __all__ = ["JaxError", "JaxResult", "run_jax"]
