@@ -81,7 +81,7 @@ class NodeFramework(abc.ABC, Generic[R]):
 
     def node_plan(self, plan: dict[str, Any], member: Member) -> dict[str, Any]:
         """One node's plan: its rank is its index in the job."""
-        return {**plan, "node_rank": member.index, "node_address": member.address}
+        return {**plan, "node_rank": member.index}
 
     @contextlib.contextmanager
     def rendezvous(self, session: Session, job: Job, elastic: bool) -> Iterator[dict[str, Any]]:
