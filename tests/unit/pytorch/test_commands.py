@@ -5,12 +5,11 @@ the session gets them (from torch's own ChildFailedError)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from cmlcluster import ConfigError
-from cmlcluster.pytorch import commands, rendezvous
+from cmlcluster.pytorch import commands
 from cmlcluster.pytorch.launch import failures_of
 from cmlcluster.runs.nodes import check_script_args, parse_rank_line
 
@@ -104,72 +103,6 @@ def test_elastic_torchrun_argv_joins_the_sessions_store_as_a_client_and_waits_fo
     assert config.rdzv_configs["is_host"] == "false"  # nodes come and go; the store stays in the session
     assert (config.rdzv_configs["join_timeout"], config.rdzv_configs["keep_alive_interval"]) == ("90", "1")
     assert args == ["-u", "/opt/cmlcluster/pytorch/rank.py", "train.py", "--lr", "0.1"]
-
-
-class Unpickled:
-    """What a stranger writes under the rendezvous key: unpickling it records that it ran."""
-
-    ran: list[str] = []
-
-    def __reduce__(self):
-        return (Unpickled.ran.append, ("ran",))
-
-
-@pytest.fixture
-def store():
-    from torch.distributed import TCPStore
-
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-    yield TCPStore("127.0.0.1", server.port, is_master=False)
-
-
-def test_the_rendezvous_state_is_signed_and_a_strangers_is_never_unpickled_but_put_back(store, caplog):
-    import pickle
-    from base64 import b64encode
-
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
-
-    key, other = bytes(range(32)), bytes(32)
-    ours, theirs = rendezvous.signed_backend(store, "run", key), rendezvous.signed_backend(store, "run", key)
-    assert isinstance(ours, RendezvousBackend) and ours.get_state() is None  # torch's "no state yet"
-    state, token, has_set = ours.set_state(b"state 1")
-    assert (state, has_set) == (b"state 1", True) and theirs.get_state() == (b"state 1", token)
-    assert ours.set_state(b"state 2", b"stale token")[1:] == (token, False)  # compare-and-set, as torch's
-
-    payload = b64encode(pickle.dumps(Unpickled()))  # torch's own backend b64-decodes and unpickles this
-    for forged in (payload, rendezvous.sign(other, "torch.rendezvous.run", pickle.dumps(Unpickled())), b"\xff"):
-        store.set("torch.rendezvous.run", forged)
-        with caplog.at_level("WARNING"):
-            assert theirs.get_state() == (b"state 1", token)  # the last signed state, put back
-        assert "did not sign" in caplog.text and store.get("torch.rendezvous.run") == token
-    assert Unpickled.ran == []
-
-    fresh = rendezvous.signed_backend(store, "run", key)  # a replacement node: no signed state of its own yet
-    store.set("torch.rendezvous.run", payload)
-    assert fresh.get_state() is None and store.get("torch.rendezvous.run") == rendezvous.NULL_STATE.encode()
-
-
-def test_a_stranger_who_keeps_overwriting_the_state_fails_the_sync_without_it_being_read(store):
-    from torch.distributed.elastic.rendezvous import RendezvousStateError
-
-    class Contested:  # a stranger writes the key anew just before each of the node's compare-and-sets
-        get = store.get
-        writes = 0
-
-        def compare_set(self, name, expected, desired):
-            self.writes += 1
-            store.set(name, f"forged {self.writes}")
-            return store.compare_set(name, expected, desired)
-
-    backend = rendezvous.signed_backend(Contested(), "run", bytes(32))
-    with pytest.raises(RendezvousStateError, match="overwritten 5 times"):
-        backend.get_state()
-
-
-def test_launch_takes_the_key_out_of_the_environment_that_the_ranks_inherit(monkeypatch):
-    monkeypatch.setenv(rendezvous.KEY_ENV, "ab" * 32)
-    assert rendezvous.take_key() == bytes([0xAB] * 32)
-    assert rendezvous.KEY_ENV not in os.environ and rendezvous.take_key() is None
 
 
 def test_teed_lines_get_their_global_rank():
