@@ -13,6 +13,9 @@ With max_restarts=N the run is elastic (horovodrun --host-discovery-script): a w
 is replaced by the job (jobs.Restarts) and made ready like the first ones (ssh_cluster.py), and the
 script's hvd.elastic.run resumes from the state the surviving ranks hold (docs/guide/horovod.md,
 "Surviving a lost worker"). On this machine horovodrun itself starts a killed rank again.
+
+The session, the run's view, its end and check= are the run skeleton's (runs/skeleton.py: run); the
+Horovod framework here is a launcher in the session, the other kind from torchrun's nodes on workers.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import IO
 
 from .. import _lifeline, checks
@@ -41,9 +45,10 @@ from ..events import OutputLine
 from ..jobs import Job
 from ..lines import CUT_MARK, MAX_LINE_CHARS
 from ..progress import output_event
-from ..runs.options import worker_options
+from ..runs.nodes import check_script_args
+from ..runs.options import WorkerOptions, worker_options
 from ..runs.result import RESULT_LINES_KEPT
-from ..runs.skeleton import report_end, session_for
+from ..runs.skeleton import Framework, run
 from ..session import Session
 from ..ssh.keys import SessionSSH
 from ..ssh.sshd import write_env_file
@@ -220,92 +225,127 @@ def run_horovod(
         raise ConfigError("max_restarts with reuse: an elastic run's workers are its own; leave one of them out")
     if options.collect and reuse:
         raise ConfigError("collect= with reuse: kept workers do not end, so nothing comes home; leave one out")
-    script = user_file(script)
-    env = dict(options.env)
-    horovodrun = _horovodrun()
+    horovod = Horovod(user_file(script), check_script_args(args), np, workers, slots, ssh_port, reuse, _horovodrun())
     if session is None and backend is not None and reuse:
-        session, backend = _default_session_on(backend), None  # what is kept for reuse lives there
-    with (
-        session_for(session, backend, echo, f"run_horovod {os.path.basename(script)}") as session,
-        run_key(session.session_dir, bool(max_restarts)) as key,
+        # What is kept for reuse lives in the default session, on this backend.
+        options = replace(options, session=_default_session_on(backend), backend=None)
+    return run(options, horovod)
+
+
+class Horovod(Framework[HorovodResult]):
+    """A Horovod run: horovodrun, here in the session, reaching its workers itself (over SSH), or starting
+    its ranks on this machine where workers would be local processes."""
+
+    run_name = "horovod"
+
+    def __init__(
+        self,
+        script: str,
+        args: list[str],
+        np: int,
+        workers: int,
+        slots: int,
+        ssh_port: int,
+        reuse: bool,
+        horovodrun: list[str],
     ):
+        self.script, self.args, self.np, self.workers, self.slots = script, args, np, workers, slots
+        self.ssh_port, self.reuse, self.horovodrun = ssh_port, reuse, horovodrun
+        self.title = f"run_horovod {os.path.basename(script)}"
+
+    def error(self, result: HorovodResult) -> HorovodError:
+        return HorovodError(result)
+
+    def execute(self, session: Session, options: WorkerOptions) -> HorovodResult:
+        max_restarts, view = options.max_restarts, session if options.echo else None
         cluster: SSHCluster | None = None
-        view = session if echo else None
-        env = {**env, **key.rank_env}  # an elastic run's key: in the ranks' 0600 files, never a command line
-        try:
-            capabilities = session.backend.capabilities()
-            if capabilities.session_host and not capabilities.own_address:
-                # Workers would be processes on this machine anyway: horovodrun starts the ranks here.
-                hosts = commands.local_pseudo_hosts(np) if max_restarts else [("localhost", np)]
-                with (
-                    _local_env_file(session, env) as driver_env,
-                    discovery(session.session_dir, hosts, max_restarts) as found,
-                ):
-                    argv = commands.horovodrun_argv(
-                        np,
-                        hosts,
-                        [sys.executable, "-m", RANK, script, *args],
-                        ssh_port=None,
-                        start_timeout=start_timeout,
-                        network_interfaces=_loopback() if max_restarts else (),
-                        horovodrun=horovodrun,
-                        elastic=_elastic(found.script, np, hosts, max_restarts) if found else None,
-                    )
-                    return _execute(argv, hosts, driver_env | key.driver_env, view, check, elastic=found is not None)
-            if max_restarts and workers < 2:
-                raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
-            shipment = session.ship([script], working_folder=ship_working_folder)
-            cluster = ssh_cluster(
-                session,
-                workers,
-                slots,
-                options.resources,
-                ssh_port,
-                reuse,
-                shipment,
-                max_restarts,
-                collect=options.collect,
-            )
-            if max_restarts and len(cluster.hosts) < 2:
-                raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
-            cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
-            interfaces, driver_address = capabilities.interfaces, {}
-            if not interfaces:
-                # Without --network-interfaces horovodrun probes the hosts' interfaces with a task service on
-                # each, whose command line holds the run's service key: name the one the hosts reported.
-                cluster.interface = cluster.common_interface()
-                interfaces = (cluster.interface,)
-                driver_address = {commands.DRIVER_ADDRESS_ENV: session.controller_ip}
-            # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
-            command = [capabilities.python, "-m", RANK, shipment.names[script], *args]
+        with run_key(session.session_dir, bool(max_restarts)) as key:
+            env = {**options.env, **key.rank_env}  # an elastic run's key: in the ranks' 0600 files, never argv
+            try:
+                capabilities = session.backend.capabilities()
+                if capabilities.session_host and not capabilities.own_address:
+                    return self._run_here(session, env, key.driver_env, max_restarts, options.start_timeout, view)
+                if max_restarts and self.workers < 2:
+                    raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
+                shipment = session.ship([self.script], working_folder=options.ship_working_folder)
+                cluster = ssh_cluster(
+                    session,
+                    self.workers,
+                    self.slots,
+                    options.resources,
+                    self.ssh_port,
+                    self.reuse,
+                    shipment,
+                    max_restarts,
+                    collect=options.collect,
+                )
+                if max_restarts and len(cluster.hosts) < 2:
+                    raise ConfigError(f"max_restarts={max_restarts}: {_ONE_HOST}; ask for 2 or more workers")
+                cluster.set_rank_env(env)  # a file on each host, never a command line (cmlcluster.horovod.rank)
+                interfaces, driver_address = capabilities.interfaces, {}
+                if not interfaces:
+                    # Without --network-interfaces horovodrun probes the hosts' interfaces with a task service on
+                    # each, whose command line holds the run's service key: name the one the hosts reported.
+                    cluster.interface = cluster.common_interface()
+                    interfaces = (cluster.interface,)
+                    driver_address = {commands.DRIVER_ADDRESS_ENV: session.controller_ip}
+                # The script as each rank finds it, run in its worker's folder (cmlcluster.horovod.rank).
+                command = [capabilities.python, "-m", RANK, shipment.names[self.script], *self.args]
+                argv = commands.horovodrun_argv(
+                    self.np,
+                    cluster.hosts,
+                    command,
+                    ssh_port=self.ssh_port,
+                    identity_file=cluster.ssh.identity_file,
+                    start_timeout=int(options.start_timeout),
+                    network_interfaces=interfaces,
+                    horovodrun=self.horovodrun,
+                    elastic=_elastic(cluster.discovery.script, self.np, cluster.hosts) if cluster.discovery else None,
+                )
+                driver_env = {
+                    **_remote_driver_env(cluster.ssh),
+                    **key.driver_env,
+                    **cluster.rendezvous_env,
+                    **driver_address,
+                }
+                return _execute(argv, cluster.hosts, driver_env, view, cluster.job)
+            except KeyboardInterrupt:
+                kept = self.reuse and cluster is not None and not cluster.job.failed.is_set()
+                log.warning(
+                    "cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s",
+                    "kept for reuse" if kept else "stopped",
+                )
+                raise
+            finally:
+                if cluster is not None:
+                    if self.reuse and cluster.job.failure is None:
+                        cluster.end_ranks()  # the workers stay for the next run; what this run started does not
+                    else:
+                        cluster.close()
+
+    def _run_here(
+        self,
+        session: Session,
+        env: dict[str, str],
+        key_env: dict[str, str],
+        max_restarts: int,
+        start_timeout: float,
+        view: Session | None,
+    ) -> HorovodResult:
+        """Workers would be processes on this machine anyway: horovodrun starts the ranks here."""
+        hosts = commands.local_pseudo_hosts(self.np) if max_restarts else [("localhost", self.np)]
+        with _local_env_file(session, env) as driver_env, discovery(session.session_dir, hosts, max_restarts) as found:
             argv = commands.horovodrun_argv(
-                np,
-                cluster.hosts,
-                command,
-                ssh_port=ssh_port,
-                identity_file=cluster.ssh.identity_file,
-                start_timeout=start_timeout,
-                network_interfaces=interfaces,
-                horovodrun=horovodrun,
-                elastic=_elastic(cluster.discovery.script, np, cluster.hosts) if cluster.discovery else None,
+                self.np,
+                hosts,
+                [sys.executable, "-m", RANK, self.script, *self.args],
+                ssh_port=None,
+                start_timeout=int(start_timeout),
+                network_interfaces=_loopback() if max_restarts else (),
+                horovodrun=self.horovodrun,
+                elastic=_elastic(found.script, self.np, hosts, max_restarts) if found else None,
             )
-            driver_env = {
-                **_remote_driver_env(cluster.ssh),
-                **key.driver_env,
-                **cluster.rendezvous_env,
-                **driver_address,
-            }
-            return _execute(argv, cluster.hosts, driver_env, view, check, cluster.job)
-        except KeyboardInterrupt:
-            kept = "kept for reuse" if reuse and cluster is not None and not cluster.job.failed.is_set() else "stopped"
-            log.warning("cmlcluster: interrupted; horovodrun and its ranks were stopped, the workers %s", kept)
-            raise
-        finally:
-            if cluster is not None:
-                if reuse and cluster.job.failure is None:
-                    cluster.end_ranks()  # the workers stay for the next run; what this run started does not
-                else:
-                    cluster.close()
+            return _execute(argv, hosts, driver_env | key_env, view, elastic=found is not None)
 
 
 # Horovod's elastic state lives in the ranks that survive: a run on one host has none left to carry it over.
@@ -399,7 +439,6 @@ def _execute(
     hosts: list[tuple[str, int]],
     env: dict[str, str],
     view: Session | None,
-    check: bool,
     job: Job | None = None,
     elastic: bool = False,
 ) -> HorovodResult:
@@ -452,10 +491,6 @@ def _execute(
             result.failed_rank = int(first[-1])
         elif result.rank_exit_codes:
             result.failed_rank = min(result.rank_exit_codes)
-    if view is not None:
-        report_end(view, "horovod", result)
-    if check and not result.ok:
-        raise HorovodError(result)
     return result
 
 

@@ -1,5 +1,5 @@
-"""A run of one node per worker, as the session drives it: what a framework supplies (NodeFramework)
-and the nodes while they run (Nodes).
+"""A run of one node per worker, as the session drives it: what a framework supplies (NodeFramework),
+the run itself (NodeFramework.execute) and the nodes while they run (Nodes).
 
 Each node is a call on its worker (framework.node_function, with the node's plan) that runs the
 framework's launcher there to its end, prints each process's lines as ``[rank r] text`` and replies
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import os
 import pickle
 import queue
@@ -19,17 +20,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import ConfigError, install_hint
+from ..errors import CmlClusterError, ConfigError, install_hint
 from ..events import Event, JobFailure, Member, OutputLine
+from ..jobs import Restarts, Role, launch_job
 from ..workers import FAILED, user_file
-from .result import RESULT_LINES_KEPT, NodesResult, RankFailure, RunError
+from .result import RESULT_LINES_KEPT, NodesResult, RankFailure
+from .skeleton import Framework, send_files
 
 if TYPE_CHECKING:
     from ..jobs import Job
     from ..session import Session
     from ..shipping import Shipment
+    from .options import WorkerOptions
 
 R = TypeVar("R", bound=NodesResult)
 LOST_WORKER_WAIT = 5.0  # seconds for a node's worker status to arrive after its call failed
@@ -37,11 +41,14 @@ LOST_WORKER_WAIT = 5.0  # seconds for a node's worker status to arrive after its
 # run names one: a rank's death breaks its peers' collectives within moments, and the peer whose
 # launcher ends first must not be named for a failure that only followed the real one.
 FAILURE_WINDOW = 2.0
+STOPPED_NODES_WAIT = 10.0  # seconds to wait for the other nodes' calls to end once the run failed
 # The message of a rank that failed because a peer went away (Gloo's, NCCL's and gRPC's words for it).
 PEER_LOST = re.compile(
     r"closed by peer|reset by peer|Broken pipe|Connection refused|NCCL communicator was aborted|UNAVAILABLE"
 )
 RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$", re.DOTALL)  # how a rank's line reaches the session
+
+log = logging.getLogger(__name__)
 
 
 def parse_rank_line(text: str) -> tuple[int, str] | None:
@@ -50,18 +57,16 @@ def parse_rank_line(text: str) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
-class NodeFramework(abc.ABC, Generic[R]):
-    """What a framework of one node per worker supplies to runs.run: its names, its files, each node's
-    plan, its rendezvous and its result. Everything else (the session, shipping, the job, replacing lost
-    workers, the end) is the skeleton's.
+class NodeFramework(Framework[R]):
+    """A framework of one node per worker: its names, its files, each node's plan, its rendezvous and its
+    result. Everything else (shipping, the job, replacing lost workers, the nodes while they run) is
+    execute's, the same for every such framework; the session and the end are run()'s.
 
-    title: the run's view's title. run_name: the launcher, in the end's report ("torchrun"). job_name:
-    the job's ("PyTorch job"). node_function: "module:function" that each worker calls with its plan.
-    nnodes: workers, one node each. files: what the nodes need, shipped to workers that do not see it.
+    title, run_name: as every Framework's. job_name: the job's ("PyTorch job"). node_function:
+    "module:function" that each worker calls with its plan. nnodes: workers, one node each. files: what
+    the nodes need, shipped to workers that do not see it.
     """
 
-    title: str
-    run_name: str
     job_name: str
     node_function: str
     nnodes: int
@@ -70,10 +75,6 @@ class NodeFramework(abc.ABC, Generic[R]):
     @abc.abstractmethod
     def new_result(self) -> R:
         """The result before the run: nothing done yet."""
-
-    @abc.abstractmethod
-    def error(self, result: R) -> RunError:
-        """What a failed run raises, with check=True."""
 
     @abc.abstractmethod
     def plan(self, shipment: Shipment) -> dict[str, Any]:
@@ -90,6 +91,63 @@ class NodeFramework(abc.ABC, Generic[R]):
         master = job.members[0]
         port = session.call(master.worker_id, "cmlcluster.ports:free_ports", 1)[0]
         yield {"master": f"{master.address}:{port}", "master_addr": master.address, "master_port": port}
+
+    def execute(self, session: Session, options: WorkerOptions) -> R:
+        """The skeleton's run of one node per worker: ship, launch the job, send files, meet, start, wait, stop."""
+        shipment = session.ship(self.files, working_folder=options.ship_working_folder)
+        result = self.new_result()
+        nodes = Nodes(session, result, self.node_function)
+        plan = self.plan(shipment)
+
+        def take_in(lost: Member, new: Member) -> None:  # on the job's thread: a lost node's replacement
+            if "endpoint" not in plan:  # once the rendezvous runs, the plan names it
+                raise CmlClusterError("the run was still starting")
+            send_files(session, [new.worker_id], shipment)
+            nodes.start(new, self.node_plan(plan, new))
+
+        elastic = options.max_restarts > 0
+        restarts = Restarts(options.max_restarts, take_in, timeout_seconds=options.start_timeout) if elastic else None
+        role = Role(
+            "node",
+            self.nnodes,
+            options.resources,
+            env=dict(options.env),
+            replaceable=elastic,
+            collect=options.collect,
+        )
+        try:
+            job = nodes.job = launch_job(
+                session, [role], self.job_name, timeout_seconds=options.start_timeout, restarts=restarts
+            )
+        except BaseException:
+            nodes.unsubscribe()
+            raise
+        started_at = time.monotonic()
+        try:
+            send_files(session, job.worker_ids, shipment)
+            with self.rendezvous(session, job, elastic) as where:
+                result.master = where.pop("master")
+                plan.update(where)
+                for member in list(job.members):  # a replacement that came meanwhile is started once
+                    nodes.start(member, self.node_plan(plan, member))
+                nodes.wait(until=lambda: nodes.done or nodes.failed)
+                if nodes.failed:
+                    # The job stopped the other workers; their replies (errors, mostly) say nothing more.
+                    nodes.wait(until=lambda: not nodes.running, deadline=time.monotonic() + STOPPED_NODES_WAIT)
+            result.worker_failure = job.failure if result.failure is None else None
+            result.exit_code = 1 if nodes.failed or any(result.node_exit_codes.values()) else 0
+        except KeyboardInterrupt:
+            log.warning("cmlcluster: interrupted; the %s's workers and every process they ran were stopped", job.name)
+            raise
+        finally:
+            job.stop()
+            result.restarts = job.restarts
+            result.hosts = [m.address for m in sorted(job.members, key=lambda m: m.index)]
+            session.drain()  # the ranks' last lines are shown before what follows
+            nodes.unsubscribe()
+            result.output = nodes.ranks_output()
+        result.duration = time.monotonic() - started_at
+        return result
 
 
 class Nodes:

@@ -22,14 +22,14 @@ from typing import Any
 
 from .. import checks, wire
 from ..api import get_session
-from ..collect import paths as results
 from ..errors import CmlClusterError, ConfigError, SharedMachineWarning
 from ..events import JobFailure, Member
 from ..jobs import Job, JobFailed, Restarts, Role, launch_job
 from ..ports import free_ports
+from ..runs.options import worker_options
 from ..session import Session
 from ..shipping import Shipment
-from ..workers import Program, Resources, check_env, check_resources, user_file
+from ..workers import Program, Resources, user_file
 from . import coordinator, layout, stopping, versions
 
 log = logging.getLogger(__name__)
@@ -334,23 +334,31 @@ def start_cluster(
             cluster.run_script("worker_scripts/tf_multiworker_train.py", args=["--epochs", "3"])
     """
     min_workers = layout.check_counts(n_workers, n_ps, min_workers)
-    check_resources(cpu, memory, nvidia_gpu)
-    if not checks.number(timeout_seconds, above=0):
+    if not checks.number(timeout_seconds, above=0):  # Cloudera's name for it, not every other run's start_timeout
         raise ConfigError(f"timeout_seconds={timeout_seconds!r}: give the seconds the workers have to start, above 0")
-    env, paths = check_env(env), results.check_collect(collect)
+    options = worker_options(
+        cpu=cpu,
+        memory=memory,
+        nvidia_gpu=nvidia_gpu,
+        env=env,
+        session=session,
+        start_timeout=timeout_seconds,
+        max_restarts=max_restarts,
+        collect=collect,
+    )
     layout.check_port(port)
     if coordinator is None:
         coordinator = servers
     if coordinator and not servers:
         raise ConfigError("coordinator=True needs servers=True: a coordinator drives running servers")
-    if session is None:
-        session = get_session()  # the cluster outlives this call: never a session of its own
+    # The cluster outlives this call: never a session of its own (it is no run: runs/skeleton.py).
+    session = options.session or get_session()
     layout.check_restarts(max_restarts, coordinator, session.backend.capabilities().stable_addresses)
-    env = {**versions.legacy_keras_env(), **env}  # the workers' tf.keras is the notebook's
+    env = {**versions.legacy_keras_env(), **options.env}  # the workers' tf.keras is the notebook's
     if servers:  # imported while the workers register, not once start_server is called
         env.setdefault(wire.PRELOAD_ENV, "tensorflow")
-    task = Resources(cpu, memory, nvidia_gpu)
-    roles = [  # launch_workers checks the resources (and collect=) before anything starts
+    task, paths = options.resources, options.collect
+    roles = [
         Role("ps", n_ps, Resources(cpu, memory, 0), env=env, collect=paths),  # never a GPU
         Role("worker", n_workers, task, min_count=min_workers, env=env, replaceable=max_restarts > 0, collect=paths),
     ]
