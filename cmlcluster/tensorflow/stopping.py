@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,6 +39,9 @@ STOPPED = "this TensorFlow cluster was stopped from the widget; start a new one"
 
 _clusters: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # resolver -> its TFCluster
 _stood_down: weakref.WeakSet[Any] = weakref.WeakSet()  # TensorFlow's coordinator Clusters stopped from the widget
+_stopped_once = False  # a cluster of this process was stopped from the widget: its executors may still be collected
+# The gRPC errors of work on workers that are gone (tf.errors' class names).
+LOST_WORKER_ERRORS = frozenset({"UnavailableError", "CancelledError", "AbortedError"})
 
 
 def stoppable(resolver: Any, cluster: Any) -> Any:
@@ -72,6 +76,8 @@ def _held(cluster: Any) -> Iterator[None]:
 def _stand_down(cluster: Any) -> None:
     """The cluster's workers are ending: TensorFlow's threads would wait for them for good (quietly:
     coordinator.fail), and a later call on the strategy raises instead of waiting too."""
+    global _stopped_once
+    _stopped_once = True
     _stood_down.update(coordinator.fail(cluster.cluster_spec, CmlClusterError(STOPPED)))
 
 
@@ -100,6 +106,7 @@ def _wrap_once() -> None:
     stoppable_scope.cmlcluster_stoppable = True  # type: ignore[attr-defined]
     strategy_class.scope = stoppable_scope
     logging.getLogger("tensorflow").addFilter(_quiet_once_stopped)
+    sys.unraisablehook = _without_stopped_executors(sys.unraisablehook)
 
 
 def _quiet_once_stopped(record: logging.LogRecord) -> bool:
@@ -110,6 +117,23 @@ def _quiet_once_stopped(record: logging.LogRecord) -> bool:
     if cluster is None:
         return True  # not a coordinator's thread
     return cluster not in _stood_down and not any(blocking.stopping(c.session) for c in list(_clusters.values()))
+
+
+def _without_stopped_executors(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`hook` (sys.unraisablehook) without what a coordinator thread's executor raises when it is collected
+    after Stop ended the workers it had work on: its __del__ waits for that work, gets the workers' gRPC
+    error (UnavailableError, "Connection reset by peer") and Python prints it as "Exception ignored in:
+    Executor.__del__" under the cell, long after StoppedFromWidget. Anything else reaches `hook`."""
+
+    def quieter(unraisable: Any) -> Any:
+        stopped_executor = (
+            _stopped_once
+            and getattr(unraisable.object, "__qualname__", "") == "Executor.__del__"
+            and type(unraisable.exc_value).__name__ in LOST_WORKER_ERRORS
+        )
+        return None if stopped_executor else hook(unraisable)
+
+    return quieter
 
 
 def _holding(method: Callable[..., Any]) -> Callable[..., Any]:
