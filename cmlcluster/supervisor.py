@@ -318,7 +318,7 @@ class Supervisor:
         else:
             reason = self.backend.exit_reason(worker.handle) or self._agent_exit_reason(code)
             changed = worker.finish(
-                FAILED,
+                self.backend.exit_status(worker.handle) or FAILED,
                 exit_code=code,
                 message=f"worker {worker.id} exited with code {code} {_exit_moment(worker)}"
                 f"{f' ({reason})' if reason else ''}{self.last_output_for_message(worker)}",
@@ -411,9 +411,13 @@ class Supervisor:
     def last_output_for_message(self, worker: Worker) -> str:
         """A message's end: its program's last lines, or its process's (its agent's, while it starts)."""
         tail = worker.output_tail()
+        waiting = None
+        if worker.handle is not None and not worker.running_at:
+            waiting = self.backend.waiting_reason(worker.handle)  # a scheduler's queue: why it does not run yet
         if not tail and worker.handle is not None:
             tail = "\n".join(self.backend.output(worker.handle).splitlines()[-TAIL_LINES:])
-        return f"; last output:\n{tail}" if tail else "; it printed nothing"
+        said = f"; {waiting}" if waiting else ""
+        return f"{said}; last output:\n{tail}" if tail else f"{said}; it printed nothing"
 
     def _changed(self, worker: Worker) -> None:
         """A worker's status changed: wake the waiters, tell the subscribers."""

@@ -56,6 +56,23 @@ fi
 if [ "${#missing[@]}" -gt 0 ]; then
     apt_install "${missing[@]}"
 fi
+# slurmctld, slurmd, slurm-client, munge: the tests' Slurm cluster (tests/harness/slurm.py), in containers,
+# with a munged of its own. Their services must not start on install: where no policy-rc.d says so
+# already (as in Docker's Debian images), one refuses every start for this apt run, and goes after it.
+if $dev && ! command -v slurmctld >/dev/null 2>&1 && ! [ -x /usr/sbin/slurmctld ]; then
+    policy=/usr/sbin/policy-rc.d made_policy=false
+    if [ ! -e "$policy" ] && command -v apt-get >/dev/null; then
+        printf '#!/bin/sh\nexit 101\n' > "$policy"
+        chmod 755 "$policy"
+        made_policy=true
+        trap 'rm -f "$policy"' EXIT
+    fi
+    apt_install slurmctld slurmd slurm-client munge
+    if $made_policy; then
+        rm -f "$policy"
+        trap - EXIT
+    fi
+fi
 
 # pip check of a venv; $2: a pattern of the lines a --no-deps install makes on purpose.
 pip_check() {

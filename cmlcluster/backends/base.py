@@ -34,7 +34,10 @@ the loop that carries every worker's events never waits on one backend:
 - ``output(handle)`` is the raw output of the process so far (the last part
   of it), for failure messages when the control plane saw nothing.
 - ``exit_reason(handle)`` may say why a process ended when its exit code alone
-  does not (its host stopped answering, say).
+  does not (its host stopped answering, say); ``exit_status(handle)`` how, where
+  a scheduler ended it (a job cancelled from outside is "stopped").
+- ``waiting_reason(handle)`` may say why a started worker does not run yet (a
+  scheduler's queue), for the messages of workers still starting.
 - ``close()`` once, after every worker has been stopped.
 
 And one class method, outside any session: ``cleanup(dry_run, options)`` ends what sessions of
@@ -60,7 +63,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from ..errors import ConfigError
 from ..logfile import read_tail
 from ..wire import DEFAULT_SILENCE_TIMEOUT
-from ..workers import Resources, WorkerSpec
+from ..workers import Resources, Status, WorkerSpec
 
 if TYPE_CHECKING:
     from ..control.plane import ControlPlane
@@ -228,6 +231,16 @@ class Backend(abc.ABC, Generic[HandleT]):
 
     def exit_reason(self, handle: HandleT) -> str | None:
         """Why the process ended, when the backend knows more than its exit code (None otherwise)."""
+        return None
+
+    def exit_status(self, handle: HandleT) -> Status | None:
+        """How a process the session did not stop ended, where its scheduler says more than its exit code
+        (a job cancelled from outside: STOPPED); None: as its exit code says (FAILED)."""
+        return None
+
+    def waiting_reason(self, handle: HandleT) -> str | None:
+        """Why a started worker does not run yet, in its scheduler's words (a queue's reason, the jobs ahead);
+        None where the backend cannot say. Read for the messages of workers still starting."""
         return None
 
     async def close(self) -> None:

@@ -29,6 +29,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "fake": ("cmlcluster.backends.fake:FakeBackend", ""),
     "docker": ("cmlcluster.backends.docker.backend:DockerBackend", install_hint("docker", "'docker>=7'")),
     "ssh": ("cmlcluster.backends.ssh.backend:SSHBackend", ""),
+    "slurm": ("cmlcluster.backends.slurm.backend:SlurmBackend", ""),
     "kubernetes": (
         "cmlcluster.backends.kubernetes.backend:KubernetesBackend",
         install_hint("kubernetes", "'kubernetes>=29'"),

@@ -280,7 +280,7 @@ def registered(monkeypatch, **backends):
 
 
 def test_one_registry_built_ins_first_then_other_packages(monkeypatch):
-    assert set(known_backends()) == {"local", "fake", "docker", "ssh", "kubernetes"}
+    assert set(known_backends()) == {"local", "fake", "docker", "ssh", "slurm", "kubernetes"}
     assert backend_class("fake") is FakeBackend
     registered(monkeypatch, acme=OrphanBackend, local=UnreachableBackend)
     assert "acme" in known_backends() and backend_class("acme") is OrphanBackend

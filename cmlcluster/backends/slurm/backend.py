@@ -1,0 +1,247 @@
+"""Workers as Slurm jobs: Slurm places them, with the cores, memory and GPUs each asks for.
+
+    cdsw.use_backend("slurm", partition="gpu", account="proj42", time_limit="2:00:00")
+
+This machine is a Slurm submit host (a login node, or a machine whose ``slurm.conf`` names the cluster's
+controller and whose munge key is the cluster's). Each worker is one ``srun`` here: a job of one task on
+one node, running the worker's agent under the task launcher (task.py), which dials home to the session
+as on every backend. srun copies the worker's output back here and passes the session's stop on; the
+session never needs sshd on the nodes or a file system they share with it (scripts and folders travel
+over the control plane, collect= comes home through the worker's agent).
+
+What the session shows is Slurm's truth: a worker waits as "scheduling" with Slurm's reason and the jobs
+ahead of it (one squeue for the whole session every POLL_SECONDS, queue.py), in await_workers' failures
+when its time is up; a job cancelled outside cmlcluster ends as "stopped", a time limit or a node's
+failure as "failed" with Slurm's words. Every job is named ``cmlcluster-<session>-<worker>`` and carries
+the session's mark in its comment: stopping a worker, closing the session and ``cmlcluster cleanup``
+cancel exactly those jobs, never by user or pattern alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import BackendError, ConfigError
+from ...logfile import WorkerOutput, start_process
+from ...ports import route_address
+from ...workers import Resources, Status, WorkerSpec
+from ..base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail
+from . import commands, task
+from .queue import JobQueue, slurm_command
+
+STOP_WAIT = 10.0  # seconds for srun to end once its job was cancelled
+# What the worker keeps of this process's environment: how to run programs, never the notebook's variables.
+PASSED_VARIABLES = ("PATH", "LANG", "LC_ALL", "HOME", "USER", "LOGNAME")
+INSTALL_HINT = "apt-get install slurm-client (Debian; the same Slurm version as the cluster's), with munge"
+
+
+@dataclass(eq=False)
+class SlurmHandle:
+    worker_id: str
+    job_name: str
+    process: asyncio.subprocess.Process
+    output: WorkerOutput
+    log_path: str
+    stopped: bool = False
+
+
+class SlurmBackend(Backend[SlurmHandle]):
+    """Options:
+
+    partition, account, qos: Slurm's own, for every job (the cluster's defaults where not given).
+    time_limit: each job's --time: minutes (30), "2:00:00" or "1-00:00:00"; default: the partition's.
+    signal_before_end: seconds before the time limit when each worker's program is sent SIGUSR1, to
+        checkpoint (srun's --signal); 0: none.
+    gpus: "gres" (--gres=gpu:N, the default) or "gpus-per-node" (--gpus-per-node=N), as the site asks.
+    extra: more srun options, each "--name=value" (--constraint=a100, --reservation=course).
+    python: the interpreter on the nodes, with cmlcluster installed (default: this one's path, as on
+        sites whose software is on a file system every node mounts).
+    slurm_conf: the slurm.conf to use (SLURM_CONF); default: Slurm's own search (SLURM_CONF, /etc/slurm).
+    controller_ip: the session's address as the nodes reach it (default: this machine's address on its
+        route to slurmctld).
+    shared_paths: folders of this machine that every node sees at the same path (a shared home, say):
+        nothing under them is shipped. Default: none.
+    """
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        *,
+        partition: str = "",
+        account: str = "",
+        qos: str = "",
+        time_limit: str | int = "",
+        signal_before_end: int = 0,
+        gpus: str = "gres",
+        extra: Sequence[str] = (),
+        python: str = sys.executable,
+        slurm_conf: str | None = None,
+        controller_ip: str | None = None,
+        shared_paths: Sequence[str] = (),
+    ):
+        self.options = commands.job_options(partition, account, qos, time_limit, signal_before_end, gpus, extra)
+        if not isinstance(python, str) or not python:
+            raise ConfigError(f"python={python!r}: give the interpreter's path on the nodes")
+        if slurm_conf is not None and not os.path.isfile(os.path.expanduser(slurm_conf)):
+            raise ConfigError(f"slurm_conf={slurm_conf!r}: no such file; give the path of the cluster's slurm.conf")
+        if isinstance(shared_paths, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in shared_paths):
+            raise ConfigError(f"shared_paths={shared_paths!r}: give a list of absolute folders every node sees")
+        self.python = python
+        self.slurm_env = dict(os.environ)
+        if slurm_conf is not None:
+            self.slurm_env["SLURM_CONF"] = os.path.abspath(os.path.expanduser(slurm_conf))
+        self.shared_paths = tuple(shared_paths)
+        self._controller_ip = controller_ip
+        self._queue: JobQueue | None = None
+        self._handles: dict[str, SlurmHandle] = {}
+
+    def capabilities(self) -> Capabilities:
+        # Workers share their node's address; the session's disk is not theirs, unless the site shares it.
+        return Capabilities(own_address=False, session_host=False, python=self.python, shared_paths=self.shared_paths)
+
+    def controller_ip(self) -> str:
+        if self._controller_ip is None:
+            config = self._run("scontrol", "show", "config")
+            self._controller_ip = route_address(commands.controller_host(config))
+        return self._controller_ip
+
+    # ---------------------------------------------------------------- before anything starts
+
+    async def check(self, n: int, resources: Resources) -> None:
+        nodes = commands.parse_sinfo(
+            await asyncio.to_thread(self._run, "sinfo", "-h", "-N", "-o", commands.SINFO_FORMAT)
+        )
+        commands.check_fits(resources, nodes, self.options.partition)
+
+    async def attach(self, context: SessionContext) -> None:
+        await super().attach(context)
+        for tool in ("srun", "squeue", "scancel", "sinfo", "scontrol"):
+            if shutil.which(tool, path=self.slurm_env.get("PATH")) is None:
+                raise ConfigError(f"the slurm backend needs Slurm's {tool} on this machine's PATH: {INSTALL_HINT}")
+        await asyncio.to_thread(self._run, "squeue", "-h", "--me", "-o", "%i")  # reaches the controller, or says why
+        self._queue = JobQueue(self.slurm_env, commands.job_name(context.session_id, ""))
+        self._queue.start()
+
+    def _run(self, *argv: str) -> str:
+        return slurm_command(list(argv), self.slurm_env)
+
+    # ---------------------------------------------------------------- the contract
+
+    async def start(self, spec: WorkerSpec) -> SlurmHandle:
+        assert self._queue is not None, "attach() first"
+        name = commands.job_name(self.context.session_id, spec.worker_id)
+        comment = commands.job_comment(self.context.session_id, socket.gethostname(), os.getpid())
+        argv = commands.srun_argv(
+            "srun", name, comment, spec.resources, self.options, self.python, [self.python, *spec.argv[1:]]
+        )
+        env = {k: self.slurm_env[k] for k in PASSED_VARIABLES if k in self.slurm_env}
+        env.update({k: v for k, v in self.slurm_env.items() if k == "SLURM_CONF"})
+        env.update(spec.env)
+        env[task.GPUS_ENV] = str(spec.resources.nvidia_gpu)
+        log_path = self.context.log_path(spec.worker_id)
+        try:
+            process, output = await start_process(
+                log_path, *argv, env=env, cwd=self.context.session_dir, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            raise BackendError(f"could not start srun for worker {spec.worker_id}: {e}") from e
+        handle = SlurmHandle(spec.worker_id, name, process, output, log_path)
+        self._handles[spec.worker_id] = handle
+        self._queue.watch(name)
+        return handle
+
+    async def poll(self, handle: SlurmHandle) -> int | None:
+        return handle.process.returncode
+
+    async def wait(self, handle: SlurmHandle) -> int:
+        code = await handle.process.wait()
+        await handle.output.drain(OUTPUT_DRAIN_SECONDS)
+        if self._queue is not None:
+            await asyncio.to_thread(self._queue.settle, handle.job_name)  # its job's last state, for exit_reason
+        return code
+
+    async def stop(self, handle: SlurmHandle, grace: float = 5.0) -> None:
+        handle.stopped = True
+        process = handle.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)  # srun passes it to the step: the worker's agent ends it
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(process.wait(), grace)
+        # Whatever is left of its job (one still queued, a step that did not end) is cancelled, by its name.
+        await asyncio.to_thread(self._cancel, [handle.job_name])
+        if process.returncode is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(process.wait(), STOP_WAIT)
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+        await handle.output.drain(OUTPUT_DRAIN_SECONDS)
+
+    def output(self, handle: SlurmHandle) -> str:
+        return log_tail(handle.log_path)
+
+    def exit_reason(self, handle: SlurmHandle) -> str | None:
+        job = self._queue.last(handle.job_name) if self._queue is not None else None
+        if job is None or job.state not in commands.ENDED_AS:
+            return None
+        reason = f", {job.reason}" if job.reason and job.reason != "None" else ""
+        return f"Slurm ended its job {job.job_id}: {job.state}{reason}"
+
+    def exit_status(self, handle: SlurmHandle) -> Status | None:
+        job = self._queue.last(handle.job_name) if self._queue is not None else None
+        return commands.ENDED_AS.get(job.state) if job is not None else None
+
+    def waiting_reason(self, handle: SlurmHandle) -> str | None:
+        return self._queue.waiting_reason(handle.job_name) if self._queue is not None else None
+
+    async def close(self) -> None:
+        if self._queue is not None:
+            self._queue.close()
+            self._queue = None
+        left = [h.job_name for h in self._handles.values() if h.process.returncode is None]
+        if left:  # the session stopped every worker; this is for one whose stop failed
+            await asyncio.to_thread(self._cancel, left)
+        self._handles = {}
+
+    def _cancel(self, names: Sequence[str]) -> None:
+        for name in names:
+            with contextlib.suppress(BackendError):
+                self._run("scancel", f"--name={name}", "--me", "--full")
+
+    # ---------------------------------------------------------------- after a session died
+
+    @classmethod
+    def cleanup(cls, dry_run: bool, options: Mapping[str, Any]) -> list[str]:
+        """Cancel this user's jobs that a session of this host started and whose process is gone."""
+        env = dict(os.environ)
+        if options.get("slurm_conf"):
+            env["SLURM_CONF"] = str(options["slurm_conf"])
+        if shutil.which("squeue", path=env.get("PATH")) is None:
+            raise ConfigError(f"no Slurm here: {INSTALL_HINT}")
+        queued = commands.parse_squeue(slurm_command(["squeue", "-h", "--me", "-o", commands.SQUEUE_FORMAT], env))
+        host, ended = socket.gethostname(), []
+        for job in queued:
+            mark = commands.parse_comment(job.comment)
+            if not mark or mark["host"] != host or not job.name.startswith(commands.JOB_PREFIX):
+                continue
+            if mark["pid"].isdigit() and os.path.exists(f"/proc/{mark['pid']}"):
+                continue  # its session runs
+            if not dry_run:
+                with contextlib.suppress(BackendError):
+                    slurm_command(["scancel", "--full", job.job_id], env)
+            ended.append(f"slurm job {job.job_id} ({job.name})")
+        return ended
