@@ -11,6 +11,7 @@ controller holds a lifeline too (control/controller.py).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -39,13 +40,28 @@ def remove_folder(path: str) -> Callable[[], None]:
     return lambda: shutil.rmtree(path, ignore_errors=True)
 
 
+def run_quietly(argv: list[str], timeout: float = 10.0) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+        except (OSError, subprocess.SubprocessError):
+            pass  # the group is killed all the same
+
+    return run
+
+
 def main() -> None:
     argv = sys.argv[1:]
+    last_words: list[str] = []
+    if argv[:1] == ["--before-dying"] and len(argv) > 1:
+        last_words, argv = json.loads(argv[1]), argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit(f"usage: python {__file__} -- command [args...]")
-    hold()
+        sys.exit(f"usage: python {__file__} [--before-dying '[\"command\", ...]'] -- command [args...]")
+    # --before-dying: a command run before the group is killed, for what lives beyond this machine (a
+    # Slurm job: scancel ends it at once, where killing srun would leave its step running).
+    hold(run_quietly(last_words) if last_words else None)
     # In this process group, so that stopping the group (or the session dying) ends it too.
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     signal.signal(signal.SIGTERM, lambda *_: child.terminate())

@@ -5,12 +5,18 @@ and nothing of a session stays in Slurm's queue."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from harness.slurm import slurm_installed, start_slurm
 
 from cmlcluster import Session
+from cmlcluster.backends.slurm import commands
 from cmlcluster.backends.slurm.backend import SlurmBackend
 
 pytestmark = [
@@ -83,3 +89,130 @@ def test_a_program_runs_on_a_node_and_its_output_comes_home(slurm):
         said = session.output(workers[0])
         assert any(f"hello from {n.name}" in said for n in slurm.nodes), said
     assert session_jobs(slurm, session) == []
+
+
+SESSION_SCRIPT = """
+import sys, time
+from cmlcluster import Session
+from cmlcluster.backends.slurm.backend import SlurmBackend
+session = Session(SlurmBackend(slurm_conf=sys.argv[1]), echo=False)
+workers = session.launch_workers(2, cpu=1, memory=0.5)
+ready = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
+assert not ready["failures"], ready["failures"]
+print(session.id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_session_leaves_no_job_and_no_srun(slurm, tmp_path):
+    script = tmp_path / "session.py"
+    script.write_text(SESSION_SCRIPT)
+    process = subprocess.Popen([sys.executable, str(script), slurm.conf], stdout=subprocess.PIPE, text=True)
+    try:
+        session_id = process.stdout.readline().strip()
+        assert session_id, "the session did not start its workers"
+        prefix = f"cmlcluster-{session_id}-"
+        assert len([j for j in queued(slurm) if j.startswith(prefix)]) == 2
+        process.kill()  # as a kernel killed outright: no close(), no atexit
+        process.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and ([j for j in queued(slurm) if j.startswith(prefix)] or mine(prefix)):
+            time.sleep(0.2)
+        assert [j for j in queued(slurm) if j.startswith(prefix)] == []
+        assert mine(prefix) == []  # its srun processes and their lifelines here
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_cleanup_cancels_exactly_the_jobs_of_sessions_whose_process_is_gone(slurm):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, host = gone.stdout.strip(), socket.gethostname()
+    jobs = {
+        "cmlcluster-deadsession-w0": commands.job_comment("deadsession", host, int(dead_pid)),
+        "cmlcluster-livesession-w0": commands.job_comment("livesession", host, os.getpid()),
+        "cmlcluster-elsewhere-w0": commands.job_comment("elsewhere", "another-host", int(dead_pid)),
+        "someones-job": "",
+    }
+    for name, comment in jobs.items():
+        submit = ["sbatch", "--parsable", f"--job-name={name}", "--mem=50", "--wrap", "sleep 300"]
+        slurm.run(*submit, *([f"--comment={comment}"] if comment else []), check=True)
+    try:
+        would = SlurmBackend.cleanup(True, {"slurm_conf": slurm.conf})  # dry run: says, cancels nothing
+        assert len(would) == 1 and "cmlcluster-deadsession-w0" in queued(slurm)
+        ended = SlurmBackend.cleanup(False, {"slurm_conf": slurm.conf})
+        assert len(ended) == 1 and "(cmlcluster-deadsession-w0)" in ended[0]
+        deadline = time.monotonic() + 10
+        while "cmlcluster-deadsession-w0" in queued(slurm) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert set(queued(slurm)) >= {"cmlcluster-livesession-w0", "cmlcluster-elsewhere-w0", "someones-job"}
+        assert "cmlcluster-deadsession-w0" not in queued(slurm)
+    finally:
+        for name in jobs:
+            slurm.run("scancel", f"--name={name}")
+
+
+def queued(cluster) -> list[str]:
+    """The names of the jobs in Slurm's queue (pending or running)."""
+    return cluster.run("squeue", "-h", "-o", "%j", check=True).stdout.split()
+
+
+def mine(marker: str) -> list[int]:
+    """Processes of this machine whose command line holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_run_torch_trains_across_two_slurm_nodes_and_its_checkpoint_comes_home(slurm, tmp_path, monkeypatch):
+    from cmlcluster import run_torch
+
+    monkeypatch.chdir(tmp_path)
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
+        result = run_torch(
+            str(TORCH_EXAMPLE),
+            ["--epochs", "2", "--checkpoint-dir", "checkpoints"],  # in each worker's own folder on its node
+            nnodes=2,
+            nproc_per_node=1,
+            cpu=2,  # a whole node each
+            memory=1,
+            session=session,
+            echo=False,
+            collect="checkpoints",  # no file system is shared with the nodes: it comes home through the agent
+        )
+        assert result.ok, result.message
+        assert sorted(result.hosts) == sorted(n.ip for n in slurm.nodes)
+        assert result.master.split(":")[0] in result.hosts
+        assert (tmp_path / "checkpoints" / "snapshot.pt").exists()
+        assert session_jobs(slurm, session) == []
+
+
+TORCH_EXAMPLE = Path(__file__).resolve().parents[2] / "worker_scripts" / "torch_ddp_train.py"
+
+
+def test_a_tensorflow_cluster_and_horovod_run_across_slurm_nodes(slurm, monkeypatch):
+    import warnings
+
+    from cmlcluster import SharedMachineWarning, run_cluster, run_horovod
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session, warnings.catch_warnings():
+        warnings.simplefilter("ignore", SharedMachineWarning)
+        spec, address = run_cluster(n_workers=1, n_ps=1, cpu=2, memory=1, session=session)
+        hosts = {a.split(":")[0] for tasks in spec.values() for a in tasks}
+        assert hosts == {n.ip for n in slurm.nodes} and address == f"grpc://{spec['worker'][0]}"
+        session.stop_workers()
+        # Horovod's sshd on port 2222 in each worker's job: a whole node each, so no two share the port.
+        result = run_horovod(
+            "worker_scripts/horovod_keras_train.py", ["--epochs", "1"], np=2, workers=2, cpu=2, memory=1,
+            session=session, echo=False,
+        )  # fmt: skip
+        assert result.ok, result.message
+        assert sorted(h for h, _ in result.hosts) == sorted(n.ip for n in slurm.nodes)
+        assert session_jobs(slurm, session) == []

@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ... import _lifeline
+from ..._proc import signal_group
 from ...errors import BackendError, ConfigError
 from ...logfile import WorkerOutput, start_process
 from ...ports import route_address
@@ -142,9 +144,13 @@ class SlurmBackend(Backend[SlurmHandle]):
         assert self._queue is not None, "attach() first"
         name = commands.job_name(self.context.session_id, spec.worker_id)
         comment = commands.job_comment(self.context.session_id, socket.gethostname(), os.getpid())
-        argv = commands.srun_argv(
+        srun = commands.srun_argv(
             "srun", name, comment, spec.resources, self.options, self.python, [self.python, *spec.argv[1:]]
         )
+        # Under a lifeline: should this process die (a killed kernel), the job is cancelled at once, not left
+        # to the agent's silence timeout (killing srun alone leaves its step running).
+        cancel = ["scancel", "--me", "--full", f"--name={name}"]
+        argv = [sys.executable, _lifeline.__file__, "--before-dying", json.dumps(cancel), "--", *srun]
         env = {k: self.slurm_env[k] for k in PASSED_VARIABLES if k in self.slurm_env}
         env.update({k: v for k, v in self.slurm_env.items() if k == "SLURM_CONF"})
         env.update(spec.env)
@@ -152,7 +158,7 @@ class SlurmBackend(Backend[SlurmHandle]):
         log_path = self.context.log_path(spec.worker_id)
         try:
             process, output = await start_process(
-                log_path, *argv, env=env, cwd=self.context.session_dir, stdin=subprocess.DEVNULL,
+                log_path, *argv, env=env, cwd=self.context.session_dir, stdin=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )  # fmt: skip
         except OSError as e:
@@ -177,7 +183,7 @@ class SlurmBackend(Backend[SlurmHandle]):
         process = handle.process
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)  # srun passes it to the step: the worker's agent ends it
+                process.send_signal(signal.SIGTERM)  # to srun, which passes it to the step: the agent ends it
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(process.wait(), grace)
         # Whatever is left of its job (one still queued, a step that did not end) is cancelled, by its name.
@@ -186,9 +192,8 @@ class SlurmBackend(Backend[SlurmHandle]):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(process.wait(), STOP_WAIT)
         if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+            signal_group(process.pid, signal.SIGKILL)  # the lifeline and srun
+        await process.wait()
         await handle.output.drain(OUTPUT_DRAIN_SECONDS)
 
     def output(self, handle: SlurmHandle) -> str:
