@@ -5,7 +5,8 @@ Tests that take the `backend` fixture (or a `session` built on it) run once per 
 processes; on Docker containers made from the test image (scripts/docker_engine.sh), which run this
 machine's own Python through read-only bind mounts; on three SSH hosts (containers with their own IPs
 running key-only sshd, logged into as a non-root user, that do NOT see the tests' folders:
-tests/harness/sshhosts.py); and on pods of the stand-in Kubernetes cluster (tests/kubestandin).
+tests/harness/sshhosts.py); and on pods of the stand-in Kubernetes cluster (tests/kubestandin). The
+Slurm backend's tests and the backend contract run on a real Slurm cluster (tests/harness/slurm.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def ssh_hosts():
 
     with start_hosts(3) as hosts:
         yield hosts
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real Slurm 22.05 cluster (tests/harness/slurm.py) for the whole run: a controller and two nodes of 2
+    cores, 2000 MB and 2 GPUs (device-node GRES) each, this host its submit host. Up in about 1.5 s."""
+    from harness.slurm import start_slurm
+
+    with start_slurm(nodes=2, cpus_per_node=2, memory_mb_per_node=2000, gpus_per_node=2) as cluster:
+        yield cluster
+
+
+def slurm_backend(cluster, **options):
+    from cmlcluster.backends.slurm.backend import SlurmBackend
+
+    return SlurmBackend(slurm_conf=cluster.conf, **options)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 import pytest
-from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
+from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, slurm_backend, ssh_backend
 
 from cmlcluster.backends import Backend, Capabilities, SessionContext, backend_class, known_backends
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
@@ -62,12 +62,12 @@ def example_backend_class() -> type[Backend]:
 
 
 def test_every_registered_backend_is_checked_here():
-    assert set(known_backends()) == {"local", "docker", "ssh", "kubernetes", "fake"}
+    assert set(known_backends()) == {"local", "docker", "ssh", "slurm", "kubernetes", "fake"}
     for name in known_backends():
         assert issubclass(backend_class(name), Backend)
 
 
-@pytest.fixture(params=["local", "docker", "ssh", "kubernetes", "fake", "docs example"])
+@pytest.fixture(params=["local", "docker", "ssh", "slurm", "kubernetes", "fake", "docs example"])
 def contract(request):
     """(backend, spec(program) -> WorkerSpec), attached to a throwaway session folder."""
     name = request.param
@@ -77,6 +77,8 @@ def contract(request):
         backend: Backend = DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True)
     elif name == "ssh":
         backend = ssh_backend(request.getfixturevalue("ssh_hosts"))
+    elif name == "slurm":
+        backend = slurm_backend(request.getfixturevalue("slurm_cluster"))
     elif name == "kubernetes":
         backend = kube_backend(request.getfixturevalue("kube"))
     elif name == "fake":

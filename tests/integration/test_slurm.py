@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.slurm import slurm_installed, start_slurm
+from harness.slurm import slurm_installed
 
 from cmlcluster import Session
 from cmlcluster.backends.slurm import commands
@@ -25,10 +25,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    with start_slurm(nodes=2, cpus_per_node=2, memory_mb_per_node=2000, gpus_per_node=2) as cluster:
-        yield cluster
+@pytest.fixture
+def slurm(slurm_cluster):
+    return slurm_cluster  # the run's (harness/fixtures.py): a controller and two nodes of 2 cores and 2 GPUs
 
 
 def session_jobs(cluster, session) -> list[str]:

@@ -34,10 +34,10 @@ from typing import Any
 from ... import _lifeline
 from ..._proc import signal_group
 from ...errors import BackendError, ConfigError
-from ...logfile import WorkerOutput, start_process
+from ...logfile import WorkerOutput
 from ...ports import route_address
 from ...workers import Resources, Status, WorkerSpec
-from ..base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail
+from ..base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import commands, task
 from .queue import JobQueue, slurm_command
 
@@ -156,36 +156,47 @@ class SlurmBackend(Backend[SlurmHandle]):
         env.update(spec.env)
         env[task.GPUS_ENV] = str(spec.resources.nvidia_gpu)
         log_path = self.context.log_path(spec.worker_id)
+        output = WorkerOutput(log_path)  # the worker's own output: the step's stdout
         try:
-            process, output = await start_process(
-                log_path, *argv, env=env, cwd=self.context.session_dir, stdin=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )  # fmt: skip
+            # srun's own messages ("srun: error: ... task 0: Killed", slurmstepd's "*** STEP CANCELLED ***")
+            # go beside the worker's log, not into it: what a worker printed last stays its own last line.
+            with open(log_path + ".srun", "ab") as messages:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, env=env, cwd=self.context.session_dir, stdin=asyncio.subprocess.PIPE,
+                    stdout=output.write_fd, stderr=messages, start_new_session=True,
+                )  # fmt: skip
         except OSError as e:
+            output.close()
             raise BackendError(f"could not start srun for worker {spec.worker_id}: {e}") from e
+        finally:
+            output.handed_over()
         handle = SlurmHandle(spec.worker_id, name, process, output, log_path)
         self._handles[spec.worker_id] = handle
         self._queue.watch(name)
         return handle
 
     async def poll(self, handle: SlurmHandle) -> int | None:
-        return handle.process.returncode
+        code = handle.process.returncode
+        return None if code is None else signal_exit_code(code)
 
     async def wait(self, handle: SlurmHandle) -> int:
         code = await handle.process.wait()
         await handle.output.drain(OUTPUT_DRAIN_SECONDS)
         if self._queue is not None:
             await asyncio.to_thread(self._queue.settle, handle.job_name)  # its job's last state, for exit_reason
-        return code
+        return signal_exit_code(code)  # srun says a task killed by signal N exited 128+N
 
     async def stop(self, handle: SlurmHandle, grace: float = 5.0) -> None:
         handle.stopped = True
         process = handle.process
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)  # to srun, which passes it to the step: the agent ends it
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(process.wait(), grace)
+        job = self._queue.last(handle.job_name) if self._queue is not None else None
+        if process.returncode is None and job is not None and job.state == "RUNNING":
+            # TERM to the step's processes, its job left to end with them: the worker's cleanup runs and its
+            # last lines reach srun. (srun itself, sent TERM, cancels the step and its tasks are killed.)
+            signalled = await asyncio.to_thread(self._signal, handle.job_name, "TERM")
+            if signalled:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(process.wait(), grace)
         # Whatever is left of its job (one still queued, a step that did not end) is cancelled, by its name.
         await asyncio.to_thread(self._cancel, [handle.job_name])
         if process.returncode is None:
@@ -221,6 +232,13 @@ class SlurmBackend(Backend[SlurmHandle]):
         if left:  # the session stopped every worker; this is for one whose stop failed
             await asyncio.to_thread(self._cancel, left)
         self._handles = {}
+
+    def _signal(self, name: str, signal_name: str) -> bool:
+        try:
+            self._run("scancel", f"--signal={signal_name}", "--me", f"--name={name}")
+        except BackendError:
+            return False
+        return True
 
     def _cancel(self, names: Sequence[str]) -> None:
         for name in names:

@@ -6,7 +6,8 @@ and ends everything the worker started when the step is signalled (srun passes o
 scancel and a time limit send theirs). It keeps the worker's processes as its children (a subreaper), so
 that on clusters whose process tracking is only the process tree (proctrack/linuxproc) none of them
 escapes the job. The agent's environment is this process's: srun's, which the session made (its env=
-and cmlcluster's own, never on a command line). Its stdout and stderr are the step's: srun copies them
+and cmlcluster's own, never on a command line). Its stdout and stderr, as one stream in the order they
+were written (a traceback after what was printed before it), are the step's stdout: srun copies it
 to the session. SIGUSR1 (srun's --signal before the time limit) is passed on to the worker's group, for
 its program to checkpoint.
 """
@@ -48,10 +49,12 @@ def main(argv: list[str]) -> int:
     os.mkdir(env["TMPDIR"], 0o700)
     os.mkdir(work, 0o700)
     try:
-        process = subprocess.Popen(argv[1:], env=env, cwd=work, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(
+            argv[1:], env=env, cwd=work, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+        )
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
-        print(f"cmlcluster: could not start the worker ({argv[1]}): {e}", file=sys.stderr, flush=True)
+        print(f"cmlcluster: could not start the worker ({argv[1]}): {e}", flush=True)
         return 127
     stopping = threading.Event()
 
