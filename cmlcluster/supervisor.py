@@ -28,7 +28,7 @@ from .progress import output_event
 from .usage import decode as decode_usage
 from .waiting import Changes
 from .wire import SILENCE_EXIT
-from .workers import FAILED, RUNNING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
+from .workers import FAILED, RUNNING, SCHEDULING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ LOST_CONTACT_GRACE = 5.0  # after an engine unregisters, how long the backend ge
 # Once a worker's process is gone, how long its end waits for its program's result and last output,
 # still on their way over the control plane (a stopped program's cleanup prints as the stop ends it).
 EXIT_OUTPUT_GRACE = 2.0
+WAITING_POLL = 2.0  # seconds between asks of a scheduler why a worker does not run yet (its queue's reason)
 
 
 class Supervisor:
@@ -138,8 +139,20 @@ class Supervisor:
             self._events.publish(LaunchFailed(message))
             return {"status": FAILED, "message": message}
         self._exit_watchers[worker.id] = self.spawn(self._watch_exit(worker))
+        if type(self.backend).waiting_reason is not Backend.waiting_reason:  # a scheduler's queue can say why
+            self.spawn(self._follow_waiting(worker))
         self._changed(worker)
         return worker.to_dict()
+
+    async def _follow_waiting(self, worker: Worker) -> None:
+        """While the worker is scheduling, its message is why it waits, in its scheduler's words, as they change:
+        the views and list_workers show it (a Slurm job's "PENDING (Resources), 2 jobs ahead")."""
+        while worker.status == SCHEDULING:
+            waiting = self.backend.waiting_reason(worker.handle)
+            if waiting != worker.message and worker.status == SCHEDULING:
+                worker.message = waiting
+                self._changed(worker)
+            await asyncio.sleep(WAITING_POLL)
 
     def on_engine(self, kind: str, engine_id: int) -> None:
         """The control plane's report: an engine registered, or went silent."""
@@ -182,6 +195,7 @@ class Supervisor:
         worker.ip_address = info.ip_address
         worker.status = RUNNING
         worker.running_at = time.time()
+        worker.message = None  # why it waited, if it did
         self._changed(worker)
         if not worker.program.empty:  # else it serves the control plane until stopped or given a program
             await self._run_program(worker)

@@ -43,6 +43,7 @@ class FakeWorker:
     exit_time: float = 0.0  # seconds its process takes to go once stopped (its cleanup)
     cleanup_output: tuple[str, ...] = ()  # what its program prints as a stop ends it (its finally blocks)...
     cleanup_delay: float = 0.0  # ...reaching the session this long after its process is gone, with its result
+    waiting: str | None = None  # why it does not run yet, as a scheduler's queue says it (waiting_reason)
 
 
 @dataclass(eq=False)
@@ -144,6 +145,9 @@ class FakeBackend(Backend[FakeHandle]):
 
     def output(self, handle: FakeHandle) -> str:
         return "\n".join(handle.printed)
+
+    def waiting_reason(self, handle: FakeHandle) -> str | None:
+        return handle.script.waiting
 
 
 class FakeControl(ControlPlane):

@@ -46,6 +46,7 @@ class TerminalView:
         self._router = Router(calls=False)  # one story: the whole session's
         self._model = self._router.whole
         self._said: dict[str, str] = {}  # worker id -> the status last said
+        self._waiting_said: dict[str, str] = {}  # worker id -> why it waited, last said
         self._folded_said: set[str] = set()  # sources whose folding was said
         self._finished: set[str] = set()  # members of jobs that finished: their stop is the job's end
         self._last_line: dict[str, float] = {}
@@ -101,6 +102,10 @@ class TerminalView:
         worker, status = model.workers[worker_id], model.status(worker_id)
         before = self._said.get(worker_id)
         self._said[worker_id] = status
+        waiting = str(worker.get("message") or "") if status == SCHEDULING else ""
+        if waiting and waiting != self._waiting_said.get(worker_id):  # a scheduler's queue: why it waits
+            self._waiting_said[worker_id] = waiting
+            self._line(f"[{model.label(worker_id)}] waiting: {waiting}")
         if status == before:
             return
         name = model.label(worker_id)

@@ -194,3 +194,16 @@ def test_no_log_is_in_the_widget_until_the_button_is_pressed_and_none_once_hidde
         view.source.value = second["id"]
         settled(view, lambda: view.log_view.value == "")  # another worker selected: the tail was the first's
         assert "line 0059999" not in widget_state(view)
+
+
+def test_a_worker_that_waits_in_a_schedulers_queue_says_why_until_it_runs(capsys):
+    queued = "Slurm job 7 PENDING (Resources), 2 jobs ahead in partition gpu"
+    with fake_session(FakeWorker(start_delay=1.0, waiting=queued)) as s:
+        view, _ = WidgetView(s), TerminalView(s)
+        [w] = s.launch_workers(1, cpu=1, memory=1)
+        settled(view, lambda: queued in view.table.value)  # the reason column of a scheduling row
+        assert s.list_workers()[0]["message"] == queued
+        s.await_workers([w], wait_for_completion=False, timeout_seconds=10)
+        settled(view, lambda: statuses(view) == {w["id"]: "running"} and queued not in view.table.value)
+        assert "message" not in s.list_workers()[0]  # it runs: no reason to wait any more
+    assert f"[w0] waiting: {queued}" in capsys.readouterr().err
