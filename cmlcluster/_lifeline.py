@@ -40,6 +40,15 @@ def remove_folder(path: str) -> Callable[[], None]:
     return lambda: shutil.rmtree(path, ignore_errors=True)
 
 
+def _terminate(started: list[subprocess.Popen[bytes]], grace: float) -> None:
+    for child in started:
+        child.terminate()
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass  # the group is killed all the same
+
+
 def run_quietly(argv: list[str], timeout: float = 10.0) -> Callable[[], None]:
     def run() -> None:
         try:
@@ -50,20 +59,35 @@ def run_quietly(argv: list[str], timeout: float = 10.0) -> Callable[[], None]:
     return run
 
 
+USAGE = "[--before-dying '[\"command\", ...]' | --term-first SECONDS] -- command [args...]"
+
+
 def main() -> None:
     argv = sys.argv[1:]
     last_words: list[str] = []
+    term_first = 0.0
     if argv[:1] == ["--before-dying"] and len(argv) > 1:
         last_words, argv = json.loads(argv[1]), argv[2:]
+    elif argv[:1] == ["--term-first"] and len(argv) > 1:
+        term_first, argv = float(argv[1]), argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit(f"usage: python {__file__} [--before-dying '[\"command\", ...]'] -- command [args...]")
-    # --before-dying: a command run before the group is killed, for what lives beyond this machine (a
-    # Slurm job: scancel ends it at once, where killing srun would leave its step running).
-    hold(run_quietly(last_words) if last_words else None)
+        sys.exit(f"usage: python {__file__} {USAGE}")
+    # What lives beyond this machine must not outlive the session either, and killing the command may not
+    # end it: --before-dying runs a command first (a Slurm job: scancel ends it, where killing srun would
+    # leave its step running); --term-first TERMs the command and gives it that long (srun sent TERM
+    # cancels its step of an allocation).
+    started: list[subprocess.Popen[bytes]] = []
+    if last_words:
+        hold(run_quietly(last_words))
+    elif term_first:
+        hold(lambda: _terminate(started, term_first))
+    else:
+        hold()
     # In this process group, so that stopping the group (or the session dying) ends it too.
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    started.append(child)
     signal.signal(signal.SIGTERM, lambda *_: child.terminate())
     code = child.wait()
     sys.exit(code if code >= 0 else 128 - code)

@@ -115,6 +115,10 @@ def session_connection() -> str:
 def main() -> None:
     AgentEngine.log_fd = os.dup(2)  # not inherited by user code's processes (Python's fds are non-inheritable)
     clean_environment()
+    # A scheduler's warning before a time limit (Slurm's --signal=USR1@seconds reaches every process of the
+    # job) is for the program, which installs its own handler: it never ends the worker. A Python handler,
+    # not SIG_IGN, which the program's own processes would inherit.
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     try:
         ipyparallel_internals.probe_engine()
     except ControllerError as e:  # into the worker's log, which the session quotes when the worker ends

@@ -5,6 +5,7 @@ and nothing of a session stays in Slurm's queue."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -54,6 +55,8 @@ def test_workers_are_jobs_slurm_places_and_one_that_does_not_fit_waits_with_slur
         late = session.await_workers(waiting, wait_for_completion=False, timeout_seconds=6)
         assert [f["status"] for f in late["failures"]] == ["timedout"]
         assert "PENDING (Resources)" in late["failures"][0]["message"], late["failures"][0]["message"]
+        [queued] = [w for w in session.list_workers() if w["status"] == "scheduling"]
+        assert queued["message"].startswith("Slurm job ") and "PENDING (Resources)" in queued["message"]
         session.stop_workers(*running)
         # Its place is free now: Slurm starts it.
         assert up(session, waiting)[0]["ip_address"] in {n.ip for n in slurm.nodes}
@@ -214,4 +217,84 @@ def test_a_tensorflow_cluster_and_horovod_run_across_slurm_nodes(slurm, monkeypa
         )  # fmt: skip
         assert result.ok, result.message
         assert sorted(h for h, _ in result.hosts) == sorted(n.ip for n in slurm.nodes)
+        assert session_jobs(slurm, session) == []
+
+
+ALLOCATION_SCRIPT = """
+import json, os, socket
+from cmlcluster import Session
+from cmlcluster.backends.slurm.backend import SlurmBackend
+
+backend = SlurmBackend()  # inside the allocation this script runs in: SLURM_JOB_ID says so
+with Session(backend, echo=False) as session:
+    workers = session.launch_workers(2, cpu=1, memory=0.25)
+    ready = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
+    found = {
+        "allocation": backend.allocation,
+        "failures": [f.get("message") for f in ready["failures"]],
+        "ips": [w["ip_address"] for w in ready["workers"]],
+        "jobs": [session.call(w, "os:getenv", "SLURM_JOB_ID") for w in ready["workers"]],
+        "steps": [session.call(w, "os:getenv", "SLURM_STEP_ID") for w in ready["workers"]],
+        "session": socket.gethostname(),
+    }
+    session.stop_workers()
+    found["after"] = [w["status"] for w in session.list_workers()]
+print("RESULT " + json.dumps(found), flush=True)
+"""
+
+
+def test_a_notebook_inside_an_allocation_runs_its_workers_as_steps_of_it(slurm):
+    script = os.path.join(slurm.folder, "notebook.py")  # the nodes see the cluster's folder
+    with open(script, "w") as f:
+        f.write(ALLOCATION_SCRIPT)
+    output = os.path.join(slurm.folder, "notebook-%j.out")
+    submitted = slurm.run(
+        "sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2", "--mem=1500",
+        f"--output={output}", "--wrap", f"{sys.executable} {script}", check=True,
+    )  # fmt: skip
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and job in slurm.run("squeue", "-h", "-o", "%i", check=True).stdout.split():
+        time.sleep(0.5)
+    with open(output.replace("%j", job)) as f:
+        said = f.read()
+    results = [line for line in said.splitlines() if line.startswith("RESULT ")]
+    assert results, said
+    found = json.loads(results[-1].removeprefix("RESULT "))
+    assert found["allocation"] == job and found["failures"] == [], found
+    assert found["jobs"] == [job, job]  # steps of the notebook's own job, not jobs of their own
+    assert len(set(found["steps"])) == 2 and set(found["ips"]) <= {n.ip for n in slurm.nodes}
+    assert found["after"] == ["stopped", "stopped"]
+
+
+def test_a_worker_is_warned_before_its_time_limit_so_that_it_can_checkpoint(slurm):
+    code = """
+import signal, time
+warned = []
+signal.signal(signal.SIGUSR1, lambda *_: warned.append(time.monotonic()))
+deadline = time.monotonic() + 120
+while not warned and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("warned, checkpointing" if warned else "never warned", flush=True)
+"""
+    # A minute's limit, warned 55 s before it (Slurm checks time limits about every 30 s, and may warn early).
+    backend = SlurmBackend(slurm_conf=slurm.conf, time_limit=1, signal_before_end=55)
+    with Session(backend, echo=False) as session:
+        workers = session.launch_workers(1, cpu=1, memory=0.25, code=code)
+        done = session.await_workers(workers, wait_for_completion=True, timeout_seconds=90)
+        assert done["failures"] == [], done["failures"]
+        assert "warned, checkpointing" in session.output(workers[0])
+
+
+def test_gpu_workers_get_gpus_of_their_own_and_one_more_waits_for_a_gpu(slurm):
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
+        both = up(session, session.launch_workers(2, cpu=1, memory=0.25, nvidia_gpu=2))  # a node's 2 GPUs each
+        assert {w["ip_address"] for w in both} == {n.ip for n in slurm.nodes}
+        assert [session.call(w, "os:getenv", "CUDA_VISIBLE_DEVICES") for w in both] == ["0,1", "0,1"]
+        # A core is free on each node, no GPU is: it waits for one.
+        late = session.await_workers(
+            session.launch_workers(1, cpu=1, memory=0.25, nvidia_gpu=1), wait_for_completion=False, timeout_seconds=5
+        )
+        assert "PENDING (Resources)" in late["failures"][0]["message"], late["failures"][0]["message"]
+        session.stop_workers()
         assert session_jobs(slurm, session) == []

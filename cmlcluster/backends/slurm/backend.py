@@ -3,18 +3,20 @@
     cdsw.use_backend("slurm", partition="gpu", account="proj42", time_limit="2:00:00")
 
 This machine is a Slurm submit host (a login node, or a machine whose ``slurm.conf`` names the cluster's
-controller and whose munge key is the cluster's). Each worker is one ``srun`` here: a job of one task on
-one node, running the worker's agent under the task launcher (task.py), which dials home to the session
-as on every backend. srun copies the worker's output back here and passes the session's stop on; the
+controller and whose munge key is the cluster's). Each worker is one ``srun`` here, under a lifeline that
+ends its job if this process dies: a job of one task on one node, running the worker's agent under the
+task launcher (task.py), which dials home to the session as on every backend. Where the notebook runs
+inside an allocation (started by sbatch, batchspawner or Open OnDemand: SLURM_JOB_ID), each worker is a
+step of that allocation instead (srun --jobid --overlap). srun copies the worker's output back here; the
 session never needs sshd on the nodes or a file system they share with it (scripts and folders travel
 over the control plane, collect= comes home through the worker's agent).
 
 What the session shows is Slurm's truth: a worker waits as "scheduling" with Slurm's reason and the jobs
-ahead of it (one squeue for the whole session every POLL_SECONDS, queue.py), in await_workers' failures
-when its time is up; a job cancelled outside cmlcluster ends as "stopped", a time limit or a node's
-failure as "failed" with Slurm's words. Every job is named ``cmlcluster-<session>-<worker>`` and carries
-the session's mark in its comment: stopping a worker, closing the session and ``cmlcluster cleanup``
-cancel exactly those jobs, never by user or pattern alone.
+ahead of it (one squeue for the whole session every POLL_SECONDS, queue.py), in the views, list_workers
+and await_workers' failures when its time is up; a job cancelled outside cmlcluster ends as "stopped", a
+time limit or a node's failure as "failed" with Slurm's words. Every job is named
+``cmlcluster-<session>-<worker>`` and carries the session's mark in its comment: stopping a worker,
+closing the session and ``cmlcluster cleanup`` cancel exactly those jobs, never by user or pattern alone.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ class SlurmHandle:
     process: asyncio.subprocess.Process
     output: WorkerOutput
     log_path: str
-    stopped: bool = False
 
 
 class SlurmBackend(Backend[SlurmHandle]):
@@ -73,6 +74,9 @@ class SlurmBackend(Backend[SlurmHandle]):
         route to slurmctld).
     shared_paths: folders of this machine that every node sees at the same path (a shared home, say):
         nothing under them is shipped. Default: none.
+    within_allocation: each worker a step of the Slurm allocation this process runs in (srun --jobid
+        --overlap), as for a notebook that sbatch, batchspawner or Open OnDemand started; False: jobs of
+        their own. Default: inside one when this process has SLURM_JOB_ID.
     """
 
     name = "slurm"
@@ -91,8 +95,10 @@ class SlurmBackend(Backend[SlurmHandle]):
         slurm_conf: str | None = None,
         controller_ip: str | None = None,
         shared_paths: Sequence[str] = (),
+        within_allocation: bool | None = None,
     ):
         self.options = commands.job_options(partition, account, qos, time_limit, signal_before_end, gpus, extra)
+        self.allocation = _allocation(within_allocation, self.options)
         if not isinstance(python, str) or not python:
             raise ConfigError(f"python={python!r}: give the interpreter's path on the nodes")
         if slurm_conf is not None and not os.path.isfile(os.path.expanduser(slurm_conf)):
@@ -105,6 +111,9 @@ class SlurmBackend(Backend[SlurmHandle]):
             self.slurm_env["SLURM_CONF"] = os.path.abspath(os.path.expanduser(slurm_conf))
         self.shared_paths = tuple(shared_paths)
         self._controller_ip = controller_ip
+        # Commands given the allocation explicitly (--jobid) where they need it, never through the variables
+        # the notebook's job set (SLURM_NTASKS, SLURM_MEM_PER_NODE, ... would be a step's defaults).
+        self.slurm_env = {k: v for k, v in self.slurm_env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
         self._queue: JobQueue | None = None
         self._handles: dict[str, SlurmHandle] = {}
 
@@ -121,9 +130,11 @@ class SlurmBackend(Backend[SlurmHandle]):
     # ---------------------------------------------------------------- before anything starts
 
     async def check(self, n: int, resources: Resources) -> None:
-        nodes = commands.parse_sinfo(
-            await asyncio.to_thread(self._run, "sinfo", "-h", "-N", "-o", commands.SINFO_FORMAT)
-        )
+        sinfo = ["sinfo", "-h", "-N", "-o", commands.SINFO_FORMAT]
+        if self.allocation:  # its own nodes
+            names = await asyncio.to_thread(self._run, "squeue", "-h", "-j", self.allocation, "-o", "%N")
+            sinfo += ["-n", names.strip()]
+        nodes = commands.parse_sinfo(await asyncio.to_thread(self._run, *sinfo))
         commands.check_fits(resources, nodes, self.options.partition)
 
     async def attach(self, context: SessionContext) -> None:
@@ -132,7 +143,7 @@ class SlurmBackend(Backend[SlurmHandle]):
             if shutil.which(tool, path=self.slurm_env.get("PATH")) is None:
                 raise ConfigError(f"the slurm backend needs Slurm's {tool} on this machine's PATH: {INSTALL_HINT}")
         await asyncio.to_thread(self._run, "squeue", "-h", "--me", "-o", "%i")  # reaches the controller, or says why
-        self._queue = JobQueue(self.slurm_env, commands.job_name(context.session_id, ""))
+        self._queue = JobQueue(self.slurm_env, self.allocation)
         self._queue.start()
 
     def _run(self, *argv: str) -> str:
@@ -144,13 +155,16 @@ class SlurmBackend(Backend[SlurmHandle]):
         assert self._queue is not None, "attach() first"
         name = commands.job_name(self.context.session_id, spec.worker_id)
         comment = commands.job_comment(self.context.session_id, socket.gethostname(), os.getpid())
-        srun = commands.srun_argv(
-            "srun", name, comment, spec.resources, self.options, self.python, [self.python, *spec.argv[1:]]
-        )
-        # Under a lifeline: should this process die (a killed kernel), the job is cancelled at once, not left
-        # to the agent's silence timeout (killing srun alone leaves its step running).
-        cancel = ["scancel", "--me", "--full", f"--name={name}"]
-        argv = [sys.executable, _lifeline.__file__, "--before-dying", json.dumps(cancel), "--", *srun]
+        worker = [self.python, *spec.argv[1:]]
+        # Under a lifeline: should this process die (a killed kernel), the worker's job or step ends at once,
+        # not at the agent's silence timeout (srun killed outright leaves its step running).
+        if self.allocation:
+            srun = commands.step_argv("srun", self.allocation, name, spec.resources, self.options, self.python, worker)
+            lifeline = ["--term-first", str(STOP_WAIT)]  # srun sent TERM cancels its step
+        else:
+            srun = commands.srun_argv("srun", name, comment, spec.resources, self.options, self.python, worker)
+            lifeline = ["--before-dying", json.dumps(["scancel", "--me", "--full", f"--name={name}"])]
+        argv = [sys.executable, _lifeline.__file__, *lifeline, "--", *srun]
         env = {k: self.slurm_env[k] for k in PASSED_VARIABLES if k in self.slurm_env}
         env.update({k: v for k, v in self.slurm_env.items() if k == "SLURM_CONF"})
         env.update(spec.env)
@@ -187,19 +201,18 @@ class SlurmBackend(Backend[SlurmHandle]):
         return signal_exit_code(code)  # srun says a task killed by signal N exited 128+N
 
     async def stop(self, handle: SlurmHandle, grace: float = 5.0) -> None:
-        handle.stopped = True
         process = handle.process
-        job = self._queue.last(handle.job_name) if self._queue is not None else None
-        if process.returncode is None and job is not None and job.state == "RUNNING":
-            # TERM to the step's processes, its job left to end with them: the worker's cleanup runs and its
-            # last lines reach srun. (srun itself, sent TERM, cancels the step and its tasks are killed.)
-            signalled = await asyncio.to_thread(self._signal, handle.job_name, "TERM")
-            if signalled:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(process.wait(), grace)
-        # Whatever is left of its job (one still queued, a step that did not end) is cancelled, by its name.
-        await asyncio.to_thread(self._cancel, [handle.job_name])
-        if process.returncode is None:
+        if process.returncode is None and await asyncio.to_thread(self._signal_running, handle.job_name):
+            # TERM to the worker's processes, its job or step left to end with them: the worker's cleanup runs
+            # and its last lines reach srun. (srun itself, sent TERM, cancels the step: its tasks are killed.)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(process.wait(), grace)
+        if process.returncode is None:  # still queued, or it did not end: its job or step is cancelled
+            if self.allocation:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)  # the lifeline passes it to srun, which cancels its step
+            else:
+                await asyncio.to_thread(self._cancel, [handle.job_name])
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(process.wait(), STOP_WAIT)
         if process.returncode is None:
@@ -233,9 +246,19 @@ class SlurmBackend(Backend[SlurmHandle]):
             await asyncio.to_thread(self._cancel, left)
         self._handles = {}
 
-    def _signal(self, name: str, signal_name: str) -> bool:
+    def _signal_running(self, name: str) -> bool:
+        """TERM to the processes of a worker's running job (or step); False when it has none yet."""
+        assert self._queue is not None
+        if self.allocation:
+            step = self._queue.step(name)
+            target = [step] if step else []
+        else:
+            job = self._queue.last(name)
+            target = ["--me", f"--name={name}"] if job is not None and job.state == "RUNNING" else []
+        if not target:
+            return False
         try:
-            self._run("scancel", f"--signal={signal_name}", "--me", f"--name={name}")
+            self._run("scancel", "--signal=TERM", *target)
         except BackendError:
             return False
         return True
@@ -268,3 +291,24 @@ class SlurmBackend(Backend[SlurmHandle]):
                     slurm_command(["scancel", "--full", job.job_id], env)
             ended.append(f"slurm job {job.job_id} ({job.name})")
         return ended
+
+
+def _allocation(within: bool | None, options: commands.JobOptions) -> str:
+    """The job id of the allocation whose steps the workers are ("" for jobs of their own), checked."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if within is None:
+        within = bool(job)
+    if not within:
+        return ""
+    if not job:
+        raise ConfigError(
+            "within_allocation=True: this process runs in no Slurm allocation (no SLURM_JOB_ID); start the "
+            "notebook with sbatch or salloc, or leave within_allocation out for jobs of their own"
+        )
+    given = [f for f in ("partition", "account", "qos", "time_limit", "signal_before_end") if getattr(options, f)]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: inside allocation {job} these are the allocation's; leave them out, or give "
+            "within_allocation=False for workers as jobs of their own"
+        )
+    return job

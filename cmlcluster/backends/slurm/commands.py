@@ -118,13 +118,40 @@ def srun_argv(
     """One worker's srun: a job of one task on one node, with the worker's cores, memory and GPUs, running
     its agent under the task launcher. Nothing secret: the worker's environment reaches it from srun's own
     (--export=ALL), never this command line."""
+    command = [srun, *_one_task(name, resources, options), f"--comment={comment}"]
+    for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos)):
+        if value:
+            command.append(f"--{flag}={value}")
+    if options.time_limit:
+        command.append(f"--time={options.time_limit}")
+    if options.signal_before_end:
+        command.append(f"--signal=USR1@{options.signal_before_end}")
+    return [*command, *options.extra, python, "-m", TASK, "--", *argv]
+
+
+def step_argv(
+    srun: str,
+    job_id: str,
+    name: str,
+    resources: Resources,
+    options: JobOptions,
+    python: str,
+    argv: Sequence[str],
+) -> list[str]:
+    """One worker as a step of the allocation the session runs in (a notebook that sbatch, batchspawner or
+    Open OnDemand started): its cores may be the notebook's own step's too (--overlap: the notebook mostly
+    waits); the partition, account and time limit are the allocation's."""
+    command = [srun, f"--jobid={job_id}", "--overlap", *_one_task(name, resources, options)]
+    return [*command, *options.extra, python, "-m", TASK, "--", *argv]
+
+
+def _one_task(name: str, resources: Resources, options: JobOptions) -> list[str]:
+    """One task on one node with the worker's cores (whole ones: Slurm allocates cores), memory and GPUs."""
     command = [
-        srun,
         f"--job-name={name}",
-        f"--comment={comment}",
         "--nodes=1",
         "--ntasks=1",
-        f"--cpus-per-task={max(1, math.ceil(resources.cpu))}",  # Slurm allocates whole cores
+        f"--cpus-per-task={max(1, math.ceil(resources.cpu))}",
         f"--mem={max(1, resources.memory_mib)}M",
         "--export=ALL",
         "--chdir=/tmp",  # the session's folder is not on the node: the launcher makes one of its own
@@ -135,15 +162,7 @@ def srun_argv(
     if resources.nvidia_gpu:
         flag = "--gres=gpu:" if options.gpus == "gres" else "--gpus-per-node="
         command.append(f"{flag}{resources.nvidia_gpu}")
-    for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos)):
-        if value:
-            command.append(f"--{flag}={value}")
-    if options.time_limit:
-        command.append(f"--time={options.time_limit}")
-    if options.signal_before_end:
-        command.append(f"--signal=USR1@{options.signal_before_end}")
-    command.extend(options.extra)
-    return [*command, python, "-m", TASK, "--", *argv]
+    return command
 
 
 @dataclass(frozen=True)

@@ -41,15 +41,17 @@ def slurm_command(argv: list[str], env: Mapping[str, str]) -> str:
 
 
 class JobQueue:
-    """The session's jobs in Slurm's queue, by job name (every one starts with `prefix`)."""
+    """The session's jobs in Slurm's queue, by job name; inside an allocation (`allocation`, its job id), the
+    session's steps of it, by step name: their ids, for signalling one."""
 
-    def __init__(self, env: Mapping[str, str], prefix: str):
+    def __init__(self, env: Mapping[str, str], allocation: str = ""):
         self._env = dict(env)
-        self._prefix = prefix
+        self._allocation = allocation
         self._lock = threading.Lock()
         self._watched: set[str] = set()
         self._jobs: dict[str, commands.QueuedJob] = {}  # job name -> its latest line
         self._ahead: dict[str, int] = {}  # job name -> pending jobs before it in its partition
+        self._steps: dict[str, str] = {}  # step name -> its id ("12.3")
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cmlcluster-slurm-queue", daemon=True)
 
@@ -59,6 +61,11 @@ class JobQueue:
     def watch(self, name: str) -> None:
         with self._lock:
             self._watched.add(name)
+
+    def step(self, name: str) -> str | None:
+        """The id of the session's step of the allocation named `name` ("12.3"), once squeue has shown it."""
+        with self._lock:
+            return self._steps.get(name)
 
     def last(self, name: str) -> commands.QueuedJob | None:
         with self._lock:
@@ -78,7 +85,7 @@ class JobQueue:
         argv = ["squeue", "-h", "-t", "all", f"--name={name}", "-o", commands.SQUEUE_FORMAT]
         deadline = time.monotonic() + SETTLE_SECONDS
         with contextlib.suppress(BackendError):
-            while True:
+            while not self._allocation:  # a step has no state of its own in squeue: its srun's exit says it all
                 jobs = commands.parse_squeue(slurm_command(argv, self._env))
                 with self._lock:
                     self._jobs.update((job.name, job) for job in jobs)
@@ -104,6 +111,12 @@ class JobQueue:
                 log.debug("cmlcluster: squeue: %s", e)
 
     def _poll(self) -> None:
+        if self._allocation:
+            text = slurm_command(["squeue", "-h", "-s", "-j", self._allocation, "-o", "%i|%j"], self._env)
+            lines = [line.split("|") for line in text.splitlines() if line.count("|") == 1]
+            with self._lock:
+                self._steps.update((name, step) for step, name in lines if name in self._watched)
+            return
         # Every pending job of the partitions, for the queue ahead of ours; our own in every state.
         text = slurm_command(["squeue", "-h", "-t", "all", "-o", commands.SQUEUE_FORMAT], self._env)
         queue = commands.parse_squeue(text)

@@ -8,8 +8,8 @@ that on clusters whose process tracking is only the process tree (proctrack/linu
 escapes the job. The agent's environment is this process's: srun's, which the session made (its env=
 and cmlcluster's own, never on a command line). Its stdout and stderr, as one stream in the order they
 were written (a traceback after what was printed before it), are the step's stdout: srun copies it
-to the session. SIGUSR1 (srun's --signal before the time limit) is passed on to the worker's group, for
-its program to checkpoint.
+to the session. SIGUSR1 (srun's --signal before the time limit, which Slurm sends to every process of the
+step, the worker's program's for it to checkpoint) does not end this launcher.
 """
 
 from __future__ import annotations
@@ -65,13 +65,10 @@ def main(argv: list[str]) -> int:
         # On a thread: the handler returns at once, and this process's wait() below goes on.
         threading.Thread(target=_end, args=(process, GRACE), daemon=True).start()
 
-    def pass_on(signum: int, frame: FrameType | None) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
-
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, stop)
-    signal.signal(signal.SIGUSR1, pass_on)
+    # srun's --signal reaches every process of the step, the worker's too: here it only must not end this one.
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     try:
         code = process.wait()
     finally:

@@ -102,3 +102,29 @@ def test_the_controllers_address_from_scontrol():
     assert commands.controller_host("SlurmctldHost[0]       = head1\n") == "head1"
     with pytest.raises(ConfigError, match="no SlurmctldHost"):
         commands.controller_host("")
+
+
+def test_inside_an_allocation_a_worker_is_a_step_of_it_with_its_own_cores_memory_and_gpus():
+    argv = commands.step_argv(
+        "srun", "12", "cmlcluster-s1-w1", Resources(1, 0.25, 1), commands.job_options(), "py", ["py", "-m", "agent"]
+    )
+    assert argv[:3] == ["srun", "--jobid=12", "--overlap"]
+    assert {"--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--mem=256M", "--gres=gpu:1"} <= set(argv)
+    assert not any(a.startswith(("--comment", "--partition", "--time")) for a in argv)  # the allocation's
+
+
+def test_inside_an_allocation_its_own_settings_are_refused_and_outside_one_steps_are(monkeypatch):
+    from cmlcluster.backends.slurm.backend import SlurmBackend
+
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "1500")
+    backend = SlurmBackend()
+    assert backend.allocation == "12"
+    assert "SLURM_MEM_PER_NODE" not in backend.slurm_env  # never a step's default through the notebook's job
+    assert SlurmBackend(within_allocation=False).allocation == ""
+    with pytest.raises(ConfigError, match=r"partition, time_limit: inside allocation 12 these are the allocation's"):
+        SlurmBackend(partition="gpu", time_limit=30)
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert SlurmBackend().allocation == ""
+    with pytest.raises(ConfigError, match=r"within_allocation=True: this process runs in no Slurm allocation"):
+        SlurmBackend(within_allocation=True)

@@ -1,5 +1,6 @@
 """A Slurm job step's launcher, run here as srun runs it on a node: the worker in a private folder that goes
-at its end, its exit code as srun reports it, SIGUSR1 passed on, and a stop that ends all it started."""
+at its end, its exit code as srun reports it, a time limit's SIGUSR1 that ends nothing, and a stop that ends
+all it started."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_the_worker_runs_in_a_private_folder_that_goes_with_it_and_its_code_come
     assert not os.path.exists(os.path.dirname(work))  # removed at the end
 
 
-def test_a_stop_ends_the_worker_and_what_it_started_and_usr1_reaches_it(tmp_path):
+def test_a_stop_ends_the_worker_and_what_it_started_and_usr1_ends_nothing(tmp_path):
     pids, usr1 = tmp_path / "pids", tmp_path / "usr1"
     code = f"""
 import os, signal, subprocess, sys, time
@@ -37,10 +38,11 @@ while True:
     while not (pids.exists() and pids.read_text().count(" ") == 1) and time.monotonic() < deadline:
         time.sleep(0.05)
     worker, escaped = map(int, pids.read_text().split())  # the second left the worker's group and session
-    task.send_signal(signal.SIGUSR1)  # srun's --signal before a time limit
+    for pid in (task.pid, worker):  # srun's --signal before a time limit reaches every process of the step
+        os.kill(pid, signal.SIGUSR1)
     while not usr1.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert usr1.exists() and task.poll() is None
+    assert usr1.exists() and task.poll() is None  # the program's handler ran; the launcher goes on
     task.send_signal(signal.SIGTERM)  # srun passing on the session's stop
     assert task.wait(timeout=30) == 128 + signal.SIGTERM
     for pid in (worker, escaped):
