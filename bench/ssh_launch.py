@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from sshhosts import TestHosts, start_hosts
+from harness.sshhosts import TestHosts, start_hosts
 from timeline import Timeline, median_timeline  # bench/, the script's folder
 
 from cmlcluster import Session

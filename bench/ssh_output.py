@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from sshhosts import TestHosts, start_hosts
+from harness.sshhosts import TestHosts, start_hosts
 
 from cmlcluster.backends.base import SessionContext
 from cmlcluster.backends.ssh.backend import SSHBackend

@@ -30,6 +30,9 @@ def outputs(session):
     return {w["id"]: session.output(w) for w in session.list_workers()}
 
 
+# Workers at shared addresses (local), on hosts that see none of this folder (ssh), with addresses of their
+# own (pods; Docker's containers too, in the matrix tier).
+@pytest.mark.parametrize("backend", on("local", "ssh", "kubernetes"), indirect=True)
 def test_parameter_server_training_with_this_process_as_coordinator(session, capfd):
     with start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session) as cluster:
         assert sorted(cluster.cluster_spec) == ["chief", "ps", "worker"]
@@ -199,7 +202,7 @@ def test_worker_script_runs_cloudera_style_and_stops_everything(session, monkeyp
     assert len(steps) == 2 and sum(steps) >= 200
 
 
-@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the strategy's own servers; coordinator: on all four
+@pytest.mark.parametrize("backend", on("local"), indirect=True)  # the strategy's own servers; coordinator: above
 def test_multi_worker_mirrored_strategy_ends_with_identical_weights(session):
     # MultiWorkerMirroredStrategy is the allreduce path where Horovod does not build (TensorFlow >= 2.16).
     with start_cluster(n_workers=2, servers=False, cpu=1, memory=2, session=session) as cluster:
