@@ -198,6 +198,7 @@ def test_run_torch_trains_across_two_slurm_nodes_and_its_checkpoint_comes_home(s
 TORCH_EXAMPLE = Path(__file__).resolve().parents[2] / "worker_scripts" / "torch_ddp_train.py"
 
 
+@pytest.mark.matrix  # frameworks across Slurm nodes in the default run: run_torch, above
 def test_a_tensorflow_cluster_and_horovod_run_across_slurm_nodes(slurm, monkeypatch):
     import warnings
 

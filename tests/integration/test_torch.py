@@ -49,7 +49,8 @@ def check_ddp(result, world: int, n_hosts: int, epochs: int) -> None:
 
 # Local processes and containers with their own IPs in the default run; SSH hosts and pods in the matrix
 # tier: torch's rendezvous across addresses is the containers' case, and %horovod runs on both of those.
-@pytest.mark.parametrize("backend", on("local", "docker"), indirect=True)
+# DDP across two machines in the default run: run_torch across two Slurm nodes (test_slurm.py).
+@pytest.mark.parametrize("backend", on("local"), indirect=True)
 def test_ddp_on_two_workers_of_two_processes(session, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     checkpoints = tmp_path / "checkpoints"
