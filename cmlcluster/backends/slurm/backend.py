@@ -106,14 +106,14 @@ class SlurmBackend(Backend[SlurmHandle]):
         if isinstance(shared_paths, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in shared_paths):
             raise ConfigError(f"shared_paths={shared_paths!r}: give a list of absolute folders every node sees")
         self.python = python
-        self.slurm_env = dict(os.environ)
+        # Slurm's commands run with this environment: the allocation given explicitly (--jobid) where they need
+        # it, never through the variables the notebook's job set (SLURM_NTASKS, SLURM_MEM_PER_NODE, ... would
+        # be a step's defaults).
+        self.slurm_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
         if slurm_conf is not None:
             self.slurm_env["SLURM_CONF"] = os.path.abspath(os.path.expanduser(slurm_conf))
         self.shared_paths = tuple(shared_paths)
         self._controller_ip = controller_ip
-        # Commands given the allocation explicitly (--jobid) where they need it, never through the variables
-        # the notebook's job set (SLURM_NTASKS, SLURM_MEM_PER_NODE, ... would be a step's defaults).
-        self.slurm_env = {k: v for k, v in self.slurm_env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
         self._queue: JobQueue | None = None
         self._handles: dict[str, SlurmHandle] = {}
 
@@ -165,8 +165,7 @@ class SlurmBackend(Backend[SlurmHandle]):
             srun = commands.srun_argv("srun", name, comment, spec.resources, self.options, self.python, worker)
             lifeline = ["--before-dying", json.dumps(["scancel", "--me", "--full", f"--name={name}"])]
         argv = [sys.executable, _lifeline.__file__, *lifeline, "--", *srun]
-        env = {k: self.slurm_env[k] for k in PASSED_VARIABLES if k in self.slurm_env}
-        env.update({k: v for k, v in self.slurm_env.items() if k == "SLURM_CONF"})
+        env = {k: self.slurm_env[k] for k in (*PASSED_VARIABLES, "SLURM_CONF") if k in self.slurm_env}
         env.update(spec.env)
         env[task.GPUS_ENV] = str(spec.resources.nvidia_gpu)
         log_path = self.context.log_path(spec.worker_id)
