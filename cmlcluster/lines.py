@@ -13,6 +13,7 @@ session's event loop, in bursts and in bounded memory.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import Callable
 
@@ -81,26 +82,35 @@ class OutputRelay:
     One loop callback per burst, not per message: a flood (tens of thousands of messages a
     second) would otherwise queue unbounded work on the loop, ahead of every call's reply, so
     that calls took longer the longer workers had printed. At most MAX_RELAYED_CHARS wait; when
-    the loop falls that far behind, what comes meanwhile is dropped and a line says how much.
+    the loop falls that far behind, the oldest waiting text goes, not the newest: what a program
+    printed last (how it ended) always arrives, and a line where the gap is says how much went.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_output: Callable[[str, str], None]):
         self._loop = loop
         self._on_output = on_output
         self._lock = threading.Lock()
-        self._waiting: list[tuple[str, str]] = []
+        self._waiting: collections.deque[tuple[str, str]] = collections.deque()
         self._chars = 0
-        self._dropped = 0
+        self._dropped = 0  # from the start of what waits: the gap is before all of it
         self._scheduled = False
 
     def put(self, stream: str, text: str) -> None:
         """Any thread; the order of puts is the order of delivery."""
         with self._lock:
-            if self._chars + len(text) > MAX_RELAYED_CHARS:
-                self._dropped += len(text)
-                return
             self._waiting.append((stream, text))
             self._chars += len(text)
+            while self._chars > MAX_RELAYED_CHARS:
+                oldest_stream, oldest = self._waiting[0]
+                over = self._chars - MAX_RELAYED_CHARS
+                if len(oldest) > over and len(self._waiting) == 1:  # one text longer than all that may wait
+                    self._waiting[0] = (oldest_stream, oldest[over:])
+                    gone = over
+                else:
+                    self._waiting.popleft()
+                    gone = len(oldest)
+                self._chars -= gone
+                self._dropped += gone
             if self._scheduled:
                 return
             self._scheduled = True
@@ -108,13 +118,13 @@ class OutputRelay:
 
     def _deliver(self) -> None:
         with self._lock:
-            burst, self._waiting = self._waiting, []
+            burst, self._waiting = self._waiting, collections.deque()
             dropped, self._dropped = self._dropped, 0
             self._chars = 0
             self._scheduled = False
-        for stream, text in burst:
-            self._on_output(stream, text)
         if dropped:
             self._on_output(
                 "stderr", f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n"
             )
+        for stream, text in burst:
+            self._on_output(stream, text)

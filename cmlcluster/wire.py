@@ -31,6 +31,11 @@ SILENCE_ENV = "CMLCLUSTER_SILENCE_TIMEOUT"
 DEFAULT_SILENCE_TIMEOUT = 60.0
 # What an agent exits with when its watchdog ended the worker: the session names the silence.
 SILENCE_EXIT = 70
+# A worker on the session's own machine holds a lifeline: the read end of a pipe whose only write end the
+# session process holds, at the descriptor this variable names. When the session's process ends, however
+# it ends (kill -9 included), the pipe reads end-of-file and the agent ends its worker at once, instead
+# of after silence_timeout (backends/local.py; agent/engine.py).
+LIFELINE_FD_ENV = "CMLCLUSTER_LIFELINE_FD"
 
 # The controller's ping period. ipyparallel's hub announces a new engine at the beat after the first
 # ping it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start

@@ -69,14 +69,25 @@ def _watch_controller(ping_url: str, period_ms: int, curve: dict[int, bytes], lo
         empty_polls += 1
         if empty_polls >= empty_polls_needed and time.monotonic() - last > allowed:
             break
+    session_gone(log_fd, f"no heartbeat from the controller for {allowed:g} s (silence_timeout)")
+
+
+def watch_lifeline(fd: int, log_fd: int) -> None:
+    """Started before anything else where the session is on this machine (wire.LIFELINE_FD_ENV): the
+    pipe reads end-of-file when the session's process is gone, at once, where the pings' silence takes
+    silence_timeout."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 1024):
+            pass
+    session_gone(log_fd, "the session's process ended (its lifeline closed)")
+
+
+def session_gone(log_fd: int, why: str) -> None:
+    """The worker ends with its session: its programs killed, the agent exiting with wire.SILENCE_EXIT."""
     # Its last words may have no reader left (a pipe to the session that died): they must not keep
     # the worker from ending.
     with contextlib.suppress(OSError):
-        os.write(
-            log_fd,
-            f"cmlcluster agent: no heartbeat from the controller for {allowed:g} s (silence_timeout); "
-            "the session is gone, exiting\n".encode(),
-        )
+        os.write(log_fd, f"cmlcluster agent: {why}; the session is gone, exiting\n".encode())
     try:
         end_worker_group()
     finally:  # whatever happens there, the agent goes

@@ -14,7 +14,8 @@ controller's engine connection info, as JSON: data, never a path on the session'
 disk; removed from the environment before any user code runs), CDSW_MASTER_IP
 (the controller's address), CMLCLUSTER_PRELOAD (modules to import while the engine
 registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's silence_timeout:
-seconds without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_OWN_FOLDER
+seconds without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_LIFELINE_FD (on
+the session's machine: a pipe that reads end-of-file when the session's process ends; agent_engine), CMLCLUSTER_OWN_FOLDER
 ("1": the working folder is the worker's own, removed with it; agent_files.leftovers), CMLCLUSTER_COLLECT
 (its collect= paths, as JSON: they come home, so they are not said to be left behind), CMLCLUSTER_USAGE_SECONDS
 (how often it samples what the worker uses, 2 s by default, 0 for never; usage.py), CMLCLUSTER_APP_FORWARD_PORT
@@ -41,7 +42,7 @@ from ..errors import ControllerError
 from ..ports import route_address
 from . import engine_imports
 from . import files as agent_files
-from .engine import AgentEngine, import_kernel_without_debugger, silence_seconds
+from .engine import AgentEngine, import_kernel_without_debugger, silence_seconds, watch_lifeline
 from .files import leftovers, unpack_files
 from .program import call, run_program
 
@@ -114,6 +115,12 @@ def session_connection() -> str:
 
 def main() -> None:
     AgentEngine.log_fd = os.dup(2)  # not inherited by user code's processes (Python's fds are non-inheritable)
+    lifeline = os.environ.pop(wire.LIFELINE_FD_ENV, "")
+    if lifeline:  # first: a session that dies while the engine registers takes the worker with it too
+        os.set_inheritable(int(lifeline), False)  # the agent's, not its programs'
+        threading.Thread(
+            target=watch_lifeline, args=(int(lifeline), AgentEngine.log_fd), name="lifeline", daemon=True
+        ).start()
     clean_environment()
     # A scheduler's warning before a time limit (Slurm's --signal=USR1@seconds reaches every process of the
     # job) is for the program, which installs its own handler: it never ends the worker. A Python handler,

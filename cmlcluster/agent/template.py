@@ -20,9 +20,9 @@ Workers are started on their own where fork is not available, or past MAX_TEMPLA
 The template is single-threaded (fork and threads do not mix): one loop reads
 requests on stdin, a JSON line each, forks, and writes on stdout the child's pid
 and, when a child ends, its exit code, which only the parent can read. Its stdin is
-its lifeline: when the session closes it, or dies, the template exits; its workers
-live on until their agents see the controller gone, as workers started on their
-own do.
+its lifeline: when the session closes it, or dies, the template exits. Its workers
+keep the session's own lifeline (wire.LIFELINE_FD_ENV), as workers started on their
+own do: they end when the session's process does, not when the template does.
 """
 
 from __future__ import annotations
@@ -198,8 +198,9 @@ def _become_worker(request: dict[str, Any], output: int) -> None:
     os.dup2(null, 0)
     os.dup2(output, 1)
     os.dup2(output, 2)
+    lifeline = request["env"].get(wire.LIFELINE_FD_ENV, "")
     for fd in os.listdir("/proc/self/fd"):  # the template's pipes to the session among them
-        if int(fd) > 2:
+        if int(fd) > 2 and fd != lifeline:
             with contextlib.suppress(OSError):
                 os.close(int(fd))
     template_cwd = os.getcwd()
@@ -241,8 +242,9 @@ class ForkedProcess:
 class Template:
     """One template process and the workers it forked."""
 
-    def __init__(self, env: Mapping[str, str], log_path: str):
+    def __init__(self, env: Mapping[str, str], log_path: str, pass_fds: tuple[int, ...] = ()):
         self._env = dict(env)
+        self._pass_fds = pass_fds  # what its workers inherit from it: the session's lifeline
         self._log_path = log_path  # its own output: what a start-up hook or a failed import says
         self._process: asyncio.subprocess.Process | None = None
         self._replies: deque[asyncio.Future[ForkedProcess]] = deque()
@@ -284,6 +286,7 @@ class Template:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
                 start_new_session=True,  # the notebook's Ctrl-C is not for it
+                pass_fds=self._pass_fds,
             )
         self._reader = asyncio.get_running_loop().create_task(self._read(self._process))
 

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .. import wire
 from .._proc import end_group_async, signal_left_of_group
 from ..agent.template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 from ..cgroups import CgroupLimits
@@ -55,6 +56,7 @@ class LocalBackend(Backend[LocalHandle]):
         self._fork = fork
         self._templates: dict[frozenset[tuple[str, str]], Template] = {}
         self._limits_notice = LimitsNotice()
+        self._lifeline = (-1, -1)  # (read, write): a pipe while attached
 
     @property
     def gpus(self) -> GpuPool:
@@ -76,6 +78,10 @@ class LocalBackend(Backend[LocalHandle]):
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
         self._limits_notice = LimitsNotice()  # said once per session
+        # The session's lifeline (wire.LIFELINE_FD_ENV): every worker inherits the read end, and only this
+        # process holds the write end (Python's descriptors are not inherited by what it starts), so the
+        # workers of a killed kernel end at once instead of after silence_timeout.
+        self._lifeline = os.pipe()
 
     async def check(self, n: int, resources: Resources) -> None:
         # Each worker's cpu= and memory= against the whole machine: limits, not reservations, so workers
@@ -95,6 +101,8 @@ class LocalBackend(Backend[LocalHandle]):
         # even when the worker is killed (a container's /tmp goes with the container the same way).
         env["TMPDIR"] = f"{own}.tmp"
         os.makedirs(env["TMPDIR"], exist_ok=True)
+        lifeline = self._lifeline[0]
+        env[wire.LIFELINE_FD_ENV] = str(lifeline)
         limits = (
             CgroupLimits(
                 f"cmlcluster-{self.context.session_id}/{spec.worker_id}", spec.resources.cpu, spec.resources.memory
@@ -113,6 +121,7 @@ class LocalBackend(Backend[LocalHandle]):
                 cwd=spec.cwd,
                 stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True,
+                pass_fds=(lifeline,),
             )
         except OSError as e:
             self._gpus.give_back(gpus)
@@ -159,12 +168,16 @@ class LocalBackend(Backend[LocalHandle]):
             if len(self._templates) >= MAX_TEMPLATES:
                 return None
             log_path = os.path.join(self.context.session_dir, "workers", f"template-{len(self._templates)}.log")
-            self._templates[key] = Template(shared, log_path)
+            self._templates[key] = Template(shared, log_path, pass_fds=(self._lifeline[0],))
         return self._templates[key]
 
     async def close(self) -> None:
         templates, self._templates = list(self._templates.values()), {}
         await asyncio.gather(*(t.close() for t in templates))
+        # Its workers are stopped by now (the session stops them first).
+        for fd in self._lifeline:
+            os.close(fd)
+        self._lifeline = (-1, -1)
 
     async def poll(self, handle: LocalHandle) -> int | None:
         return handle.process.returncode

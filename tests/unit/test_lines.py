@@ -66,7 +66,7 @@ def test_a_flood_reaches_the_loop_in_order_in_few_callbacks():
         loop_thread.stop()
 
 
-def test_output_waiting_for_a_stuck_loop_stays_bounded_and_the_gap_is_said():
+def test_output_waiting_for_a_stuck_loop_stays_bounded_keeps_the_newest_and_says_the_gap_where_it_is():
     received: list[tuple[str, str]] = []
     loop_thread, loop, relay = relay_on_a_loop(received)
     stuck, release = threading.Event(), threading.Event()
@@ -74,19 +74,40 @@ def test_output_waiting_for_a_stuck_loop_stays_bounded_and_the_gap_is_said():
     try:
         assert stuck.wait(5)
         line = "x" * 99 + "\n"
-        for _ in range(3 * MAX_RELAYED_CHARS // len(line)):
+        count = 3 * MAX_RELAYED_CHARS // len(line)
+        for i in range(count):
             relay.put("stdout", line)
+        relay.put("stdout", "END\n")  # short: it would fit beside what waits, after a gap, were the newest dropped
         assert relay._chars <= MAX_RELAYED_CHARS
         release.set()
         loop_thread.run(asyncio.sleep(0.1))
         kept = sum(len(text) for stream, text in received if stream == "stdout")
         assert MAX_RELAYED_CHARS - len(line) < kept <= MAX_RELAYED_CHARS
-        [note] = [text for stream, text in received if stream == "stderr"]
-        dropped = 3 * MAX_RELAYED_CHARS // len(line) * len(line) - kept
-        assert note == f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n"
+        # The gap first, then the newest output, the program's last line at its end.
+        note, *rest = received
+        dropped = count * len(line) + len("END\n") - kept
+        assert note == ("stderr", f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n")
+        assert rest[-1] == ("stdout", "END\n") and all(r == ("stdout", line) for r in rest[:-1])
         relay.put("stdout", "after\n")  # caught up: nothing is dropped any more
         loop_thread.run(asyncio.sleep(0.1))
-        assert received[-1] == ("stdout", "after\n")
+        assert received[-1] == ("stdout", "after\n") and len(received) == len(rest) + 2
+    finally:
+        release.set()
+        loop_thread.stop()
+
+
+def test_one_text_longer_than_all_that_may_wait_keeps_its_end():
+    received: list[tuple[str, str]] = []
+    loop_thread, loop, relay = relay_on_a_loop(received)
+    stuck, release = threading.Event(), threading.Event()
+    loop.call_soon_threadsafe(lambda: (stuck.set(), release.wait()))
+    try:
+        assert stuck.wait(5)
+        relay.put("stdout", "a" * MAX_RELAYED_CHARS + "THE END\n")
+        release.set()
+        loop_thread.run(asyncio.sleep(0.1))
+        assert received[0] == ("stderr", "[cmlcluster: 8 characters of output dropped here: the session fell behind]\n")
+        assert received[1] == ("stdout", "a" * (MAX_RELAYED_CHARS - 8) + "THE END\n")
     finally:
         release.set()
         loop_thread.stop()
