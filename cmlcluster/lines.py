@@ -83,7 +83,8 @@ class OutputRelay:
     second) would otherwise queue unbounded work on the loop, ahead of every call's reply, so
     that calls took longer the longer workers had printed. At most MAX_RELAYED_CHARS wait; when
     the loop falls that far behind, the oldest waiting text goes, not the newest: what a program
-    printed last (how it ended) always arrives, and a line where the gap is says how much went.
+    printed last (how it ended) always arrives. Whole lines go: a line the gap began in ends where
+    it stands, a line it ended in is dropped, and a line between them says how much went.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_output: Callable[[str, str], None]):
@@ -93,6 +94,8 @@ class OutputRelay:
         self._waiting: collections.deque[tuple[str, str]] = collections.deque()
         self._chars = 0
         self._dropped = 0  # from the start of what waits: the gap is before all of it
+        self._gap_ends_mid_line: set[str] = set()  # streams whose last dropped text did not end a line
+        self._delivered_mid_line: set[str] = set()  # streams whose last delivered text did not end a line
         self._scheduled = False
 
     def put(self, stream: str, text: str) -> None:
@@ -104,13 +107,15 @@ class OutputRelay:
                 oldest_stream, oldest = self._waiting[0]
                 over = self._chars - MAX_RELAYED_CHARS
                 if len(oldest) > over and len(self._waiting) == 1:  # one text longer than all that may wait
-                    self._waiting[0] = (oldest_stream, oldest[over:])
-                    gone = over
+                    gone, self._waiting[0] = oldest[:over], (oldest_stream, oldest[over:])
                 else:
-                    self._waiting.popleft()
-                    gone = len(oldest)
-                self._chars -= gone
-                self._dropped += gone
+                    gone = self._waiting.popleft()[1]
+                self._chars -= len(gone)
+                self._dropped += len(gone)
+                if gone.endswith("\n"):
+                    self._gap_ends_mid_line.discard(oldest_stream)
+                else:
+                    self._gap_ends_mid_line.add(oldest_stream)
             if self._scheduled:
                 return
             self._scheduled = True
@@ -118,13 +123,42 @@ class OutputRelay:
 
     def _deliver(self) -> None:
         with self._lock:
-            burst, self._waiting = self._waiting, collections.deque()
+            burst, self._waiting = list(self._waiting), collections.deque()
             dropped, self._dropped = self._dropped, 0
+            mid_line, self._gap_ends_mid_line = self._gap_ends_mid_line, set()
             self._chars = 0
             self._scheduled = False
         if dropped:
+            burst, dropped = _from_line_starts(burst, dropped, mid_line)
+            for stream in sorted(self._delivered_mid_line):  # the line the gap began in ends as it stands
+                self._on_output(stream, "\n")
+            self._delivered_mid_line.clear()
             self._on_output(
                 "stderr", f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n"
             )
         for stream, text in burst:
             self._on_output(stream, text)
+            if text.endswith("\n"):
+                self._delivered_mid_line.discard(stream)
+            else:
+                self._delivered_mid_line.add(stream)
+
+
+def _from_line_starts(
+    burst: list[tuple[str, str]], dropped: int, mid_line: set[str]
+) -> tuple[list[tuple[str, str]], int]:
+    """`burst` without the rest of each line a gap ended in (`mid_line`'s streams), and the count of all
+    that was dropped."""
+    kept = []
+    for stream, text in burst:
+        if stream in mid_line:
+            newline = text.find("\n")
+            dropped += len(text) if newline < 0 else newline + 1
+            if newline < 0:
+                continue
+            mid_line.discard(stream)
+            text = text[newline + 1 :]
+            if not text:
+                continue
+        kept.append((stream, text))
+    return kept, dropped

@@ -9,18 +9,17 @@ agent_results (imported only when the session asks). An interrupt request on the
 channel ends the running program as a stop does, but leaves the engine serving (agent_engine).
 
 Configured by environment:
-CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_CONNECTION (the
-controller's engine connection info, as JSON: data, never a path on the session's
-disk; removed from the environment before any user code runs), CDSW_MASTER_IP
-(the controller's address), CMLCLUSTER_PRELOAD (modules to import while the engine
-registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's silence_timeout:
-seconds without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_LIFELINE_FD (on
-the session's machine: a pipe that reads end-of-file when the session's process ends; agent_engine), CMLCLUSTER_OWN_FOLDER
-("1": the working folder is the worker's own, removed with it; agent_files.leftovers), CMLCLUSTER_COLLECT
-(its collect= paths, as JSON: they come home, so they are not said to be left behind), CMLCLUSTER_USAGE_SECONDS
-(how often it samples what the worker uses, 2 s by default, 0 for never; usage.py), CMLCLUSTER_APP_FORWARD_PORT
-(where its address is not the session machine's loopback: the port on it that relays to its CDSW_APP_PORT;
-apps/forward.py).
+CMLCLUSTER_ENGINE_ID (the engine id to request), CMLCLUSTER_CONNECTION (the controller's engine connection
+info, as JSON: data, never a path on the session's disk; removed from the environment before any user code
+runs), CDSW_MASTER_IP (the controller's address), CMLCLUSTER_PRELOAD (modules to import while the engine
+registers, comma-separated; optional), CMLCLUSTER_SILENCE_TIMEOUT (the session's silence_timeout: seconds
+without the controller's pings before the worker ends; agent_engine), CMLCLUSTER_LIFELINE_FD (on the session's
+machine: a pipe that reads end-of-file when the session's process ends; agent_engine), CMLCLUSTER_OWN_FOLDER
+("1": the working folder is the worker's own, removed with it; agent_files.leftovers), CMLCLUSTER_COLLECT (its
+collect= paths, as JSON: they come home, so they are not said to be left behind), CMLCLUSTER_USAGE_SECONDS
+(how often it samples what the worker uses, 2 s by default, 0 for never; usage.py),
+CMLCLUSTER_APP_FORWARD_PORT (where its address is not the session machine's loopback: the port on it that
+relays to its CDSW_APP_PORT; apps/forward.py).
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ The template is single-threaded (fork and threads do not mix): one loop reads
 requests on stdin, a JSON line each, forks, and writes on stdout the child's pid
 and, when a child ends, its exit code, which only the parent can read. Its stdin is
 its lifeline: when the session closes it, or dies, the template exits. Its workers
-keep the session's own lifeline (wire.LIFELINE_FD_ENV), as workers started on their
-own do: they end when the session's process does, not when the template does.
+hold the session's own lifeline (wire.LIFELINE_FD_ENV), as workers started on their
+own do, and end with the session's process; a template that dies while the session
+lives has its workers killed by the session (nothing could read their exit codes).
 """
 
 from __future__ import annotations

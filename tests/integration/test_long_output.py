@@ -71,3 +71,51 @@ def test_a_running_programs_output_is_not_kept_by_the_client_and_bars_and_endles
     assert numbers == sorted(set(numbers)) and len(numbers) + missed == LINES
     assert tail == ["step 5000/5000", "y" * MAX_LINE_CHARS + CUT_MARK, "waiting", "the end"]
     assert not os.path.exists(session.session_dir or "/nonexistent")
+
+
+FLOOD = """
+import sys
+line = "x" * LINE + "\\n"
+for i in range(COUNT):
+    sys.stdout.write(line)
+print("END", flush=True)
+"""
+
+
+def test_a_flooding_worker_always_ends_with_its_last_line_and_a_gap_is_said_where_it_is():
+    # More than the session holds while its loop is behind (lines.MAX_RELAYED_CHARS): in long lines, which
+    # the agent's stream sends as few big messages (before, one message past the cap was dropped whole with
+    # the program's last line in it, and no notice was ever delivered: output() stayed empty), and in short
+    # ones (before, a short last line could slip in beside what waited, ahead of the notice of the gap).
+    shapes = [(1 << 20, 5), (99, 50_000)]  # (characters a line, lines): 5 MB each
+    ends = []
+    with Session("local", echo=False) as session:
+        seen: list[tuple[str, str]] = []  # what the view hears: (worker, "END") and (worker, its end status)
+
+        def on_event(event) -> None:
+            if event.kind == "output" and event.text == "END":
+                seen.append((event.source, "END"))
+            elif event.kind == "status" and event.worker.status == "succeeded":
+                seen.append((event.worker.id, "succeeded"))
+
+        session.subscribe(on_event)
+        for run in range(20):
+            line, count = shapes[run % 2]
+            code = FLOOD.replace("LINE", str(line)).replace("COUNT", str(count))
+            [worker] = session.launch_workers(1, cpu=0.5, memory=0.5, code=code)
+            result = session.await_workers([worker], timeout_seconds=120)
+            assert [w["status"] for w in result["workers"]] == ["succeeded"], result
+            output = session.output(worker).splitlines()
+            ends.append(output[-1:])
+            notices = [i for i, text in enumerate(output) if text.startswith("[cmlcluster: ") and "dropped" in text]
+            # A gap, if the session fell behind, stands before the lines that came after it, never after END.
+            assert all(i < len(output) - 1 for i in notices), output[-3:]
+            whole = "x" * line if line <= MAX_LINE_CHARS else "x" * MAX_LINE_CHARS + CUT_MARK
+            # Lines stay whole across a gap, but the one it began in, which ends where it stood.
+            cut_short = {i - 1 for i in notices}
+            assert all(text in (whole, "END") for i, text in enumerate(output) if i not in {*notices, *cut_short})
+        session.drain()
+    assert ends == [["END"]] * 20, ends
+    # The view hears each worker's last line before it hears of its end.
+    for worker_id in {w for w, _ in seen}:
+        assert [what for w, what in seen if w == worker_id] == ["END", "succeeded"], seen

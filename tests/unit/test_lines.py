@@ -75,7 +75,7 @@ def test_output_waiting_for_a_stuck_loop_stays_bounded_keeps_the_newest_and_says
         assert stuck.wait(5)
         line = "x" * 99 + "\n"
         count = 3 * MAX_RELAYED_CHARS // len(line)
-        for i in range(count):
+        for _ in range(count):
             relay.put("stdout", line)
         relay.put("stdout", "END\n")  # short: it would fit beside what waits, after a gap, were the newest dropped
         assert relay._chars <= MAX_RELAYED_CHARS
@@ -86,7 +86,8 @@ def test_output_waiting_for_a_stuck_loop_stays_bounded_keeps_the_newest_and_says
         # The gap first, then the newest output, the program's last line at its end.
         note, *rest = received
         dropped = count * len(line) + len("END\n") - kept
-        assert note == ("stderr", f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n")
+        gap = f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n"
+        assert note == ("stderr", gap)
         assert rest[-1] == ("stdout", "END\n") and all(r == ("stdout", line) for r in rest[:-1])
         relay.put("stdout", "after\n")  # caught up: nothing is dropped any more
         loop_thread.run(asyncio.sleep(0.1))
@@ -96,18 +97,51 @@ def test_output_waiting_for_a_stuck_loop_stays_bounded_keeps_the_newest_and_says
         loop_thread.stop()
 
 
-def test_one_text_longer_than_all_that_may_wait_keeps_its_end():
+def test_one_text_longer_than_all_that_may_wait_keeps_its_last_whole_lines():
     received: list[tuple[str, str]] = []
     loop_thread, loop, relay = relay_on_a_loop(received)
     stuck, release = threading.Event(), threading.Event()
     loop.call_soon_threadsafe(lambda: (stuck.set(), release.wait()))
     try:
         assert stuck.wait(5)
-        relay.put("stdout", "a" * MAX_RELAYED_CHARS + "THE END\n")
+        relay.put("stdout", "a" * MAX_RELAYED_CHARS + "\nTHE END\n")
         release.set()
         loop_thread.run(asyncio.sleep(0.1))
-        assert received[0] == ("stderr", "[cmlcluster: 8 characters of output dropped here: the session fell behind]\n")
-        assert received[1] == ("stdout", "a" * (MAX_RELAYED_CHARS - 8) + "THE END\n")
+        dropped = MAX_RELAYED_CHARS + 1  # the rest of the long line went with its start
+        assert received == [
+            ("stderr", f"[cmlcluster: {dropped} characters of output dropped here: the session fell behind]\n"),
+            ("stdout", "THE END\n"),
+        ]
     finally:
         release.set()
+        loop_thread.stop()
+
+
+def test_lines_stay_whole_around_a_gap_whatever_the_chunks():
+    received: list[tuple[str, str]] = []
+    loop_thread, loop, relay = relay_on_a_loop(received)
+    text = "".join(f"line {i}\n" for i in range(1_000_000))
+    try:
+        relay.put("stdout", text[:1234])  # delivered before the loop is stuck: it ends mid-line
+        loop_thread.run(asyncio.sleep(0.1))
+        stuck, release = threading.Event(), threading.Event()
+        loop.call_soon_threadsafe(lambda: (stuck.set(), release.wait()))
+        assert stuck.wait(5)
+        for at in range(1234, len(text), 1000):  # chunks that cut lines anywhere
+            relay.put("stdout", text[at : at + 1000])
+        release.set()
+        loop_thread.run(asyncio.sleep(0.1))
+        streams = "".join(t for s, t in received if s == "stdout").split("\n")
+        notice = [i for i, (s, _) in enumerate(received) if s == "stderr"]
+        assert len(notice) == 1
+        before = "".join(t for s, t in received[: notice[0]] if s == "stdout")
+        after = "".join(t for s, t in received[notice[0] + 1 :])
+        # The line the gap began in ended as it stood; every line after the notice is whole, up to the last.
+        assert before.endswith("\n") and before.split("\n")[-2] == text[:1234].split("\n")[-1]
+        lines = after.splitlines()
+        assert lines[-1] == "line 999999" and len(after) <= MAX_RELAYED_CHARS
+        first = int(lines[0].split()[1])
+        assert lines == [f"line {i}" for i in range(first, 1_000_000)]
+        assert len(streams) > 2
+    finally:
         loop_thread.stop()
