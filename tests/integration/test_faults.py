@@ -57,12 +57,13 @@ def shared_docker_backend(tmp_path_factory):
     return DockerBackend(image=DOCKER_TEST_IMAGE, host_python=True, volumes={shared: shared})
 
 
-# A worker on local and on Kubernetes (the slowest to see a death: a pod's status); the other pairs in the
-# matrix tier (a lost parameter server while this process coordinates: below). How the job fails does not
-# depend on the backend; how each backend sees a process die is test_workers' crashing worker, on all four.
+# A worker on local; the other pairs in the matrix tier (a lost parameter server while this process
+# coordinates: below). How the job fails does not depend on the backend; how each backend sees a process
+# die is test_workers' crashing worker, on all four.
 @pytest.mark.parametrize(
     "backend, victim_role",
-    [("local", "worker"), ("kubernetes", "worker"), pytest.param("local", "ps", marks=pytest.mark.matrix)]
+    [("local", "worker"), pytest.param("kubernetes", "worker", marks=pytest.mark.matrix)]
+    + [pytest.param("local", "ps", marks=pytest.mark.matrix)]
     + [pytest.param(*p, marks=pytest.mark.matrix) for p in (("docker", "ps"), ("docker", "worker"), ("ssh", "ps"))]
     + [pytest.param(*p, marks=pytest.mark.matrix) for p in (("ssh", "worker"), ("kubernetes", "ps"))],
     indirect=["backend"],

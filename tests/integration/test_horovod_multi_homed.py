@@ -107,6 +107,7 @@ def test_a_static_run_whose_ranks_dial_the_rendezvous_from_a_second_nic_passes(t
     assert f"iface {second.nic}" in "\n".join(result.output[0])
 
 
+@pytest.mark.matrix  # the rendezvous admits a second NIC's address the same way for both: the static run above
 def test_an_elastic_run_whose_ranks_dial_the_rendezvous_from_a_second_nic_passes(two_nic_hosts, tmp_path):
     hosts, second = two_nic_hosts
     script = tmp_path / "elastic_allreduce.py"

@@ -32,7 +32,7 @@ def outputs(session):
 
 # Workers at shared addresses (local), on hosts that see none of this folder (ssh), with addresses of their
 # own (pods; Docker's containers too, in the matrix tier).
-@pytest.mark.parametrize("backend", on("local", "ssh", "kubernetes"), indirect=True)
+@pytest.mark.parametrize("backend", on("local", "ssh"), indirect=True)  # this machine's and others' addresses
 def test_parameter_server_training_with_this_process_as_coordinator(session, capfd):
     with start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session) as cluster:
         assert sorted(cluster.cluster_spec) == ["chief", "ps", "worker"]

@@ -107,7 +107,7 @@ def test_a_worker_task_killed_mid_training_is_replaced_and_trains_on_and_the_los
 
 
 # A replacement on its lost worker's host, at its port; on Docker at its IP, in the session's network.
-@pytest.mark.parametrize("backend", ["ssh", "docker"], indirect=True)
+@pytest.mark.parametrize("backend", [pytest.param("ssh", marks=pytest.mark.matrix), "docker"], indirect=True)
 def test_a_lost_replacement_with_one_restart_fails_fit_with_the_structured_failure(session):
     events = job_events(session)
     # A worker that came before the cluster and is gone by the time a task is lost: Docker would give
