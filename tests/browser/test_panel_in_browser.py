@@ -249,8 +249,8 @@ def test_the_panel_shows_stops_and_keeps_a_notebooks_session(tmp_path, monkeypat
 GONE_SESSION = textwrap.dedent(f"""
     import json, time
     from cmlcluster import Session
-    # A long silence: its worker outlives the session's death (else its agent ends it after 10 s), as a
-    # worker on a backend with a network-sized grace would, and is left for cleanup.
+    # Its worker is frozen before the session dies (below): it hears neither its lifeline nor the silence,
+    # outlives the session, as a hung worker would, and is left for cleanup.
     s = Session("local", echo=False, silence_timeout=600)
     [w] = s.launch_workers(1, cpu=0.5, memory=0.5, code={SLEEPER!r})
     s.await_workers([w], wait_for_completion=False, timeout_seconds=60)
@@ -268,8 +268,9 @@ def test_clean_up_in_the_panel_ends_what_a_killed_session_left(tmp_path, monkeyp
     try:
         assert session.stdout is not None
         ids = json.loads(session.stdout.readline())
+        os.kill(ids["pid"], signal.SIGSTOP)
     finally:
-        session.send_signal(signal.SIGKILL)  # a kernel that died: its record and its worker stay
+        session.send_signal(signal.SIGKILL)  # a kernel that died: its record and its frozen worker stay
         session.wait()
     try:
         with jupyter_lab(tmp_path, env=env) as lab, open_notebook(lab, "empty.ipynb", artifact_name="panel") as nb:

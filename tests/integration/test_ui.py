@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -251,6 +252,10 @@ def test_cli_list_sees_another_process_session_and_cleanup_ends_what_a_killed_on
         # The record says which process the session is and where its controller listens (cleanup asks it).
         record = json.loads((tmp_path / "state" / f"{session_id}.json").read_text())
         assert record["origin"]["pid"] == str(other.pid) and origin.answers(record["controller"]), record
+        # Frozen workers (a hung agent hears no lifeline) outlive their session's death: what cleanup is for,
+        # now that a killed session's local workers end by themselves (test_workers).
+        for pid in pids:
+            os.kill(int(pid), signal.SIGSTOP)
         other.kill()  # as a killed kernel would be: no close(), nothing stopped
         other.wait()
         # Gone once its controller has followed it (its lifeline ends it at once): until then it answers.
