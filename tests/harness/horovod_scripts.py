@@ -1,5 +1,11 @@
-"""Horovod training scripts for the tests of where ranks meet (interfaces, a second network): each rank
-allreduces its rank + 1 and prints what it got and how it was reached."""
+"""Horovod scripts for the tests: ranks that allreduce, for the tests of where ranks meet (interfaces, a
+second network), each printing what it got and how it was reached; and ranks without a collective, for
+the tests of how a run is started, stopped, failed or reused."""
+
+# A rank that needs no collective: horovodrun's own rank variables, without `import horovod.tensorflow`,
+# whose TensorFlow costs each rank 5 to 7 s of CPU on 2 cores. Such ranks are still horovodrun's, over the
+# session's SSH to its workers; the collective itself is in every test below that allreduces.
+RANK = 'import os\nrank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])\n'
 
 # One allreduce; "rank R of N sum S rendezvous ADDR iface IFACE".
 ALLREDUCE = """\

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from harness.fixtures import DOCKER_TEST_IMAGE, on
+from harness.horovod_scripts import RANK
 from harness.processes import agent_pid, kill_later, processes_running, running, wait_until
 from harness.tf_training import stacks_in_update_server_def, threads_in_update_server_def, train_as_coordinator
 
@@ -37,18 +38,14 @@ def run(cluster, server, task_index):
     print(f"task {task_index} done", flush=True)
 """
 
-LONG_RANKS = """
+LONG_RANKS = f"""{RANK}
 import time
-import horovod.tensorflow as hvd
-hvd.init()
-print(f"rank {hvd.rank()} started", flush=True)
+print(f"rank {{rank}} started", flush=True)
 time.sleep(600)
 """
 
-QUICK_RANKS = """
-import horovod.tensorflow as hvd
-hvd.init()
-print(f"rank {hvd.rank()} of {hvd.size()}", flush=True)
+QUICK_RANKS = f"""{RANK}
+print(f"rank {{rank}} of {{size}}", flush=True)
 """
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from harness.fixtures import DOCKER_TEST_IMAGE, kube_backend, ssh_backend
+from harness.horovod_scripts import RANK
 
 import cmlcluster
 from cmlcluster import CmlClusterError, Session
@@ -117,12 +118,10 @@ def test_horovod_cell_magic(backend_name, shell, request, tmp_path_factory):
     assert not Path(result.argv[-1]).parent.exists() or result.argv[-1] == "horovod_cell.py"
 
 
-FAILING = """
+FAILING = f"""{RANK}
 import sys, time
-import horovod.tensorflow as hvd
-hvd.init()
-print(f"rank {hvd.rank()} started", flush=True)
-if hvd.rank() == 1:
+print(f"rank {{rank}} started", flush=True)
+if rank == 1:
     print("rank 1: the data shard is corrupt", file=sys.stderr, flush=True)
     sys.exit(3)
 time.sleep(600)

@@ -99,7 +99,8 @@ def local_rank_process(rank):
     return find
 
 
-# Local workers: test_a_local_rank_killed_mid_training_is_started_again_by_horovodrun (one host for horovodrun).
+# Local workers: test_a_local_rank_killed_mid_training_is_started_again_by_horovodrun (one host for horovodrun,
+# in the matrix tier).
 @pytest.mark.parametrize(
     "backend", ["docker", *(pytest.param(b, marks=pytest.mark.matrix) for b in ("ssh", "kubernetes"))], indirect=True
 )
@@ -124,6 +125,9 @@ def test_a_worker_killed_mid_training_is_replaced_and_training_goes_on(backend):
     assert not processes_running(EXAMPLE)
 
 
+# horovodrun's own restart of a rank on its one host (4,000 steps, 45 to 70 s here): in the matrix tier. In the
+# default run, cmlcluster's replacement of a lost worker, above.
+@pytest.mark.matrix
 def test_a_local_rank_killed_mid_training_is_started_again_by_horovodrun():
     with Session("local", echo=False) as session:
         killer = Killer(session, [local_rank_process(1)])

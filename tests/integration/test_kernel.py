@@ -121,8 +121,7 @@ import pathlib, tempfile
 import cmlcluster as cdsw
 from cmlcluster.backends.docker.backend import DockerBackend
 script = pathlib.Path(tempfile.mkdtemp(dir={shared!r})) / "forever.py"
-script.write_text("import time\\nimport horovod.tensorflow as hvd\\nhvd.init()\\nprint('training', flush=True)\\n"
-                  "time.sleep(600)\\n")
+script.write_text("import time\\nprint('training', flush=True)\\ntime.sleep(600)\\n")  # no collective: no TF
 cdsw.use_backend(DockerBackend(image={image!r}, host_python=True, volumes={{{shared!r}: {shared!r}}}))
 %load_ext cmlcluster
 %horovod -np 2 --cpu 0.5 $script

@@ -29,6 +29,7 @@ import time
 import pathspec
 import psutil
 import pytest
+from harness.horovod_scripts import RANK
 
 import cmlcluster
 from cmlcluster import Session
@@ -52,7 +53,7 @@ for name in ("CMLC_MARKER", "CMLC_NOTEBOOK_MARKER"):
     print("marker digest", hashlib.sha256(os.environ.get(name, "").encode()).hexdigest(), flush=True)
 time.sleep(4)
 """
-HOROVOD_INIT = "import horovod.tensorflow as hvd\nhvd.init()\nprint('rank', hvd.rank(), 'of', hvd.size(), flush=True)"
+HOROVOD_INIT = RANK + "print('rank', rank, 'of', size, flush=True)"
 
 
 class ArgvWatch:
