@@ -49,39 +49,48 @@ def _terminate(started: list[subprocess.Popen[bytes]], grace: float) -> None:
             pass  # the group is killed all the same
 
 
-def run_quietly(argv: list[str], timeout: float = 10.0) -> Callable[[], None]:
-    def run() -> None:
-        try:
-            subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
-        except (OSError, subprocess.SubprocessError):
-            pass  # the group is killed all the same
-
-    return run
+AT_ONCE = 32  # commands --for-each-line runs together: a scheduler's controller answers each
 
 
-USAGE = "[--before-dying '[\"command\", ...]' | --term-first SECONDS] -- command [args...]"
+def for_each_line(command: list[str], timeout: float = 10.0) -> None:
+    """Once the session's end of stdin closes: `command` with each line the session wrote on it as its last
+    argument, all at once. What lives beyond this machine must not outlive the session either, and no
+    process here holds it: the Slurm jobs of a session (the session writes each job's name as it submits
+    it; scancel ends them, where killing their sruns would not)."""
+    lines = [line for line in dict.fromkeys(raw.decode().strip() for raw in sys.stdin.buffer) if line]
+    for at in range(0, len(lines), AT_ONCE):
+        started = []
+        for line in lines[at : at + AT_ONCE]:
+            try:
+                started.append(subprocess.Popen([*command, line], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+            except OSError:
+                continue
+        for process in started:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+USAGE = "[--term-first SECONDS] -- command [args...]  |  --for-each-line '[\"command\", ...]'"
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    last_words: list[str] = []
     term_first = 0.0
-    if argv[:1] == ["--before-dying"] and len(argv) > 1:
-        last_words, argv = json.loads(argv[1]), argv[2:]
-    elif argv[:1] == ["--term-first"] and len(argv) > 1:
+    if argv[:1] == ["--for-each-line"] and len(argv) == 2:
+        for_each_line(json.loads(argv[1]))
+        return
+    if argv[:1] == ["--term-first"] and len(argv) > 1:
         term_first, argv = float(argv[1]), argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
         sys.exit(f"usage: python {__file__} {USAGE}")
-    # What lives beyond this machine must not outlive the session either, and killing the command may not
-    # end it: --before-dying runs a command first (a Slurm job: scancel ends it, where killing srun would
-    # leave its step running); --term-first TERMs the command and gives it that long (srun sent TERM
-    # cancels its step of an allocation).
+    # Killing the command may not end what it started beyond this machine: --term-first TERMs the command
+    # and gives it that long (srun sent TERM cancels its step of an allocation).
     started: list[subprocess.Popen[bytes]] = []
-    if last_words:
-        hold(run_quietly(last_words))
-    elif term_first:
+    if term_first:
         hold(lambda: _terminate(started, term_first))
     else:
         hold()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -121,7 +122,7 @@ def test_a_killed_session_leaves_no_job_and_no_srun(slurm, tmp_path):
         while time.monotonic() < deadline and ([j for j in queued(slurm) if j.startswith(prefix)] or mine(prefix)):
             time.sleep(0.2)
         assert [j for j in queued(slurm) if j.startswith(prefix)] == []
-        assert mine(prefix) == []  # its srun processes and their lifelines here
+        assert mine(prefix) == []  # its srun processes here
     finally:
         if process.poll() is None:
             process.kill()
@@ -218,6 +219,52 @@ def test_a_tensorflow_cluster_and_horovod_run_across_slurm_nodes(slurm, monkeypa
         )  # fmt: skip
         assert result.ok, result.message
         assert sorted(h for h, _ in result.hosts) == sorted(n.ip for n in slurm.nodes)
+        assert session_jobs(slurm, session) == []
+
+
+@pytest.mark.matrix  # frameworks across Slurm nodes in the default run: run_torch, above
+def test_an_elastic_torch_run_replaces_a_job_killed_on_its_node_and_trains_on(slurm, monkeypatch, tmp_path):
+    from test_torch_elastic import ARGS, EPOCHS, Killer
+
+    from cmlcluster import run_torch
+
+    class SlurmKiller(Killer):
+        def kill(self, worker_id: str) -> None:  # every process of its job, on its node, as a crash would
+            slurm.run("scancel", "--signal=KILL", f"--name=cmlcluster-{self.session.id}-{worker_id}", check=True)
+
+    monkeypatch.chdir(tmp_path)
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
+        killer = SlurmKiller(session, [lambda workers: workers[1]])
+        result = run_torch(
+            str(TORCH_EXAMPLE), ARGS, nnodes=2, max_restarts=1, cpu=2, memory=1, session=session, echo=False
+        )
+        assert result.ok, result.message
+        assert result.restarts == 1 and killer.replaced == 1
+        assert [w["status"] for w in session.list_workers()] == ["stopped", "failed", "stopped"]
+        assert session_jobs(slurm, session) == []
+    text = "\n".join(result.output[0])
+    assert re.search(r"resumed after epoch \d+ from rank \d's snapshot", text) and f"epoch {EPOCHS} loss" in text
+
+
+@pytest.mark.matrix  # frameworks across Slurm nodes in the default run: run_torch, above
+def test_jax_and_accelerate_train_across_two_slurm_nodes(slurm, monkeypatch, tmp_path):
+    from test_accelerate import EXAMPLE as ACCELERATE_EXAMPLE
+    from test_accelerate import check_training as check_accelerate
+    from test_jax import EXAMPLE as JAX_EXAMPLE
+    from test_jax import check_training as check_jax
+
+    from cmlcluster import run_accelerate, run_jax
+
+    monkeypatch.chdir(tmp_path)
+    whole_nodes = {"cpu": 2, "memory": 1}  # one worker a node: two addresses
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
+        jax = run_jax(str(JAX_EXAMPLE), ["--steps", "30"], nnodes=2, session=session, echo=False, **whole_nodes)
+        check_jax(jax, processes=2, n_hosts=2)
+        accelerate = run_accelerate(
+            str(ACCELERATE_EXAMPLE), ["--epochs", "6"], num_machines=2, session=session, echo=False, **whole_nodes
+        )
+        check_accelerate(accelerate, processes=2, n_hosts=2, epochs=6)
+        assert sorted(accelerate.hosts) == sorted(n.ip for n in slurm.nodes)
         assert session_jobs(slurm, session) == []
 
 

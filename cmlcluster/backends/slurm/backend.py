@@ -3,13 +3,13 @@
     cdsw.use_backend("slurm", partition="gpu", account="proj42", time_limit="2:00:00")
 
 This machine is a Slurm submit host (a login node, or a machine whose ``slurm.conf`` names the cluster's
-controller and whose munge key is the cluster's). Each worker is one ``srun`` here, under a lifeline that
-ends its job if this process dies: a job of one task on one node, running the worker's agent under the
-task launcher (task.py), which dials home to the session as on every backend. Where the notebook runs
-inside an allocation (started by sbatch, batchspawner or Open OnDemand: SLURM_JOB_ID), each worker is a
-step of that allocation instead (srun --jobid --overlap). srun copies the worker's output back here; the
-session never needs sshd on the nodes or a file system they share with it (scripts and folders travel
-over the control plane, collect= comes home through the worker's agent).
+controller and whose munge key is the cluster's). Each worker is one ``srun`` here: a job of one task on
+one node, running the worker's agent under the task launcher (task.py), which dials home to the session as
+on every backend. One lifeline for the session's jobs cancels them all should this process die. Where the
+notebook runs inside an allocation (started by sbatch, batchspawner or Open OnDemand: SLURM_JOB_ID), each
+worker is a step of that allocation instead (srun --jobid --overlap). srun copies the worker's output back
+here; the session never needs sshd on the nodes or a file system they share with it (scripts and folders
+travel over the control plane, collect= comes home through the worker's agent).
 
 What the session shows is Slurm's truth: a worker waits as "scheduling" with Slurm's reason and the jobs
 ahead of it (one squeue for the whole session every POLL_SECONDS, queue.py), in the views, list_workers
@@ -116,6 +116,7 @@ class SlurmBackend(Backend[SlurmHandle]):
         self._controller_ip = controller_ip
         self._queue: JobQueue | None = None
         self._handles: dict[str, SlurmHandle] = {}
+        self._canceller: asyncio.subprocess.Process | None = None  # submit mode: the session's jobs' lifeline
 
     def capabilities(self) -> Capabilities:
         # Workers share their node's address; the session's disk is not theirs, unless the site shares it.
@@ -145,6 +146,17 @@ class SlurmBackend(Backend[SlurmHandle]):
         await asyncio.to_thread(self._run, "squeue", "-h", "--me", "-o", "%i")  # reaches the controller, or says why
         self._queue = JobQueue(self.slurm_env, self.allocation)
         self._queue.start()
+        if not self.allocation:
+            # Should this process die (a killed kernel), its jobs end at once, not at the agents' silence
+            # timeout: a lifeline (its own session, so that the notebook's Ctrl-C is not for it) that is told
+            # each job's name and scancels them all once its input closes. One for the session, not one per
+            # worker: a Python process's start is most of what a worker's launch adds to srun's own.
+            cancel = ["scancel", "--me", "--full"]
+            self._canceller = await asyncio.create_subprocess_exec(
+                sys.executable, _lifeline.__file__, "--for-each-line", json.dumps(cancel),
+                env=self.slurm_env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
 
     def _run(self, *argv: str) -> str:
         return slurm_command(list(argv), self.slurm_env)
@@ -156,15 +168,15 @@ class SlurmBackend(Backend[SlurmHandle]):
         name = commands.job_name(self.context.session_id, spec.worker_id)
         comment = commands.job_comment(self.context.session_id, socket.gethostname(), os.getpid())
         worker = [self.python, *spec.argv[1:]]
-        # Under a lifeline: should this process die (a killed kernel), the worker's job or step ends at once,
-        # not at the agent's silence timeout (srun killed outright leaves its step running).
         if self.allocation:
+            # Under a lifeline of its own: should this process die, srun is sent TERM, which cancels its step
+            # (srun killed outright would leave the step running until the agent's silence timeout).
             srun = commands.step_argv("srun", self.allocation, name, spec.resources, self.options, self.python, worker)
-            lifeline = ["--term-first", str(STOP_WAIT)]  # srun sent TERM cancels its step
+            argv = [sys.executable, _lifeline.__file__, "--term-first", str(STOP_WAIT), "--", *srun]
         else:
-            srun = commands.srun_argv("srun", name, comment, spec.resources, self.options, self.python, worker)
-            lifeline = ["--before-dying", json.dumps(["scancel", "--me", "--full", f"--name={name}"])]
-        argv = [sys.executable, _lifeline.__file__, *lifeline, "--", *srun]
+            argv = commands.srun_argv("srun", name, comment, spec.resources, self.options, self.python, worker)
+            assert self._canceller is not None and self._canceller.stdin is not None, "attach() first"
+            self._canceller.stdin.write(f"--name={name}\n".encode())  # before the job exists
         env = {k: self.slurm_env[k] for k in (*PASSED_VARIABLES, "SLURM_CONF") if k in self.slurm_env}
         env.update(spec.env)
         env[task.GPUS_ENV] = str(spec.resources.nvidia_gpu)
@@ -175,7 +187,7 @@ class SlurmBackend(Backend[SlurmHandle]):
             # go beside the worker's log, not into it: what a worker printed last stays its own last line.
             with open(log_path + ".srun", "ab") as messages:
                 process = await asyncio.create_subprocess_exec(
-                    *argv, env=env, cwd=self.context.session_dir, stdin=asyncio.subprocess.PIPE,
+                    *argv, env=env, cwd=self.context.session_dir, stdin=asyncio.subprocess.DEVNULL,
                     stdout=output.write_fd, stderr=messages, start_new_session=True,
                 )  # fmt: skip
         except OSError as e:
@@ -209,13 +221,13 @@ class SlurmBackend(Backend[SlurmHandle]):
         if process.returncode is None:  # still queued, or it did not end: its job or step is cancelled
             if self.allocation:
                 with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)  # the lifeline passes it to srun, which cancels its step
+                    process.send_signal(signal.SIGTERM)  # its lifeline passes it to srun, which cancels its step
             else:
                 await asyncio.to_thread(self._cancel, [handle.job_name])
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(process.wait(), STOP_WAIT)
         if process.returncode is None:
-            signal_group(process.pid, signal.SIGKILL)  # the lifeline and srun
+            signal_group(process.pid, signal.SIGKILL)  # srun (and its lifeline, in an allocation)
         await process.wait()
         await handle.output.drain(OUTPUT_DRAIN_SECONDS)
 
@@ -244,6 +256,11 @@ class SlurmBackend(Backend[SlurmHandle]):
         if left:  # the session stopped every worker; this is for one whose stop failed
             await asyncio.to_thread(self._cancel, left)
         self._handles = {}
+        if self._canceller is not None:  # nothing is left for it to cancel: it goes without a word
+            with contextlib.suppress(ProcessLookupError):
+                self._canceller.kill()
+            await self._canceller.wait()
+            self._canceller = None
 
     def _signal_running(self, name: str) -> bool:
         """TERM to the processes of a worker's running job (or step); False when it has none yet."""
