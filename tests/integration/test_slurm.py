@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from harness.processes import running, wait_until
 from harness.slurm import slurm_installed
 
 from cmlcluster import Session
@@ -81,6 +84,32 @@ def test_a_job_cancelled_outside_is_stopped_and_a_gpu_worker_sees_its_own_gpu(sl
         assert now["status"] == "stopped", now
         assert f"Slurm ended its job {job_id}: CANCELLED" in now["message"], now["message"]
         assert session_jobs(slurm, session) == []
+
+
+AGENT = ["-m", "cmlcluster.agent"]
+
+
+def node_agent_pid(worker_id: str) -> int | None:
+    """The pid of a worker's agent on its node (a node container's process, seen from here); not its srun
+    here nor its launcher there (task.py), whose command lines and environments name the agent too."""
+    for process in running("cmlcluster.agent"):
+        try:
+            environ, argv = process.environ(), process.cmdline()
+        except psutil.Error:
+            continue
+        if environ.get("CDSW_ENGINE_ID") == worker_id and "SLURM_JOB_ID" in environ and argv[1:3] == AGENT:
+            return process.pid
+    return None
+
+
+def test_a_worker_whose_agent_dies_on_its_node_fails_with_its_exit_code(slurm):
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
+        [worker] = up(session, session.launch_workers(1, cpu=1, memory=0.5))
+        os.kill(wait_until(lambda: node_agent_pid(worker["id"]), 30, "its agent"), signal.SIGKILL)
+        done = session.await_workers([worker], timeout_seconds=30)
+        [failed] = done["failures"]
+        assert failed["status"] == "failed" and failed["exit_code"] == -9, failed
+        assert "CANCELLED" not in failed["message"], failed["message"]
 
 
 def test_a_program_runs_on_a_node_and_its_output_comes_home(slurm):
@@ -228,13 +257,13 @@ def test_an_elastic_torch_run_replaces_a_job_killed_on_its_node_and_trains_on(sl
 
     from cmlcluster import run_torch
 
-    class SlurmKiller(Killer):
-        def kill(self, worker_id: str) -> None:  # every process of its job, on its node, as a crash would
-            slurm.run("scancel", "--signal=KILL", f"--name=cmlcluster-{self.session.id}-{worker_id}", check=True)
+    class NodeKiller(Killer):
+        def kill(self, worker_id: str) -> None:  # kill -9 of the worker's agent on its node
+            os.kill(wait_until(lambda: node_agent_pid(worker_id), 30, f"worker {worker_id}'s agent"), signal.SIGKILL)
 
     monkeypatch.chdir(tmp_path)
     with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
-        killer = SlurmKiller(session, [lambda workers: workers[1]])
+        killer = NodeKiller(session, [lambda workers: workers[1]])
         result = run_torch(
             str(TORCH_EXAMPLE), ARGS, nnodes=2, max_restarts=1, cpu=2, memory=1, session=session, echo=False
         )

@@ -173,10 +173,12 @@ class SlurmBackend(Backend[SlurmHandle]):
             # (srun killed outright would leave the step running until the agent's silence timeout).
             srun = commands.step_argv("srun", self.allocation, name, spec.resources, self.options, self.python, worker)
             argv = [sys.executable, _lifeline.__file__, "--term-first", str(STOP_WAIT), "--", *srun]
+            stdin = asyncio.subprocess.PIPE  # the lifeline's: this process holds its only writing end
         else:
             argv = commands.srun_argv("srun", name, comment, spec.resources, self.options, self.python, worker)
             assert self._canceller is not None and self._canceller.stdin is not None, "attach() first"
             self._canceller.stdin.write(f"--name={name}\n".encode())  # before the job exists
+            stdin = asyncio.subprocess.DEVNULL  # srun would pass it to the worker
         env = {k: self.slurm_env[k] for k in (*PASSED_VARIABLES, "SLURM_CONF") if k in self.slurm_env}
         env.update(spec.env)
         env[task.GPUS_ENV] = str(spec.resources.nvidia_gpu)
@@ -187,7 +189,7 @@ class SlurmBackend(Backend[SlurmHandle]):
             # go beside the worker's log, not into it: what a worker printed last stays its own last line.
             with open(log_path + ".srun", "ab") as messages:
                 process = await asyncio.create_subprocess_exec(
-                    *argv, env=env, cwd=self.context.session_dir, stdin=asyncio.subprocess.DEVNULL,
+                    *argv, env=env, cwd=self.context.session_dir, stdin=stdin,
                     stdout=output.write_fd, stderr=messages, start_new_session=True,
                 )  # fmt: skip
         except OSError as e:
