@@ -70,10 +70,14 @@ class Forwarder:
         loop = self._loop
         asyncio.set_event_loop(loop)
         try:
-            server = loop.run_until_complete(asyncio.start_server(self._relay, sock=self.listener))
-            loop.run_forever()
-            server.close()
-            relays = asyncio.all_tasks(loop)
+            try:
+                server = loop.run_until_complete(asyncio.start_server(self._relay, sock=self.listener))
+            except RuntimeError:  # stop() came first: the loop stopped under run_until_complete (seen in CI)
+                server = None
+            if server is not None:
+                loop.run_forever()
+                server.close()
+            relays = asyncio.all_tasks(loop)  # the relays, or the start that stop() came before
             for relay in relays:
                 relay.cancel()
             loop.run_until_complete(asyncio.gather(*relays, return_exceptions=True))

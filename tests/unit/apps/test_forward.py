@@ -153,6 +153,20 @@ def test_it_listens_on_the_workers_address_only_and_not_after_it_stopped(said):
         app.close()
 
 
+def test_a_stop_before_it_listens_ends_its_thread_quietly(said, monkeypatch):
+    # As when a worker is stopped as its agent starts the forwarder (seen in CI: "Event loop stopped before
+    # Future completed", raised on its thread).
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    listener = socket.create_server((WORKER, 0))
+    forwarder = app_forward.Forwarder(listener, 9, said.append)
+    forwarder.stop()  # before its loop runs: the loop stops under the start of its server
+    forwarder.start()
+    assert forwarder.thread is not None
+    forwarder.thread.join(10)
+    assert not forwarder.thread.is_alive() and raised == [] and listener.fileno() == -1
+
+
 def test_what_it_cannot_do_is_said_and_the_worker_runs_on(said):
     assert app_forward.start({"CDSW_IP_ADDRESS": WORKER, "CDSW_APP_PORT": "8100"}, "", said.append) is None
     assert said == []  # no port: nothing to do (local workers)
