@@ -61,6 +61,9 @@ def test_launch_arguments_reach_accelerates_processes_and_processes_per_machine(
     assert all("precision bf16" in lines[0] for lines in result.output.values())
 
 
+# Accelerate's elastic runs are torchrun's (accelerate launch --max_restarts): the replacement of a lost worker is
+# test_torch_elastic's in the default run; this one in the matrix tier.
+@pytest.mark.matrix
 def test_a_worker_killed_mid_run_is_replaced():
     with Session("local", echo=False) as session:
         killed: list[str] = []
