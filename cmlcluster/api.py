@@ -14,7 +14,7 @@ from typing import Any
 
 from .backends import Backend, resolve_backend
 from .errors import ConfigError
-from .session import Session, check_silence_timeout
+from .session import Session, check_idle_timeout_and_ttl, check_silence_timeout
 from .workers import StopResponse
 
 _default: Session | None = None
@@ -23,7 +23,14 @@ _backend: str | Backend | None = None
 _backend_options: dict[str, Any] = {}
 
 
-def use_backend(backend: str | Backend | None, *, silence_timeout: float | None = None, **options: Any) -> None:
+def use_backend(
+    backend: str | Backend | None,
+    *,
+    silence_timeout: float | None = None,
+    idle_timeout: float | None = None,
+    ttl: float | None = None,
+    **options: Any,
+) -> None:
     """Choose the default session's backend (and its options); only before it has workers.
 
     An unknown name, or an option the backend does not take, is refused here, before anything
@@ -39,6 +46,12 @@ def use_backend(backend: str | Backend | None, *, silence_timeout: float | None 
     silence_timeout : float | None, default None
         The session's (see Session): how long, in seconds, a silent worker counts as alive before it
         counts as lost; a number >= 1. None: the backend's default.
+    idle_timeout : float | None, default None
+        The session's (see Session): seconds a running worker may sit idle (under 5 % of a core, its
+        GPUs unused) before it is stopped; a number >= 1. None: never.
+    ttl : float | None, default None
+        The session's (see Session): seconds from its first launch after which its workers are stopped
+        and it launches no more; a number >= 1. None: never.
     **options : Any
         The backend's options: the keyword arguments of its class's constructor (e.g. ``hosts=``,
         ``user=`` for "ssh"). Not with a Backend instance: pass them to its class.
@@ -50,10 +63,10 @@ def use_backend(backend: str | Backend | None, *, silence_timeout: float | None 
     Raises
     ------
     ConfigError
-        Before anything starts: silence_timeout is neither None nor a number >= 1; the name is unknown
-        or its backend cannot be imported; an option is one the backend does not take, or options come
-        with a Backend instance; or the default session has workers already, finished ones included
-        (call stop_session() first).
+        Before anything starts: silence_timeout, idle_timeout or ttl is neither None nor a number >= 1; the name
+        is unknown or its backend cannot be imported; an option is one the backend does not take, or options
+        come with a Backend instance; or the default session has workers already, finished ones included (call
+        stop_session() first).
 
     Examples
     --------
@@ -65,6 +78,7 @@ def use_backend(backend: str | Backend | None, *, silence_timeout: float | None 
     """
     global _backend, _backend_options
     check_silence_timeout(silence_timeout)
+    check_idle_timeout_and_ttl(idle_timeout, ttl)
     # use_backend(None) alone only forgets a choice; CMLCLUSTER_BACKEND is checked when it is used.
     if backend is not None or options:
         resolve_backend(_named(backend), options)
@@ -75,8 +89,9 @@ def use_backend(backend: str | Backend | None, *, silence_timeout: float | None 
         )
     stop_session()
     _backend, _backend_options = backend, options
-    if silence_timeout is not None:
-        _backend_options["silence_timeout"] = silence_timeout  # the Session's own option, beside the backend's
+    # The Session's own options, beside the backend's.
+    session_options = {"silence_timeout": silence_timeout, "idle_timeout": idle_timeout, "ttl": ttl}
+    _backend_options.update({k: v for k, v in session_options.items() if v is not None})
 
 
 def _named(backend: str | Backend | None) -> str | Backend:

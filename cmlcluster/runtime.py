@@ -29,17 +29,24 @@ CLOSE_TIMEOUT = 60.0
 
 class Runtime:
     def __init__(
-        self, session_id: str, backend: Backend, on_folder: Callable[[], None], silence_timeout: float | None = None
+        self,
+        session_id: str,
+        backend: Backend,
+        on_folder: Callable[[], None],
+        silence_timeout: float | None = None,
+        idle_timeout: float | None = None,
+        ttl: float | None = None,
     ):
         """on_folder(): called once the session's folder exists (before any worker starts).
-        silence_timeout: the user's (seconds); None: the backend's (Capabilities.silence_timeout)."""
+        silence_timeout: the user's (seconds); None: the backend's (Capabilities.silence_timeout).
+        idle_timeout, ttl: the user's (seconds; idle.py); None: none."""
         self.session_id = session_id
         self._silence_timeout = silence_timeout
         self._on_folder = on_folder
         self.backend = backend
         self.loop = LoopThread(name=f"cmlcluster-{session_id}")
         self.events = EventBus(f"cmlcluster-{session_id}")
-        self.supervisor = Supervisor(session_id, backend, self.events, self.silence_timeout)
+        self.supervisor = Supervisor(session_id, backend, self.events, self.silence_timeout, idle_timeout, ttl)
         self.dir: str | None = None  # the session's folder (0700: the controller's keys), from the first launch
         self.logs = ""  # the folder of its workers' logs, kept after it (worker_logs.py), from the first launch
         self._attached = False  # whether the backend serves this session (from the first launch)

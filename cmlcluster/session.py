@@ -54,6 +54,8 @@ class Session:
         *,
         echo: bool = True,
         silence_timeout: float | None = None,
+        idle_timeout: float | None = None,
+        ttl: float | None = None,
         **backend_options: Any,
     ):
         """echo: show the session (its workers, their output, training progress): widgets in a
@@ -64,11 +66,26 @@ class Session:
         process dies is reported at once all the same. Default: the backend's (60 s for workers on
         other machines or in containers, 10 s for local ones). The price of a long one: workers of a
         session that died unclosed run on for that long.
+
+        idle_timeout: seconds a running worker may sit idle (its processes under 5 % of a core, its GPUs
+        unused) before it is stopped, its row counting down in the last half of that time; any work sets
+        its clock back (idle.py). None: never.
+
+        ttl: seconds from the session's first launch after which every worker is stopped, busy or not,
+        and the session launches no more. None: never.
         """
         check_silence_timeout(silence_timeout)
+        check_idle_timeout_and_ttl(idle_timeout, ttl)
         self.id = secrets.token_hex(8)  # 64 bits: it names containers, pods and labels shared by everyone
         self.backend = make_backend(backend, **backend_options)
-        self._rt = Runtime(self.id, self.backend, on_folder=self._start_record, silence_timeout=silence_timeout)
+        self._rt = Runtime(
+            self.id,
+            self.backend,
+            on_folder=self._start_record,
+            silence_timeout=silence_timeout,
+            idle_timeout=idle_timeout,
+            ttl=ttl,
+        )
         self._events = self._rt.events
         self._supervisor = self._rt.supervisor
         self._on_show: list[Callable[[CallStarted], None]] = []
@@ -405,6 +422,15 @@ class Session:
 
     def _start_record(self) -> None:
         self._record = records.Recorder(self)
+
+
+def check_idle_timeout_and_ttl(idle_timeout: object, ttl: object) -> None:
+    """Refuse an idle_timeout or ttl that is not None or a number of seconds >= 1, before anything starts."""
+    for option, value in (("idle_timeout", idle_timeout), ("ttl", ttl)):
+        if value is not None and not checks.number(value, low=1):
+            raise ConfigError(
+                f"{option}={value!r}: give a number of seconds >= 1 (e.g. {option}=3600), or None for none"
+            )
 
 
 def check_silence_timeout(value: object) -> None:

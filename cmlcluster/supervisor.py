@@ -21,7 +21,8 @@ from .backends import Backend
 from .collect.through_agents import CollectThroughAgents
 from .control.plane import HUB_SILENCE_MARGIN, ControlPlane
 from .errors import BackendError, ConfigError, WorkerError
-from .events import EventBus, LaunchFailed, OutputLine, WorkerStatus
+from .events import EventBus, LaunchFailed, OutputLine, ResourceUse, WorkerStatus
+from .idle import IDLE_MARK, IdleClock, ttl_message
 from .leftovers import Leftovers
 from .lines import LineSplitter
 from .progress import output_event
@@ -43,7 +44,15 @@ WAITING_POLL = 2.0  # seconds between asks of a scheduler why a worker does not 
 class Supervisor:
     """The workers of one session, from start to end."""
 
-    def __init__(self, session_id: str, backend: Backend, events: EventBus, silence_timeout: float):
+    def __init__(
+        self,
+        session_id: str,
+        backend: Backend,
+        events: EventBus,
+        silence_timeout: float,
+        idle_timeout: float | None = None,
+        ttl: float | None = None,
+    ):
         self.session_id = session_id
         self.backend = backend
         self.control: ControlPlane | None = None  # the session's, once started (use_control); None after it failed
@@ -59,6 +68,10 @@ class Supervisor:
         self._lines: dict[tuple[str, str], LineSplitter] = {}  # per worker and stream, its line being written
         self.leftovers = Leftovers(self)  # what a worker's own folder holds, said before it goes
         self.collecting = CollectThroughAgents(self)  # collect= files the backend cannot take itself
+        self.idle = IdleClock(idle_timeout) if idle_timeout else None  # the session's idle_timeout (idle.py)
+        self.ttl = ttl  # the session's (idle.py): its workers' time from its first launch
+        self._ttl_guard: asyncio.Task[None] | None = None
+        self.ttl_ran_out = False
 
     def use_control(self, control: ControlPlane) -> None:
         """The session's control plane, started: the workers' engines register with it."""
@@ -107,6 +120,10 @@ class Supervisor:
         """
         control = self.control
         assert control is not None
+        if self.ttl_ran_out:
+            raise ConfigError(f"ttl={self.ttl:g}: this session's time ran out, and it launches no more; start another")
+        if self.ttl and self._ttl_guard is None:
+            self._ttl_guard = self.spawn(self._end_at_ttl(self.ttl))
         workers = [Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs]
         for w in workers:
             self.workers[w.id] = w
@@ -224,6 +241,33 @@ class Supervisor:
             return
         worker.usage = use.fields()
         self._events.publish(use)
+        if self.idle is not None and worker.status == RUNNING:
+            self._watch_idle(worker, use)
+
+    def _watch_idle(self, worker: Worker, use: ResourceUse) -> None:
+        """Its idle clock, from this sample: a countdown in its row near idle_timeout, then a stop (idle.py)."""
+        assert self.idle is not None
+        now = time.monotonic()
+        self.idle.sample(worker.id, use, now)
+        said = self.idle.message(worker.id, now)
+        if self.idle.expired(worker.id, now):
+            self.idle.forget(worker.id)
+            log.warning("cmlcluster: worker %s %s", worker.id, said)
+            self.spawn(self._end(worker, Ending(STOPPED, message=f"worker {worker.id} {said}")))
+            return
+        counting = worker.message is not None and worker.message.startswith(IDLE_MARK)
+        if said != worker.message and (said is not None or counting):
+            worker.message = said
+            self._changed(worker)
+
+    async def _end_at_ttl(self, ttl: float) -> None:
+        await asyncio.sleep(ttl)
+        self.ttl_ran_out = True
+        said = ttl_message(ttl)
+        live = [w for w in self.workers.values() if not w.finished and w.handle is not None]
+        if live:
+            log.warning("cmlcluster: session %s %s; stopping its %d workers", self.session_id, said, len(live))
+        await asyncio.gather(*(self._end(w, Ending(STOPPED, message=f"worker {w.id} {said}")) for w in live))
 
     # ------------------------------------------------------------ programs and calls
 

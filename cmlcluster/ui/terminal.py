@@ -46,7 +46,7 @@ class TerminalView:
         self._router = Router(calls=False)  # one story: the whole session's
         self._model = self._router.whole
         self._said: dict[str, str] = {}  # worker id -> the status last said
-        self._waiting_said: dict[str, str] = {}  # worker id -> why it waited, last said
+        self._message_said: dict[str, str] = {}  # worker id -> why it waits, or its idle countdown, last said
         self._folded_said: set[str] = set()  # sources whose folding was said
         self._finished: set[str] = set()  # members of jobs that finished: their stop is the job's end
         self._last_line: dict[str, float] = {}
@@ -102,10 +102,11 @@ class TerminalView:
         worker, status = model.workers[worker_id], model.status(worker_id)
         before = self._said.get(worker_id)
         self._said[worker_id] = status
-        waiting = str(worker.get("message") or "") if status == SCHEDULING else ""
-        if waiting and waiting != self._waiting_said.get(worker_id):  # a scheduler's queue: why it waits
-            self._waiting_said[worker_id] = waiting
-            self._line(f"[{model.label(worker_id)}] waiting: {waiting}")
+        # Why it waits (a scheduler's queue), or how long it has sat idle (idle.py): said as it changes.
+        message = str(worker.get("message") or "") if status in (SCHEDULING, RUNNING) else ""
+        if message and message != self._message_said.get(worker_id):
+            self._message_said[worker_id] = message
+            self._line(f"[{model.label(worker_id)}] {'waiting: ' if status == SCHEDULING else ''}{message}")
         if status == before:
             return
         name = model.label(worker_id)
@@ -117,6 +118,8 @@ class TerminalView:
             self._write(f"[{name}] failed: {reason(worker)}".rstrip(": "))
         elif status == STOPPED and worker_id in self._finished:
             pass  # its job is over: RunEnded says how it went, and which of them succeeded
+        elif status == STOPPED and reason(worker).startswith(f"worker {worker_id} stopped: "):
+            self._line(f"[{name}] {reason(worker).removeprefix(f'worker {worker_id} ')}")  # idle, ttl (idle.py)
         elif before is not None or status != SCHEDULING:
             self._line(f"[{name}] {status}")
         if self._bars and (status == SCHEDULING or self._up_bar is not None):

@@ -532,7 +532,9 @@ def _table(rows: list[dict[str, Any]], since: dict[str, float], usage: dict[str,
         started = since.get(r["id"])
         uptime = "" if started is None or r["status"] != RUNNING else f"{now - started:.0f} s"
         exit_code = "" if r.get("exit_code") is None else str(r["exit_code"])
-        why = reason(r) if r["status"] in (FAILED, SCHEDULING) else ""  # a scheduling one's: why it waits
+        # A failure's; a scheduling one's: why it waits; a running one's: its idle countdown (idle.py); a
+        # stopped one's: who stopped it, where not this session's caller (an idle_timeout, a scheduler).
+        why = reason(r)
         name = f' <span style="color:#757575">{html.escape(r["name"])}</span>' if r.get("name") else ""
         sample = usage.get(r["id"])
         cpu, memory, gpus = resource_texts({**r, "usage": sample.fields() if sample else None})

@@ -207,3 +207,27 @@ def test_a_worker_that_waits_in_a_schedulers_queue_says_why_until_it_runs(capsys
         settled(view, lambda: statuses(view) == {w["id"]: "running"} and queued not in view.table.value)
         assert "message" not in s.list_workers()[0]  # it runs: no reason to wait any more
     assert f"[w0] waiting: {queued}" in capsys.readouterr().err
+
+
+def test_an_idle_workers_countdown_and_its_stop_are_in_its_row_and_said_in_the_terminal(capsys):
+    from cmlcluster.workers import STOPPED, Ending
+
+    countdown = "idle for 30 s (idle_timeout=60 s): stopped in 30 s unless it works"
+    stopped = "stopped: idle for 60 s (idle_timeout=60 s): under 5 % of a core and no GPU busy"
+    with fake_session(FakeWorker()) as s:
+        view, _ = WidgetView(s), TerminalView(s)
+        [w] = s.launch_workers(1, cpu=1, memory=1)
+        s.await_workers([w], wait_for_completion=False, timeout_seconds=10)
+        supervisor = s._supervisor
+        worker = supervisor.workers[w["id"]]
+
+        async def count_down() -> None:  # as the supervisor does on an idle sample (supervisor._watch_idle)
+            worker.message = countdown
+            supervisor._changed(worker)
+
+        s._rt.loop.run(count_down())
+        settled(view, lambda: countdown in view.table.value)
+        s._rt.loop.run(supervisor._end(worker, Ending(STOPPED, message=f"worker {w['id']} {stopped}")))
+        settled(view, lambda: statuses(view) == {w["id"]: "stopped"} and stopped in view.table.value)
+    err = capsys.readouterr().err
+    assert f"[w0] {countdown}" in err and f"[w0] {stopped}" in err
