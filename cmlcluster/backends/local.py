@@ -176,7 +176,8 @@ class LocalBackend(Backend[LocalHandle]):
         await asyncio.gather(*(t.close() for t in templates))
         # Its workers are stopped by now (the session stops them first).
         for fd in self._lifeline:
-            os.close(fd)
+            if fd >= 0:  # closed once
+                os.close(fd)
         self._lifeline = (-1, -1)
 
     async def poll(self, handle: LocalHandle) -> int | None:
