@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ from ...workers import Resources, Status, WorkerSpec
 from ..base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import commands, task
 from .queue import JobQueue, slurm_command
+
+log = logging.getLogger(__name__)
 
 STOP_WAIT = 10.0  # seconds for srun to end once its job was cancelled
 # What the worker keeps of this process's environment: how to run programs, never the notebook's variables.
@@ -116,7 +120,9 @@ class SlurmBackend(Backend[SlurmHandle]):
         self._controller_ip = controller_ip
         self._queue: JobQueue | None = None
         self._handles: dict[str, SlurmHandle] = {}
-        self._canceller: asyncio.subprocess.Process | None = None  # submit mode: the session's jobs' lifeline
+        # Submit mode: the session's jobs' lifeline. A plain process, not an asyncio one: it lives as long as
+        # the backend is attached, and no event loop of the caller's need outlive it.
+        self._canceller: subprocess.Popen[bytes] | None = None
 
     def capabilities(self) -> Capabilities:
         # Workers share their node's address; the session's disk is not theirs, unless the site shares it.
@@ -149,13 +155,12 @@ class SlurmBackend(Backend[SlurmHandle]):
         if not self.allocation:
             # Should this process die (a killed kernel), its jobs end at once, not at the agents' silence
             # timeout: a lifeline (its own session, so that the notebook's Ctrl-C is not for it) that is told
-            # each job's name and scancels them all once its input closes. One for the session, not one per
-            # worker: a Python process's start is most of what a worker's launch adds to srun's own.
+            # each job's name and scancels them all once its input closes. One for the session, not a Python
+            # process per worker beside its srun (bench/slurm_launch.py).
             cancel = ["scancel", "--me", "--full"]
-            self._canceller = await asyncio.create_subprocess_exec(
-                sys.executable, _lifeline.__file__, "--for-each-line", json.dumps(cancel),
-                env=self.slurm_env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-                start_new_session=True,
+            self._canceller = subprocess.Popen(
+                [sys.executable, _lifeline.__file__, "--for-each-line", json.dumps(cancel)],
+                env=self.slurm_env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
 
     def _run(self, *argv: str) -> str:
@@ -177,7 +182,12 @@ class SlurmBackend(Backend[SlurmHandle]):
         else:
             argv = commands.srun_argv("srun", name, comment, spec.resources, self.options, self.python, worker)
             assert self._canceller is not None and self._canceller.stdin is not None, "attach() first"
-            self._canceller.stdin.write(f"--name={name}\n".encode())  # before the job exists
+            try:
+                self._canceller.stdin.write(f"--name={name}\n".encode())  # before the job exists
+                self._canceller.stdin.flush()
+            except OSError as e:  # it was killed: the job runs all the same, without it
+                log.warning("cmlcluster: the session's Slurm lifeline is gone (%s): should this process die, "
+                            "job %s runs until its agent's silence_timeout", e, name)  # fmt: skip
             stdin = asyncio.subprocess.DEVNULL  # srun would pass it to the worker
         env = {k: self.slurm_env[k] for k in (*PASSED_VARIABLES, "SLURM_CONF") if k in self.slurm_env}
         env.update(spec.env)
@@ -259,9 +269,10 @@ class SlurmBackend(Backend[SlurmHandle]):
             await asyncio.to_thread(self._cancel, left)
         self._handles = {}
         if self._canceller is not None:  # nothing is left for it to cancel: it goes without a word
-            with contextlib.suppress(ProcessLookupError):
-                self._canceller.kill()
-            await self._canceller.wait()
+            self._canceller.kill()
+            self._canceller.wait()
+            if self._canceller.stdin is not None:
+                self._canceller.stdin.close()
             self._canceller = None
 
     def _signal_running(self, name: str) -> bool:
