@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 from cmlcluster._aio import LoopThread
@@ -48,6 +49,18 @@ def relay_on_a_loop(received: list[tuple[str, str]]):
     return loop_thread, loop, OutputRelay(loop, lambda stream, text: received.append((stream, text)))
 
 
+@contextlib.contextmanager
+def stuck(loop):
+    """The loop, busy elsewhere until the block ends; then every callback scheduled meanwhile has run."""
+    busy, release = threading.Event(), threading.Event()
+    loop.call_soon_threadsafe(lambda: (busy.set(), release.wait()))
+    assert busy.wait(5)
+    try:
+        yield
+    finally:
+        release.set()
+
+
 def test_a_flood_reaches_the_loop_in_order_in_few_callbacks():
     received: list[tuple[str, str]] = []
     loop_thread, loop, relay = relay_on_a_loop(received)
@@ -69,17 +82,14 @@ def test_a_flood_reaches_the_loop_in_order_in_few_callbacks():
 def test_output_waiting_for_a_stuck_loop_stays_bounded_keeps_the_newest_and_says_the_gap_where_it_is():
     received: list[tuple[str, str]] = []
     loop_thread, loop, relay = relay_on_a_loop(received)
-    stuck, release = threading.Event(), threading.Event()
-    loop.call_soon_threadsafe(lambda: (stuck.set(), release.wait()))  # the loop, busy elsewhere
     try:
-        assert stuck.wait(5)
         line = "x" * 99 + "\n"
         count = 3 * MAX_RELAYED_CHARS // len(line)
-        for _ in range(count):
-            relay.put("stdout", line)
-        relay.put("stdout", "END\n")  # short: it would fit beside what waits, after a gap, were the newest dropped
-        assert relay._chars <= MAX_RELAYED_CHARS
-        release.set()
+        with stuck(loop):
+            for _ in range(count):
+                relay.put("stdout", line)
+            relay.put("stdout", "END\n")  # short: it would fit beside what waits, after a gap, were the newest dropped
+            assert relay._chars <= MAX_RELAYED_CHARS
         loop_thread.run(asyncio.sleep(0.1))
         kept = sum(len(text) for stream, text in received if stream == "stdout")
         assert MAX_RELAYED_CHARS - len(line) < kept <= MAX_RELAYED_CHARS
@@ -93,19 +103,15 @@ def test_output_waiting_for_a_stuck_loop_stays_bounded_keeps_the_newest_and_says
         loop_thread.run(asyncio.sleep(0.1))
         assert received[-1] == ("stdout", "after\n") and len(received) == len(rest) + 2
     finally:
-        release.set()
         loop_thread.stop()
 
 
 def test_one_text_longer_than_all_that_may_wait_keeps_its_last_whole_lines():
     received: list[tuple[str, str]] = []
     loop_thread, loop, relay = relay_on_a_loop(received)
-    stuck, release = threading.Event(), threading.Event()
-    loop.call_soon_threadsafe(lambda: (stuck.set(), release.wait()))
     try:
-        assert stuck.wait(5)
-        relay.put("stdout", "a" * MAX_RELAYED_CHARS + "\nTHE END\n")
-        release.set()
+        with stuck(loop):
+            relay.put("stdout", "a" * MAX_RELAYED_CHARS + "\nTHE END\n")
         loop_thread.run(asyncio.sleep(0.1))
         dropped = MAX_RELAYED_CHARS + 1  # the rest of the long line went with its start
         assert received == [
@@ -113,7 +119,6 @@ def test_one_text_longer_than_all_that_may_wait_keeps_its_last_whole_lines():
             ("stdout", "THE END\n"),
         ]
     finally:
-        release.set()
         loop_thread.stop()
 
 
@@ -124,12 +129,9 @@ def test_lines_stay_whole_around_a_gap_whatever_the_chunks():
     try:
         relay.put("stdout", text[:1234])  # delivered before the loop is stuck: it ends mid-line
         loop_thread.run(asyncio.sleep(0.1))
-        stuck, release = threading.Event(), threading.Event()
-        loop.call_soon_threadsafe(lambda: (stuck.set(), release.wait()))
-        assert stuck.wait(5)
-        for at in range(1234, len(text), 1000):  # chunks that cut lines anywhere
-            relay.put("stdout", text[at : at + 1000])
-        release.set()
+        with stuck(loop):
+            for at in range(1234, len(text), 1000):  # chunks that cut lines anywhere
+                relay.put("stdout", text[at : at + 1000])
         loop_thread.run(asyncio.sleep(0.1))
         streams = "".join(t for s, t in received if s == "stdout").split("\n")
         notice = [i for i, (s, _) in enumerate(received) if s == "stderr"]
