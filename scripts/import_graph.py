@@ -112,6 +112,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "supervisor",
             "waiting",
+            "idle",  # idle_timeout= and ttl=: the supervisor's clock of each worker's idleness
             "worker_env",
             "runtime",
             "records",
