@@ -32,7 +32,9 @@ def outputs(session):
 
 # Workers at shared addresses (local), on hosts that see none of this folder (ssh), with addresses of their
 # own (pods; Docker's containers too, in the matrix tier).
-@pytest.mark.parametrize("backend", on("local", "ssh"), indirect=True)  # this machine's and others' addresses
+# This process coordinating servers at other machines' addresses: test_tf_restarts' lost replacement on Docker
+# containers; SSH hosts and pods here in the matrix tier.
+@pytest.mark.parametrize("backend", on("local"), indirect=True)
 def test_parameter_server_training_with_this_process_as_coordinator(session, capfd):
     with start_cluster(n_workers=2, n_ps=1, cpu=1, memory=2, session=session) as cluster:
         assert sorted(cluster.cluster_spec) == ["chief", "ps", "worker"]
@@ -183,7 +185,8 @@ def test_run_cluster_returns_a_spec_and_address_of_real_servers(session):
     session.stop_workers()
 
 
-@pytest.mark.parametrize("backend", on("local", "ssh"), indirect=True)  # the script shipped, or seen in place
+# The script seen in place; shipped to hosts that do not see it: test_ssh_hosts, and this one in the matrix tier.
+@pytest.mark.parametrize("backend", on("local"), indirect=True)
 def test_worker_script_runs_cloudera_style_and_stops_everything(session, monkeypatch):
     monkeypatch.setenv("TRAIN_STEPS", "200")
     result = run_cluster(
