@@ -54,7 +54,7 @@ AT_ONCE = 32  # commands --for-each-line runs together: a scheduler's controller
 
 def for_each_line(command: list[str], timeout: float = 10.0) -> None:
     """Once the session's end of stdin closes: `command` with each line the session wrote on it as its last
-    argument, all at once. What lives beyond this machine must not outlive the session either, and no
+    argument, AT_ONCE of them together. What lives beyond this machine must not outlive the session either, and no
     process here holds it: the Slurm jobs of a session (the session writes each job's name as it submits
     it; scancel ends them, where killing their sruns would not)."""
     lines = [line for line in dict.fromkeys(raw.decode().strip() for raw in sys.stdin.buffer) if line]
