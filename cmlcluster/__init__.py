@@ -45,6 +45,7 @@ _EXPORTS = {
         "stop_workers",
         "tensorboard",
         "use_backend",
+        "xray",
     ),
     "blocking": ("StoppedFromWidget",),
     "errors": (
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
         stop_workers,
         tensorboard,
         use_backend,
+        xray,
     )
     from .blocking import StoppedFromWidget
     from .errors import BackendError, CmlClusterError, ConfigError, ControllerError, SharedMachineWarning, WorkerError
@@ -139,4 +141,5 @@ __all__ = [
     "stop_workers",
     "tensorboard",
     "use_backend",
+    "xray",
 ]

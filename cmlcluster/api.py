@@ -15,6 +15,7 @@ from typing import Any
 from .backends import Backend, resolve_backend
 from .errors import ConfigError
 from .session import Session, check_idle_timeout_and_ttl, check_silence_timeout
+from .stacks import XRay
 from .workers import StopResponse
 
 _default: Session | None = None
@@ -318,6 +319,36 @@ def stop_workers(*ids: str | Mapping[str, Any]) -> list[StopResponse]:
         first = ids[0].get("id") if isinstance(ids[0], Mapping) else ids[0]
         raise ConfigError(f"{first!r} is not a worker: no session runs in this process (launch_workers starts one)")
     return []
+
+
+def xray(*ids: str | Mapping[str, Any]) -> XRay:
+    """Where every rank of the default session's running workers is, right now.
+
+    Each worker's agent reads the Python stack of every thread of its program and of every rank below
+    it (torchrun's, Horovod's and JAX's processes; TensorFlow tasks run in the agent), with py-spy where
+    it may attach and otherwise through the faulthandler dump each rank armed as it started. Nothing
+    is stopped. Ranks with the same stack are grouped; the odd ones out are named with the line they
+    stand at, and the others with the collective they wait in.
+
+    Parameters
+    ----------
+    *ids : str | Mapping[str, Any]
+        The workers: their ids, or their dicts. None named: every running worker of the default session.
+
+    Returns
+    -------
+    XRay
+        Printed, the text; displayed in a notebook, HTML. ``.odd_ones_out()``, ``.groups()`` and
+        ``.rank(n)`` give the records (cmlcluster.xray).
+
+    Examples
+    --------
+    ::
+
+        print(cdsw.xray())
+        cdsw.xray().rank(2).main.frames[-1]  # where rank 2 stands
+    """
+    return get_session().xray(*ids)
 
 
 def tensorboard(logdir: str, port: int | None = None) -> Any:

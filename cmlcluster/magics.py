@@ -5,6 +5,7 @@
     %jaxrun [options] train.py [script args]      run a script as one JAX process on each of fresh workers
     %accelerate [options] train.py [script args]  run an Accelerate script on fresh workers, one machine each
     %%horovod [options], %%torchrun, ...          the cell is the script
+    %xray [worker ...]                            where every rank of the running workers is now (cdsw.xray)
 
 Every verb has --cpu, --memory (GB), --gpus (per worker), --backend NAME (and --backend-option KEY=VALUE),
 --start-timeout S, --max-restarts N and --collect PATH (repeatable: what comes home from each worker's
@@ -68,6 +69,14 @@ def magic(verb: str) -> Callable[..., Any]:
     return run_verb
 
 
+def xray(line: str) -> Any:
+    """%xray [worker ...]: where every rank of the default session's running workers (or of these) is now."""
+    from . import api
+
+    return api.xray(*shlex.split(line))
+
+
 def load_ipython_extension(ipython: Any) -> None:
     for verb in VERBS:
         ipython.register_magic_function(magic(verb), magic_kind="line_cell", magic_name=verb)
+    ipython.register_magic_function(xray, magic_kind="line", magic_name="xray")

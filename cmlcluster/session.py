@@ -26,6 +26,7 @@ from .errors import CmlClusterError, ConfigError
 from .events import CallStarted, Event, Subscriber
 from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
+from .stacks import XRay
 from .supervisor import STOP_GRACE
 from .waiting import AwaitResult
 from .wire import CONNECTION_ENV
@@ -254,6 +255,31 @@ class Session:
             return results
 
         return self._run(all_calls())
+
+    def xray(self, *ids: str | Mapping[str, Any]) -> XRay:
+        """Where every rank of the running workers (all of the session's when none are named) is now:
+        the Python stack of each thread of each worker's program and of every rank below it, gathered
+        at once without stopping anything, grouped by identical stack, the odd ones out named.
+        Print it for text; a notebook displays it."""
+        self._check_open()
+        workers = [self._supervisor.resolve(i) for i in ids] if ids else None
+        return self._run(self._supervisor.xray(workers))
+
+    def xray_soon(self, done: Callable[[XRay | BaseException], None], *ids: str) -> None:
+        """Begin an X-ray and return at once; done(the X-ray, or what it raised) is called on the
+        session's loop thread when it is in. Any thread (the widget's button)."""
+        if self.closed:
+            return
+        workers = [self._supervisor.resolve(i) for i in ids] if ids else None
+
+        async def xray() -> None:
+            try:
+                result: XRay | BaseException = await self._supervisor.xray(workers)
+            except Exception as e:
+                result = e
+            done(result)
+
+        self._rt.loop.call_soon(lambda: self._supervisor.spawn(xray()))
 
     def output(self, worker: str | Mapping[str, Any]) -> str:
         """The worker's output so far (the last lines of it)."""

@@ -26,9 +26,12 @@ from .idle import IDLE_MARK, IdleClock, ttl_message
 from .leftovers import Leftovers
 from .lines import LineSplitter
 from .progress import output_event
+from .stacks import XRay
+from .stacks.gather import GATHER_SECONDS
 from .usage import decode as decode_usage
 from .waiting import Changes
 from .wire import SILENCE_EXIT
+from .worker_env import short_label
 from .workers import FAILED, RUNNING, SCHEDULING, STOPPED, SUCCEEDED, TAIL_LINES, Ending, Program, Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ LOST_CONTACT_GRACE = 5.0  # after an engine unregisters, how long the backend ge
 # Once a worker's process is gone, how long its end waits for its program's result and last output,
 # still on their way over the control plane (a stopped program's cleanup prints as the stop ends it).
 EXIT_OUTPUT_GRACE = 2.0
+XRAY_ANSWER_SECONDS = GATHER_SECONDS + 5.0  # a worker's gather, and the way there and back
 WAITING_POLL = 2.0  # seconds between asks of a scheduler why a worker does not run yet (its queue's reason)
 
 
@@ -420,6 +424,32 @@ class Supervisor:
             if worker.finish(ending.status, exit_code=ending.exit_code, message=ending.message):
                 self._changed(worker)
         return True
+
+    async def xray(self, workers: list[Worker] | None) -> XRay:
+        """The stacks of every running worker among `workers` (None: the session's unfinished ones) and
+        of its ranks, asked of all at once (stacks/); those not running, or that did not answer, are
+        named with why."""
+        started = time.monotonic()
+        if workers is None:
+            workers = [w for w in self.workers.values() if not w.finished]
+        asked = [w for w in workers if w.status == RUNNING and self.control is not None]
+        unanswered = {short_label(w.id): f"it is {w.status}" for w in workers if w not in asked}
+        control = self.control
+        answers: dict[str, dict[str, Any]] = {}
+        if control is not None and asked:
+            results = await asyncio.gather(
+                *(asyncio.wait_for(control.xray(w.engine_id), XRAY_ANSWER_SECONDS) for w in asked),
+                return_exceptions=True,
+            )
+            for worker, result in zip(asked, results, strict=True):
+                name = short_label(worker.id)
+                if isinstance(result, asyncio.TimeoutError):
+                    unanswered[name] = f"no answer within {XRAY_ANSWER_SECONDS:g} s"
+                elif isinstance(result, BaseException):
+                    unanswered[name] = str(result) or type(result).__name__
+                else:
+                    answers[name] = result
+        return XRay.from_answers(answers, unanswered, time.monotonic() - started)
 
     async def stop(self, workers: list[Worker], grace: float = STOP_GRACE) -> list[dict[str, Any]]:
         """Stop these workers in parallel (TERM, KILL after `grace` s); their dicts once they are stopped."""

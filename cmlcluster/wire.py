@@ -37,6 +37,11 @@ SILENCE_EXIT = 70
 # of after silence_timeout (backends/local.py; agent/engine.py).
 LIFELINE_FD_ENV = "CMLCLUSTER_LIFELINE_FD"
 
+# An X-ray (cmlcluster/xray): the session's request on each engine's control channel, and the agent's reply
+# (the stacks of its program and of every rank below it).
+XRAY_REQUEST = "cmlcluster_xray_request"
+XRAY_REPLY = "cmlcluster_xray_reply"
+
 # The controller's ping period. ipyparallel's hub announces a new engine at the beat after the first
 # ping it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start
 # (the session's controller pings and announces sooner: ipyparallel_internals.announce_new_hearts_at_once).

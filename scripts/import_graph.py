@@ -75,6 +75,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "control.ipyparallel_internals",
             "probes",
             "control.connection",
+            "stacks",  # an X-ray's report (both sides read its records) and the hook each rank arms
         ),
     ),
     # A worker's side: its agent and what runs beside it. Nothing here knows a session.
@@ -100,6 +101,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "backends.ssh.relay",  # the host's side of an SSH worker, beside its remote
             "backends.ssh.janitor",  # cleans up after a killed relay on an SSH host
             "collect.on_host",  # on an SSH host: a worker's collect= files, kept until the session takes them
+            "stacks.gather",  # the stacks of a worker's program and ranks, gathered by its agent
         ),
     ),
     # What a session drives: the control plane (it runs one function of the agent in the worker) and backends.

@@ -11,7 +11,8 @@ ends the running program (agent_program) and sends what the engine holds
 before the agent dies of it. An interrupt request (the Jupyter protocol's, on the
 control channel, which a thread of its own serves while the program runs) ends the
 program the same way and leaves the engine serving: the session then takes the worker's
-collect= files through it before it stops the worker (collect/through_agents.py).
+collect= files through it before it stops the worker (collect/through_agents.py). An X-ray
+request, on the same channel, is answered with the stacks of the program and its ranks (stacks/).
 """
 
 from __future__ import annotations
@@ -232,10 +233,22 @@ class AgentEngine(IPEngine):
             os.kill(os.getpid(), signal.SIGTERM)
         self.kernel.session.send(stream, "interrupt_reply", {"status": "ok"}, parent, ident=ident)
 
+    def _xray_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """On the control thread: the stacks of the worker's program and of every rank below the agent
+        (stacks/gather.py), gathered while the program runs on, within stacks.gather.GATHER_SECONDS."""
+        from ..stacks import gather
+
+        try:
+            content = {"status": "ok", **gather.gather()}
+        except Exception as e:  # said to the session, never lost on this thread
+            content = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        self.kernel.session.send(stream, wire.XRAY_REPLY, content, parent, ident=ident)
+
     def start_heartbeat(self, hb_ping: str, hb_pong: str, hb_period: int, identity: bytes) -> None:
         super().start_heartbeat(hb_ping, hb_pong, hb_period, identity)
         # Registered: the kernel exists (ipyparallel makes it just before it starts the heart).
         self.kernel.control_handlers["interrupt_request"] = self._interrupt_request
+        self.kernel.control_handlers[wire.XRAY_REQUEST] = self._xray_request
         import zmq
 
         curve: dict[int, bytes] = {}

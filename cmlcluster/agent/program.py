@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import linecache
 import runpy
 import subprocess
 import sys
@@ -128,6 +129,9 @@ def in_program() -> bool:
     return _in_program
 
 
+CELL_FILE = "<worker code>"  # the file name a cell's code runs as
+
+
 def run_cell(code: str) -> int:
     """Run `code` as CML's engine, an IPython kernel, runs a cell; return its exit code.
 
@@ -136,7 +140,9 @@ def run_cell(code: str) -> int:
     lines only sets ``_exit_code``, as in IPython. Runs in a namespace of its own, as ``__main__``.
     """
     source = cell_source(code)
-    compiled = compile(source, "<worker code>", "exec")
+    compiled = compile(source, CELL_FILE, "exec")
+    # Its lines, for a traceback's and an X-ray's frames in it (stacks/gather.py), as IPython keeps a cell's.
+    linecache.cache[CELL_FILE] = (len(source), None, source.splitlines(True), CELL_FILE)
     namespace: dict[str, Any] = {"__name__": "__main__", "get_ipython": get_ipython}
     with shell_commands_into_streams(namespace):
         exec(compiled, namespace)  # noqa: S102

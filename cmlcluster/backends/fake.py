@@ -210,5 +210,12 @@ class FakeControl(ControlPlane):
         if interrupted is not None and not interrupted.done():
             interrupted.set_result(None)
 
+    async def xray(self, engine_id: int) -> dict[str, Any]:
+        self.calls.append((engine_id, "xray", ()))
+        if self.responder is None:
+            raise CmlClusterError(f"fake worker {engine_id} runs no code (asked for its stacks)")
+        answer: dict[str, Any] = self.responder(engine_id, "xray", ())
+        return answer
+
     async def close(self) -> None:
         self.closed = True

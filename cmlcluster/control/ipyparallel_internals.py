@@ -54,10 +54,11 @@ async def hub_engines(client: Any, timeout: float) -> dict[int, str]:
     return {int(engine_id): uuid for engine_id, uuid in reply["content"]["engines"].items()}
 
 
-def send_interrupt(client: Any, engine_id: int) -> Any:
-    """Send the Jupyter protocol's interrupt_request to one engine's control channel (the agent's engine
-    serves it: agent/engine.py); a future of the reply. Sent on the client's IO thread."""
-    return client._send_control_request(targets=engine_id, msg_type="interrupt_request", content={}, block=False)
+def send_control_request(client: Any, engine_id: int, msg_type: str) -> Any:
+    """Send a request to one engine's control channel (the Jupyter protocol's interrupt_request, or an
+    X-ray's: the agent's engine serves both, agent/engine.py); a future of [the reply message]. Sent on
+    the client's IO thread."""
+    return client._send_control_request(targets=engine_id, msg_type=msg_type, content={}, block=False)
 
 
 def register_engines(client: Any, engines: dict[int, str]) -> None:

@@ -35,6 +35,7 @@ from ..wire import (
     LOG_LEVEL_ENV,
     SILENCE_ENV,
     USAGE_TOPIC,
+    XRAY_REQUEST,
 )
 from ..workers import Program
 from . import ipyparallel_internals
@@ -101,6 +102,11 @@ class ControlPlane(abc.ABC):
     async def interrupt(self, engine_id: int) -> None:
         """End the worker's running program as a stop does (run_program returns its exit code, -signal),
         its agent still serving; nothing when no program runs."""
+
+    @abc.abstractmethod
+    async def xray(self, engine_id: int) -> dict[str, Any]:
+        """The stacks of the worker's program and of every rank below its agent, gathered while they run
+        (stacks/gather.py's answer); the caller bounds the wait."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -391,8 +397,16 @@ class IPyParallelControl(ControlPlane):
         return await self._apply_streaming(engine_id, ("call", target, *args), on_output)
 
     async def interrupt(self, engine_id: int) -> None:
-        reply = ipyparallel_internals.send_interrupt(self._client, engine_id)
+        reply = ipyparallel_internals.send_control_request(self._client, engine_id, "interrupt_request")
         await asyncio.wait_for(asyncio.wrap_future(reply), INTERRUPT_TIMEOUT)
+
+    async def xray(self, engine_id: int) -> dict[str, Any]:
+        reply = ipyparallel_internals.send_control_request(self._client, engine_id, XRAY_REQUEST)
+        [message] = await asyncio.wrap_future(reply)
+        content: dict[str, Any] = message["content"]
+        if content.get("status") != "ok":
+            raise ControllerError(f"its agent could not gather its stacks: {content.get('error')}")
+        return content
 
     async def close(self) -> None:
         if self._catching_up is not None:

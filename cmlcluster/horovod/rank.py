@@ -27,6 +27,7 @@ import sys
 from typing import NoReturn
 
 from .._exit import exit_now, status_of
+from ..stacks import hook as xray_hook
 from ..wire import RANK_ENV_FILE_ENV
 from . import rendezvous
 
@@ -78,6 +79,7 @@ def run_script(argv: list[str]) -> None:
 
 def main(argv: list[str]) -> NoReturn:
     with_run_env(argv)
+    xray_hook.arm()  # where an X-ray finds this rank's stacks if py-spy cannot attach (stacks/hook.py)
     try:
         sign_registration()
         run_script(argv)

@@ -1,6 +1,7 @@
 """What a rank runs, for every framework's rank runner: a script as ``python SCRIPT ARGS`` would run it,
-or a pickled function, and the traceback of a failure as the user's code raised it. Only the standard
-library (and cloudpickle, for a function's value) is imported here: ranks import none of the session's side.
+or a pickled function, and the traceback of a failure as the user's code raised it. Each arms its
+X-ray dump first (stacks/hook.py). Only the standard library (and cloudpickle, for a function's value) is
+imported here: ranks import none of the session's side.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from collections.abc import Collection
 from types import TracebackType
 from typing import Any
 
+from ..stacks import hook as xray_hook
+
 
 def run_script(script: str, args: list[str]) -> None:
+    xray_hook.arm()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
@@ -23,6 +27,7 @@ def run_script(script: str, args: list[str]) -> None:
 def run_function(call_file: str, result_file: str, keep_value: bool) -> None:
     """Call the pickled (fn, args, kwargs) in call_file; with keep_value (rank 0), pickle what it
     returned into result_file."""
+    xray_hook.arm()
     with open(call_file, "rb") as f:
         fn, args, kwargs = pickle.load(f)  # noqa: S301  # written by this run's node, in a private folder
     value: Any = fn(*args, **kwargs)

@@ -45,6 +45,7 @@ SHOW_LOG_TIP = "Show the end of the selected worker's log here (the saved notebo
 HIDE_LOG_TIP = "Hide the log (the saved notebook then holds none of it)"
 STOPS_THE_CELL = "Stops these workers, and the cmlcluster call a running cell waits in"
 STOPS_BETWEEN_CELLS = "Stops these workers between cells; a running cell stops with Interrupt (■)"
+XRAY_TIP = "Where every rank of these workers is now: each thread's Python stack, the odd ones out named"
 NOISE_TIP = "Show the frameworks' INFO log lines too (folded away by default; the worker's log keeps them all)"
 LOG_SCALE_TIP = (
     "A log scale for the loss (a run that diverged no longer flattens the others; losses <= 0 are not drawn)"
@@ -205,6 +206,13 @@ class WidgetView:
         # The click acts on arrival, while a cell may hold the kernel; the on_click above runs later.
         hooked = kernel_internals.on_arrival(self.stop_button.comm, self._guarded(self._on_stop_arrival))
         self.stop_button.tooltip = STOPS_THE_CELL if hooked else STOPS_BETWEEN_CELLS
+        # Where every rank of the view's workers is now (cmlcluster/xray): asked on the click's arrival,
+        # while the cell runs on; the answer is drawn under the table.
+        self.xray_button = w.Button(description="X-ray", icon="search", tooltip=XRAY_TIP)
+        self.xray_button.on_click(self._guarded(self._on_xray))
+        self._xray_on_arrival = kernel_internals.on_arrival(self.xray_button.comm, self._guarded(self._on_xray_arrival))
+        self.xray_view = w.HTML()
+        self._xray: str | None = None  # the last X-ray's HTML, drawn at the next render; "" while one is taken
         self.source = w.Dropdown(description="output", options=[])
         self.source.observe(self._guarded(self._on_pick), names="value")
         self._picked = False  # the user chose a source: kept; until then the first in order (w0, rank 0)
@@ -232,9 +240,10 @@ class WidgetView:
         self.plot_area = w.Box()  # holds the plot from the first loss on: no empty chart where nothing trains
         self.widget = w.VBox(
             [
-                w.HBox([self.title, self.stop_button]),
+                w.HBox([self.title, self.xray_button, self.stop_button]),
                 self.up,
                 self.table,
+                self.xray_view,
                 self.training,
                 self.plot_area,
                 w.HBox([self.source, self.noise]),
@@ -300,6 +309,32 @@ class WidgetView:
             self.session.stop_workers_soon(*live)
         if self._ends_the_running_call(live):
             blocking.interrupt(self.session, lambda: self._stopped(live))
+
+    def _on_xray(self, _button: Any) -> None:
+        if not self._xray_on_arrival:  # a kernel that hands the click over only between cells
+            self._take_xray()
+
+    def _on_xray_arrival(self, data: Any) -> None:
+        """A click as it reaches the kernel: the X-ray is asked for on the session's loop; never waits."""
+        content = data.get("content") if isinstance(data, dict) and data.get("method") == "custom" else None
+        if isinstance(content, dict) and content.get("event") == "click":
+            self._take_xray()
+
+    def _take_xray(self) -> None:
+        live = self._live()
+        if not live or self._xray == "":
+            return  # nothing runs, or one is on its way
+        self._xray = ""
+        self._redraw()
+        self.session.xray_soon(self._xray_taken, *live)
+
+    def _xray_taken(self, result: Any) -> None:
+        """On the session's loop: the X-ray (or why there is none), drawn at the next render."""
+        if isinstance(result, BaseException):
+            self._xray = f"<div class='cmlcluster-xray'>X-ray failed: {html.escape(str(result))}</div>"
+        else:
+            self._xray = result.html()
+        self._redraw()
 
     def _ends_the_running_call(self, live: list[str]) -> bool:
         """Whether this click also ends the call a cell waits in: the newest view's (the running cell's) and
@@ -402,6 +437,9 @@ class WidgetView:
         holds = blocking.busy(session) and self in (self.views.latest, self.views.whole_view)
         self.stop_button.disabled = session.closed or not (live or holds)
         self.stop_button.button_style = "" if self.stop_button.disabled else "danger"  # red only when it can act
+        self.xray_button.disabled = session.closed or not live or self._xray == ""
+        if self._xray is not None:
+            self.xray_view.value = self._xray or "<div class='cmlcluster-xray'>X-ray: asking every worker…</div>"
         self._render_training(progress)
         if curves and self.plot is None and self._can_plot:
             self.plot, self._scales = _new_plot()
