@@ -155,6 +155,37 @@ class Progress(Event):
     total: float | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
+    worker: str | None = None  # the worker whose output carried it; None for the session's own reports
+
+
+@dataclass(frozen=True)
+class Straggler(Event):
+    """A reporter of progress whose steps come more than `fraction` slower than its peers' median over
+    `window` seconds (stragglers.py); `over` once it has caught up again. The views add what its
+    worker uses (its latest ResourceUse)."""
+
+    kind: ClassVar[str] = "straggler"
+    task: str  # "rank 2"
+    worker: str | None
+    rate: float  # its steps a second over the window
+    median: float  # its peers' median
+    peers: str  # "rank": what its peers are
+    fraction: float
+    window: float
+    over: bool = False
+
+    def message(self, use: ResourceUse | None = None) -> str:
+        if self.over:
+            return f"{self.task} keeps pace again: {self.rate:.3g} steps/s, the {self.peers}s' median {self.median:.3g}"
+        slower = 1 - self.rate / self.median if self.median else 1.0
+        text = (
+            f"{self.task} is a straggler: {slower:.0%} slower than the {self.peers}s' median "
+            f"({self.rate:.3g} steps/s against {self.median:.3g}, over {self.window:g} s)"
+        )
+        if use is not None:
+            gpus = "".join(f", GPU {g.index} {g.utilization_percent:.0f} % busy" for g in use.gpus)
+            text += f"; its worker uses {use.cpu_percent:.0f} % CPU{gpus}"
+        return text + "; the X-ray shows where it stands"
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ def decode(line: str, source: str) -> Progress | None:
             total=None if data.get("total") is None else float(data["total"]),
             metrics={str(k): float(v) for k, v in (data.get("metrics") or {}).items()},
             time=time.time(),
+            worker=source,
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return None  # a line that merely mentions the marker stays output

@@ -23,10 +23,11 @@ from . import blocking, checks, live, origin, records, shipping, viewers
 from .backends import Backend, make_backend
 from .collect import paths as results
 from .errors import CmlClusterError, ConfigError
-from .events import CallStarted, Event, Subscriber
+from .events import CallStarted, Event, Progress, Subscriber
 from .runtime import DRAIN_TIMEOUT, Runtime
 from .shipping import Shipment
 from .stacks import XRay
+from .stragglers import STRAGGLER_FRACTION, STRAGGLER_WINDOW, StragglerWatch
 from .supervisor import STOP_GRACE
 from .waiting import AwaitResult
 from .wire import CONNECTION_ENV
@@ -57,6 +58,8 @@ class Session:
         silence_timeout: float | None = None,
         idle_timeout: float | None = None,
         ttl: float | None = None,
+        straggler_fraction: float | None = STRAGGLER_FRACTION,
+        straggler_window: float = STRAGGLER_WINDOW,
         **backend_options: Any,
     ):
         """echo: show the session (its workers, their output, training progress): widgets in a
@@ -74,9 +77,14 @@ class Session:
 
         ttl: seconds from the session's first launch after which every worker is stopped, busy or not,
         and the session launches no more. None: never.
+
+        straggler_fraction, straggler_window: a rank (or TensorFlow task) whose reported steps come more
+        than straggler_fraction slower than its peers' median over straggler_window seconds is named in
+        the views and as a Straggler event (stragglers.py). straggler_fraction=None: never.
         """
         check_silence_timeout(silence_timeout)
         check_idle_timeout_and_ttl(idle_timeout, ttl)
+        check_stragglers(straggler_fraction, straggler_window)
         self.id = secrets.token_hex(8)  # 64 bits: it names containers, pods and labels shared by everyone
         self.backend = make_backend(backend, **backend_options)
         self._rt = Runtime(
@@ -96,6 +104,8 @@ class Session:
         self._on_close: list[Callable[[], None]] = []
         self._record: records.Recorder | None = None  # for `cmlcluster list` / `cleanup`
         self.closed = False
+        if straggler_fraction is not None:
+            self.subscribe(StragglerFlags(self, StragglerWatch(straggler_fraction, straggler_window)))
         live.add(self)
         if echo:
             viewers.attach(self)
@@ -448,6 +458,31 @@ class Session:
 
     def _start_record(self) -> None:
         self._record = records.Recorder(self)
+
+
+class StragglerFlags:
+    """The session's subscriber that feeds its progress reports to the straggler watch and publishes the
+    flags it raises (on the bus's delivery thread: the watch has no other user)."""
+
+    def __init__(self, session: Session, watch: StragglerWatch):
+        self._session, self._watch = session, watch
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, Progress):
+            for flag in self._watch.sample(event):
+                self._session.publish(flag)
+
+
+def check_stragglers(fraction: object, window: object) -> None:
+    """Refuse a straggler_fraction that is not None or a number between 0 and 1, or a straggler_window
+    that is not a number of seconds >= 1, before anything starts."""
+    if fraction is not None and not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
+        raise ConfigError(
+            f"straggler_fraction={fraction!r}: give the share of the median's pace a rank may fall behind by, "
+            "between 0 and 1 (0.3: 30 % slower), or None to name no stragglers"
+        )
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not window >= 1:
+        raise ConfigError(f"straggler_window={window!r}: give the seconds a pace is measured over, 1 or more (30)")
 
 
 def check_idle_timeout_and_ttl(idle_timeout: object, ttl: object) -> None:

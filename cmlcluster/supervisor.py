@@ -26,8 +26,9 @@ from .idle import IDLE_MARK, IdleClock, ttl_message
 from .leftovers import Leftovers
 from .lines import LineSplitter
 from .progress import output_event
-from .stacks import XRay
+from .stacks import XRay, gather
 from .stacks.gather import GATHER_SECONDS
+from .stacks.report import NOTEBOOK
 from .usage import decode as decode_usage
 from .waiting import Changes
 from .wire import SILENCE_EXIT
@@ -436,6 +437,13 @@ class Supervisor:
         unanswered = {short_label(w.id): f"it is {w.status}" for w in workers if w not in asked}
         control = self.control
         answers: dict[str, dict[str, Any]] = {}
+        # Ranks the session's own process started (horovodrun's, on the local backend) are read here; local
+        # workers' agents answer for what runs below them.
+        capabilities = self.backend.capabilities()
+        agents = [
+            w.pid for w in self.workers.values() if w.pid and capabilities.session_host and not capabilities.own_address
+        ]
+        here = asyncio.create_task(asyncio.to_thread(gather.below, time.monotonic() + GATHER_SECONDS, agents, True))
         if control is not None and asked:
             results = await asyncio.gather(
                 *(asyncio.wait_for(control.xray(w.engine_id), XRAY_ANSWER_SECONDS) for w in asked),
@@ -449,6 +457,9 @@ class Supervisor:
                     unanswered[name] = str(result) or type(result).__name__
                 else:
                     answers[name] = result
+        ranks_here = await here
+        if ranks_here:
+            answers[NOTEBOOK] = {"processes": ranks_here}
         return XRay.from_answers(answers, unanswered, time.monotonic() - started)
 
     async def stop(self, workers: list[Worker], grace: float = STOP_GRACE) -> list[dict[str, Any]]:

@@ -41,6 +41,9 @@ LIFELINE_FD_ENV = "CMLCLUSTER_LIFELINE_FD"
 # (the stacks of its program and of every rank below it).
 XRAY_REQUEST = "cmlcluster_xray_request"
 XRAY_REPLY = "cmlcluster_xray_reply"
+# "0" in a process's environment (a run's env=): an X-ray never attaches py-spy to it (py-spy stops a process
+# for the instant it reads it) and reads the faulthandler dump its rank runner armed instead.
+PY_SPY_ENV = "CMLCLUSTER_PY_SPY"
 
 # The controller's ping period. ipyparallel's hub announces a new engine at the beat after the first
 # ping it answered, 1 to 2 periods after it connects: at 1000 ms that was most of a worker's start

@@ -393,8 +393,8 @@ RESERVED_ENV_PREFIX = "CMLCLUSTER_"
 # Those of them a launch may set: documented knobs, never a secret.
 # The modules the worker imports while it registers; its agent's log level (a worker elsewhere has no
 # other way to get the session's CMLCLUSTER_LOG_LEVEL); how often its agent samples what it uses (usage.py;
-# "0" turns sampling off).
-SETTABLE_ENV = frozenset({wire.PRELOAD_ENV, wire.LOG_LEVEL_ENV, wire.USAGE_SECONDS_ENV})
+# "0" turns sampling off); whether an X-ray may attach py-spy to its processes (stacks/gather.py).
+SETTABLE_ENV = frozenset({wire.PRELOAD_ENV, wire.LOG_LEVEL_ENV, wire.USAGE_SECONDS_ENV, wire.PY_SPY_ENV})
 
 
 def check_env(env: Mapping[str, str] | None) -> dict[str, str]:

@@ -115,6 +115,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "supervisor",
             "waiting",
             "idle",  # idle_timeout= and ttl=: the supervisor's clock of each worker's idleness
+            "stragglers",  # the session's watch of its reporters' pace
             "worker_env",
             "runtime",
             "records",

@@ -3,8 +3,9 @@ below its agent, gathered in seconds without stopping anything; JSON-able, for t
 
 - The agent's own threads (a plain worker's program, a TensorFlow task: they run in the agent) are read
   from the interpreter itself; the agent's machinery (the engine, its watchdogs) is left out.
-- A process below it (a rank, its launcher) is read with py-spy where py-spy is installed and may attach,
-  and otherwise through the faulthandler dump its rank runner armed (hook.py). Processes that share one
+- A process below it (a rank, its launcher) is read with py-spy where py-spy is installed and may attach
+  (and the process's environment does not turn it off: wire.PY_SPY_ENV), and otherwise through the
+  faulthandler dump its rank runner armed (hook.py). Processes that share one
   dump file (a rank's forked children inherit it) are asked one at a time, others all at once.
 
 Each frame carries its line of source, read here, where the file is: the session may have no copy.
@@ -24,9 +25,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
+from ..wire import PY_SPY_ENV
 from .hook import MEMFD_NAME, XRAY_SIGNAL
 
 GATHER_SECONDS = 5.0  # a worker's whole gather; the session waits a little longer for its answer
@@ -70,11 +72,17 @@ def own_process() -> dict[str, Any] | None:
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "command": "the worker's program",
-        "label": label_of(dict(os.environ)),
+        "label": label_of(dict(os.environ)) or tensorflow_task(),
         "via": "agent",
         "threads": threads,
         "error": None,
     }
+
+
+def tensorflow_task() -> dict[str, Any]:
+    """The TensorFlow task this agent serves (run_cluster's tasks run in their worker's agent), if any."""
+    task = getattr(sys.modules.get("cmlcluster.tensorflow.task"), "current_task", None)
+    return {"kind": "tensorflow", "task": task} if task else {}
 
 
 def users_part(frames: list[Frame]) -> list[Frame]:
@@ -103,20 +111,38 @@ def with_source(frames: Iterable[Frame]) -> list[Frame]:
 # ---------------------------------------------------------------- the processes below the agent
 
 
-def below(deadline: float) -> list[dict[str, Any]]:
+def below(deadline: float, skip: Collection[int] = (), ranks_only: bool = False) -> list[dict[str, Any]]:
+    """The Python processes below this one, read: all of them, or with ranks_only only the ranks and their
+    children (what the session's own process started: horovodrun's ranks on the local backend), never
+    those below a process in `skip` (the local workers' agents, which answer for their own)."""
     import psutil
 
     found: dict[int, dict[str, Any]] = {}
-    for child in psutil.Process().children(recursive=True):
+    no_py_spy: set[int] = set()
+    children = psutil.Process().children(recursive=True)
+    skipped = set(skip)
+    for child in children:  # parents come before their children
+        with contextlib.suppress(psutil.Error):
+            if child.ppid() in skipped:
+                skipped.add(child.pid)
+    for child in children:
+        if child.pid in skipped:
+            continue
         with contextlib.suppress(psutil.Error):
             command = child.cmdline()
             if not is_python(child.exe(), command):
                 continue
+            env = child.environ()
+            label = label_of(env)
+            if ranks_only and not label:
+                continue
+            if env.get(PY_SPY_ENV) == "0":
+                no_py_spy.add(child.pid)
             found[child.pid] = {
                 "pid": child.pid,
                 "ppid": child.ppid(),
                 "command": " ".join(" ".join(command).split())[:300],  # on one line
-                "label": label_of(child.environ()),
+                "label": label,
                 "via": None,
                 "threads": [],
                 "error": None,
@@ -125,7 +151,7 @@ def below(deadline: float) -> list[dict[str, Any]]:
         parent = found.get(record["ppid"])
         if record["label"] and parent is not None and parent["label"].get("rank") == record["label"].get("rank"):
             record["label"] = {**record["label"], "helper_of": parent["pid"]}
-    unread = _read_with_py_spy(found, deadline)
+    unread = _read_with_py_spy(found, deadline, no_py_spy)
     _read_dumps(unread, found, deadline)
     for record in found.values():  # a rank's stack from its script on, without its runner's frames
         for thread in record["threads"]:
@@ -154,7 +180,7 @@ def label_of(env: dict[str, str]) -> dict[str, Any]:
                     "rank": int(env[rank]),
                     "size": int(env[size]) if env.get(size, "").isdigit() else None,
                     "local_rank": int(env[local]) if local and env.get(local, "").isdigit() else None,
-                    "backend": "gloo" if kind == "horovod" and env.get("HOROVOD_GLOO") == "1" else None,
+                    "backend": _horovod_transport(env) if kind == "horovod" else None,
                 }
     if "TF_CONFIG" in env:
         with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -163,15 +189,25 @@ def label_of(env: dict[str, str]) -> dict[str, Any]:
     return {}
 
 
-def _read_with_py_spy(found: dict[int, dict[str, Any]], deadline: float) -> list[int]:
-    """Read what py-spy can; return the pids it could not (py-spy missing, or not allowed to attach)."""
+def _horovod_transport(env: dict[str, str]) -> str | None:
+    """How horovodrun told a rank its collectives travel ("gloo"): its controller's, for a CPU tensor."""
+    if env.get("HOROVOD_GLOO") == "1" or env.get("HOROVOD_CONTROLLER") == "gloo":
+        return "gloo"
+    return env.get("HOROVOD_CONTROLLER") or None
+
+
+def _read_with_py_spy(found: dict[int, dict[str, Any]], deadline: float, refused: set[int]) -> list[int]:
+    """Read what py-spy can; return the pids it could not (py-spy missing, not allowed to attach, or
+    turned off for the process: `refused`)."""
     py_spy = shutil.which("py-spy") or _beside_python("py-spy")
+    for pid in refused:
+        found[pid]["error"] = f"py-spy is turned off for it ({PY_SPY_ENV}=0)"
     if py_spy is None:
-        for record in found.values():
-            record["error"] = "py-spy is not installed here"
+        for pid in set(found) - refused:
+            found[pid]["error"] = "py-spy is not installed here"
         return list(found)
-    unread = []
-    pids = list(found)
+    unread = list(refused)
+    pids = [pid for pid in found if pid not in refused]
     for start in range(0, len(pids), PY_SPY_PARALLEL):
         batch = pids[start : start + PY_SPY_PARALLEL]
         running = {
@@ -289,20 +325,22 @@ _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 def faulthandler_threads(text: str) -> list[dict[str, Any]]:
     """faulthandler's dump ("Thread 0x... (most recent call first):" and its "File ..., line N in f" lines)
-    as threads, outermost frame first."""
+    as threads, outermost frame first. It names no thread, but walks the interpreter's threads from the
+    newest: the main thread, the first of all, is the last it dumps."""
     threads: list[dict[str, Any]] = []
     for line in text.splitlines():
         if match := _THREAD.match(line):
             threads.append({"name": f"thread {match.group(2)}", "frames": []})
         elif (match := _FRAME.match(line)) and threads:
             threads[-1]["frames"].insert(0, [match.group(1), int(match.group(2)), match.group(3)])
+    if threads:
+        threads[-1]["name"] = "MainThread"
     return main_first(threads)
 
 
 def main_first(threads: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The threads with their source lines, the main thread first. Where nothing named it (faulthandler
-    names no thread, py-spy not always), the one thread whose outermost frame is a module's top level
-    is taken for it."""
+    """The threads with their source lines, the main thread first. Where nothing named it (py-spy does
+    not always), the one thread whose outermost frame is a module's top level is taken for it."""
     if not any(t["name"] == "MainThread" for t in threads):
         mains = [t for t in threads if t["frames"] and t["frames"][0][2] == "<module>"]
         if len(mains) == 1:

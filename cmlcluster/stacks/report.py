@@ -100,21 +100,23 @@ class ProcessStacks:
 
     @property
     def signature(self) -> tuple[Any, ...]:
-        """What two units with the same stack share: their main thread's frames, less the source text."""
+        """What two units with the same stack share: their main thread's frames, each by its file's name,
+        line and function (one script lies in a folder of each worker's own on SSH hosts)."""
         if self.main is None:
             return ("no stack", self.error)
-        return tuple((f.file, f.line, f.function) for f in self.main.frames)
+        return tuple((os.path.basename(f.file), f.line, f.function) for f in self.main.frames)
 
     @property
     def collective(self) -> str | None:
-        """The collective its main thread waits in ("torch.distributed.barrier"), if it waits in one."""
+        """The collective its main thread waits in ("torch.distributed.barrier"), if it waits in one: of the
+        frames that name one, the outermost (the call the user made: allreduce, not the synchronize in it)."""
         if self.main is None:
             return None
-        for frame in reversed(self.main.frames):
+        for frame in self.main.frames:
             for where, function, label in _COLLECTIVES:
                 if where.search(frame.file) and function.search(frame.function):
                     name = label.format(function=frame.function.rpartition(".")[2])
-                    return f"{name} over {self.backend.capitalize()}" if self.backend else name
+                    return f"{name} over {TRANSPORTS.get(self.backend, self.backend)}" if self.backend else name
         return None
 
     @classmethod
@@ -140,6 +142,9 @@ class ProcessStacks:
             helper_of=label.get("helper_of"),
         )
 
+
+TRANSPORTS = {"gloo": "Gloo", "nccl": "NCCL", "mpi": "MPI"}
+NOTEBOOK = "notebook"  # the worker name of ranks the session's own process started (horovodrun's, on local)
 
 # Where a stack's innermost frames say it waits for its peers: (file, function, label), tried innermost
 # frame first. torch.distributed does not say which of Gloo and NCCL carries a group's collectives.
@@ -173,6 +178,9 @@ _COLLECTIVES = [
 ]
 
 
+QUIET = "no Python code of its own runs (no program, or only a server's threads: a parameter server)"
+
+
 @dataclass
 class XRay:
     """Every running worker's stacks, taken together, once. Print it, or display it in a notebook."""
@@ -180,6 +188,7 @@ class XRay:
     processes: list[ProcessStacks]
     unanswered: dict[str, str] = field(default_factory=dict)  # worker -> why it gave no stacks
     seconds: float = 0.0
+    quiet: list[str] = field(default_factory=list)  # workers that answered with no Python of their own running
 
     @classmethod
     def from_answers(
@@ -190,7 +199,8 @@ class XRay:
             ProcessStacks.from_wire(worker, data) for worker, answer in answers.items() for data in answer["processes"]
         ]
         processes.sort(key=_order)
-        return cls(processes, dict(unanswered), seconds)
+        quiet = [worker for worker, answer in answers.items() if not answer["processes"]]
+        return cls(processes, dict(unanswered), seconds, quiet)
 
     @property
     def units(self) -> list[ProcessStacks]:
@@ -233,10 +243,12 @@ class XRay:
     def summary(self) -> list[str]:
         """The headline: who waits where, and the odd ones out."""
         units = self.units
-        workers = sorted({p.worker for p in self.processes} | set(self.unanswered), key=_worker_order)
+        places = {p.worker for p in self.processes} | {*self.unanswered, *self.quiet}
+        where = [_count(len(places - {NOTEBOOK}), "worker")] if places - {NOTEBOOK} else []
+        where += ["the notebook's machine"] if NOTEBOOK in places else []
         vias = sorted({p.via for p in self.processes if p.via and p.via != "agent"})
         lines = [
-            f"X-ray of {_count(len(units), _unit_word(units))} on {_count(len(workers), 'worker')} "
+            f"X-ray of {_count(len(units), _unit_word(units))} on {' and '.join(where) or '0 workers'} "
             f"in {self.seconds:.1f} s" + (f" ({', '.join(vias)})" if vias else "")
         ]
         odd = self.odd_ones_out()
@@ -249,6 +261,8 @@ class XRay:
             lines += [f"    {u.name} ({u.worker}, pid {u.pid}): {_standing(u)}" for u in odd]
         for worker, why in self.unanswered.items():
             lines.append(f"  {worker}: no answer ({why})")
+        if self.quiet:
+            lines.append(f"  {', '.join(self.quiet)}: {QUIET}")
         return lines
 
     def text(self) -> str:
@@ -281,6 +295,8 @@ class XRay:
             )
         for worker, why in self.unanswered.items():
             parts.append(f"<li>{e(worker)}: no answer ({e(why)})</li>")
+        if self.quiet:
+            parts.append(f"<li>{e(', '.join(self.quiet))}: {e(QUIET)}</li>")
         parts.append("</ul>")
         if self.others:
             parts.append(

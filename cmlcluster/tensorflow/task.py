@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _server: Any = None
+current_task: str | None = None  # "worker:1": this worker's task, once its server started (an X-ray names it)
 
 
 def _check_port_free(port: int) -> None:
@@ -36,7 +37,7 @@ def _check_port_free(port: int) -> None:
 
 def start_server(spec: Mapping[str, Sequence[str]], job: str, index: int) -> str:
     """Start this task's tf.distribute.Server (once); returns its target, grpc://..."""
-    global _server
+    global _server, current_task
     if _server is not None:
         raise RuntimeError(f"this worker already runs a TensorFlow server ({_server.target})")
     _check_port_free(int(spec[job][index].rpartition(":")[2]))
@@ -49,6 +50,7 @@ def start_server(spec: Mapping[str, Sequence[str]], job: str, index: int) -> str
         protocol="grpc",
         start=True,
     )
+    current_task = f"{job}:{index}"
     return str(_server.target)
 
 

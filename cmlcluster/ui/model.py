@@ -37,6 +37,7 @@ from ..events import (
     ResourceUse,
     RunEnded,
     SessionClosed,
+    Straggler,
     WorkerStatus,
 )
 from ..worker_env import short_label, worker_label
@@ -161,6 +162,7 @@ class ViewModel:
         self.output: dict[str, deque[tuple[str, bool]]] = {}  # source -> last (line, is noise)
         self.folded: Counter[str] = Counter()  # source -> noise lines so far
         self.notes: list[str] = []
+        self.stragglers: dict[str, Straggler] = {}  # task -> its flag, until it keeps pace again
         self.restarts: dict[str, int] = {}  # job -> members replaced so far
         self.jobs: dict[str, set[str]] = {}  # job -> its members' worker ids
         self.run_ended: RunEnded | None = None
@@ -173,6 +175,8 @@ class ViewModel:
         self.changes += 1
         if isinstance(event, WorkerStatus):
             self._on_status(event.worker)
+            if event.worker.finished:  # its ranks' flags go with it
+                self.stragglers = {t: f for t, f in self.stragglers.items() if f.worker != event.worker.id}
         elif isinstance(event, OutputLine):
             noise = is_noise(event.text)
             self.folded[event.source] += noise
@@ -189,6 +193,11 @@ class ViewModel:
             self.notes += event.notes()
         elif isinstance(event, LaunchFailed):
             self.notes.append(event.message)
+        elif isinstance(event, Straggler):
+            if event.over:
+                self.stragglers.pop(event.task, None)
+            else:
+                self.stragglers[event.task] = event
         elif isinstance(event, RunEnded):
             self.run_ended = event
             if not event.ok:
@@ -268,6 +277,10 @@ class ViewModel:
     def lines(self, source: str, *, noise: bool = False) -> list[str]:
         """The source's last lines; framework INFO noise only when asked for."""
         return [text for text, is_noise_line in self.output.get(source, ()) if noise or not is_noise_line]
+
+    def straggler_lines(self) -> list[str]:
+        """Each flagged straggler, with what its worker uses now (its latest sample)."""
+        return [flag.message(self.usage.get(flag.worker or "")) for flag in self.stragglers.values()]
 
     def live(self) -> list[str]:
         """The workers still starting or running."""
@@ -377,4 +390,6 @@ def _worker_of(event: Event) -> str | None:
         return event.source
     if isinstance(event, Progress):
         return event.task
+    if isinstance(event, Straggler):
+        return event.worker
     return None

@@ -27,6 +27,7 @@ from ..events import (
     Progress,
     RunEnded,
     SessionClosed,
+    Straggler,
     WorkerStatus,
 )
 from ..progress import describe
@@ -68,6 +69,8 @@ class TerminalView:
                 self._on_job(event)
             elif isinstance(event, LaunchFailed):
                 self._write(f"[cmlcluster] {event.message}")
+            elif isinstance(event, Straggler):
+                self._write(f"[cmlcluster] {event.message(self._model.usage.get(event.worker or ''))}")
             elif isinstance(event, RunEnded):
                 self._write(f"[{event.run}] {event.message}")
                 if event.ok:  # its nodes stopped with it: each did its part

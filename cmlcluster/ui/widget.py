@@ -50,6 +50,7 @@ NOISE_TIP = "Show the frameworks' INFO log lines too (folded away by default; th
 LOG_SCALE_TIP = (
     "A log scale for the loss (a run that diverged no longer flattens the others; losses <= 0 are not drawn)"
 )
+STRAGGLER_COLOUR = "#ef6c00"  # a warning, not a failure
 COLOURS = {
     SCHEDULING: "#9e9e9e",
     RUNNING: "#1e88e5",
@@ -413,6 +414,7 @@ class WidgetView:
             output = model.lines(selected, noise=self.noise.value) if selected else []
             folded = model.folded[selected] if selected and not self.noise.value else 0
             notes = list(model.notes)
+            stragglers = model.straggler_lines()
             summary = model.summary()
             live = bool(model.live())
             selected_worker = selected if selected in model.workers else None
@@ -430,9 +432,9 @@ class WidgetView:
         self.up.value = up
         self.up.bar_style = "danger" if any(r["status"] == FAILED for r in rows) else "info"
         self.up.layout.display = "none" if rows and up == len(rows) else ""  # gone once every worker came up
-        self.table.value = _table(rows, since, usage, time.time()) + "".join(
-            f'<div class="cmlcluster-note" style="color:{COLOURS[FAILED]}">{html.escape(n)}</div>' for n in notes
-        )
+        notes_html = "".join(_note(n, "cmlcluster-note", COLOURS[FAILED]) for n in notes)
+        notes_html += "".join(_note(s, "cmlcluster-straggler", STRAGGLER_COLOUR) for s in stragglers)
+        self.table.value = _table(rows, since, usage, time.time()) + notes_html
         # A call holding the cell is the newest view's to stop (or the whole session's), not an older cell's.
         holds = blocking.busy(session) and self in (self.views.latest, self.views.whole_view)
         self.stop_button.disabled = session.closed or not (live or holds)
@@ -536,6 +538,10 @@ def _log_hint(session: ViewedSession, worker_id: str) -> str:
     return (
         f'<div class="cmlcluster-log">whole log: <code>{path}</code>, after the session: <code>{command}</code></div>'
     )
+
+
+def _note(text: str, css_class: str, colour: str) -> str:
+    return f'<div class="{css_class}" style="color:{colour}">{html.escape(text)}</div>'
 
 
 def _log_tail(session: ViewedSession, worker_id: str) -> str:

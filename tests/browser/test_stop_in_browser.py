@@ -1,7 +1,7 @@
 """The widget's Stop while a cell runs a job, clicked in JupyterLab in headless Chromium: %%horovod,
 %%torchrun and a coordinator's model.fit (await_workers: test_widgets_in_browser.py). Each job runs
 until stopped; the click must end every process of it within 5 s, end the cell with StoppedFromWidget,
-and leave the button grey and disabled."""
+and leave the button grey and disabled. Before %%torchrun's Stop, its X-ray button shows both ranks."""
 
 from __future__ import annotations
 
@@ -98,13 +98,25 @@ def test_stop_ends_a_cell_running_horovod(tmp_path):
         stop_and_check(nb, 1, r"stopped from the widget: the call was interrupted \(no workers were running\)")
 
 
-def test_stop_ends_a_cell_running_torchrun(tmp_path):
+def test_xray_then_stop_in_a_cell_running_torchrun(tmp_path):
     cells = ["%load_ext cmlcluster", f"%%torchrun --nnodes 2\n{RANK.format(folder=str(tmp_path))}"]
     write_notebook(tmp_path, "torch.ipynb", cells)
     with jupyter_lab(tmp_path) as lab, open_notebook(lab, "torch.ipynb", artifact_name="stop_torchrun") as nb:
         nb.start_all()
         wait_for_files(tmp_path, "started-*", 2, nb, timeout=120)
+        # The X-ray button acts while the cell runs: both ranks' stacks come into the view.
+        nb.page.locator(STOP_BUTTON, has_text="X-ray").last.click()
+        nb.page.wait_for_function(XRAY_SHOWN, timeout=30_000)
+        report = nb.page.locator(".cmlcluster-session .cmlcluster-xray").last.inner_text()
+        assert "ranks 0-1: at torchrun_cell.py:3 in <module>: time.sleep(600)" in report, report
+        nb.screenshot("xray")
         stop_and_check(nb, 1, r"stopped from the widget: workers node 0, node 1 stopped")
+
+
+XRAY_SHOWN = (
+    "() => [...document.querySelectorAll('.cmlcluster-session .cmlcluster-xray')]"
+    ".some(e => e.textContent.includes('X-ray of 2 ranks on 2 workers'))"
+)
 
 
 COORDINATOR = """\

@@ -4,8 +4,10 @@ session's side on the fake backend. Real ranks across real workers: tests/integr
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,7 @@ from cmlcluster import Session
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
 from cmlcluster.stacks import XRay, gather
 from cmlcluster.stacks.report import ProcessStacks
+from cmlcluster.wire import PY_SPY_ENV
 
 # A rank as its runner starts it: the hook armed, then the script's code. It says when it waits.
 RANK = textwrap.dedent(
@@ -36,13 +39,28 @@ RANK = textwrap.dedent(
 )
 
 
-def start(code: str, *args: str, env: dict[str, str] | None = None, count: int = 1) -> subprocess.Popen[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
-    )
-    for _ in range(count):
-        assert process.stdout.readline() == "waiting\n"
-    return process
+@pytest.fixture
+def start():
+    """start(code, *args, env=, count=): a Python process running `code`, once it (and its `count` - 1
+    forked children) said "waiting"; all of them killed at the test's end."""
+    started = []
+
+    def start(code: str, *args: str, env: dict[str, str] | None = None, count: int = 1) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        started.append(process)
+        for _ in range(count):
+            assert process.stdout.readline() == "waiting\n"
+        return process
+
+    yield start
+    for process in started:
+        for pid in family(process):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
 
 
 @pytest.fixture
@@ -52,6 +70,15 @@ def no_py_spy(monkeypatch):
     monkeypatch.setattr(gather, "_beside_python", lambda name: None)
 
 
+def test_a_process_whose_environment_turns_py_spy_off_is_read_through_its_dump(start):
+    rank = start(RANK, env={"JAX_PROCESS_ID": "0", PY_SPY_ENV: "0"})
+    [record] = gathered(rank)
+    assert record["via"] == "faulthandler" and record["label"]["kind"] == "jax"
+    plain = start("import time; print('waiting', flush=True); time.sleep(60)", env={PY_SPY_ENV: "0"})
+    [record] = gathered(plain)
+    assert record["error"].startswith(f"py-spy is turned off for it ({PY_SPY_ENV}=0); it armed no faulthandler")
+
+
 def gathered(process: subprocess.Popen[str]) -> list[dict]:
     return [p for p in gather.below(time.monotonic() + gather.GATHER_SECONDS) if p["pid"] in family(process)]
 
@@ -59,60 +86,50 @@ def gathered(process: subprocess.Popen[str]) -> list[dict]:
 def family(process: subprocess.Popen[str]) -> set[int]:
     import psutil
 
-    return {process.pid, *(c.pid for c in psutil.Process(process.pid).children(recursive=True))}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return {process.pid, *(c.pid for c in psutil.Process(process.pid).children(recursive=True))}
+    return set()
 
 
-def test_a_rank_that_armed_the_hook_is_read_through_its_dump_and_lives_on(no_py_spy):
+def test_a_rank_that_armed_the_hook_is_read_through_its_dump_and_lives_on(no_py_spy, start):
     rank = start(RANK, env={"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
-    try:
-        [record] = gathered(rank)
-        assert record["via"] == "faulthandler" and record["error"] is None
-        assert record["label"] == {"kind": "torch", "rank": 2, "size": 4, "local_rank": 0, "backend": None}
-        main = record["threads"][0]
-        assert main["name"] == "MainThread"
-        assert [f[2] for f in main["frames"]] == ["<module>", "wait_here"]  # outermost first
-        assert rank.poll() is None  # the dump's signal is caught: the rank runs on
-        again = gathered(rank)  # a second X-ray reads only the new dump
-        assert [f[2] for f in again[0]["threads"][0]["frames"]] == ["<module>", "wait_here"]
-    finally:
-        rank.kill()
+    [record] = gathered(rank)
+    assert record["via"] == "faulthandler" and record["error"] is None
+    assert record["label"] == {"kind": "torch", "rank": 2, "size": 4, "local_rank": 0, "backend": None}
+    main = record["threads"][0]
+    assert main["name"] == "MainThread"
+    assert [f[2] for f in main["frames"]] == ["<module>", "wait_here"]  # outermost first
+    assert rank.poll() is None  # the dump's signal is caught: the rank runs on
+    again = gathered(rank)  # a second X-ray reads only the new dump
+    assert [f[2] for f in again[0]["threads"][0]["frames"]] == ["<module>", "wait_here"]
 
 
-def test_a_rank_and_its_forked_child_share_a_dump_file_and_both_are_read(no_py_spy):
+def test_a_rank_and_its_forked_child_share_a_dump_file_and_both_are_read(no_py_spy, start):
     rank = start(RANK, "fork", env={"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_GLOO": "1"}, count=2)
-    try:
-        records = gathered(rank)
-        assert len(records) == 2 and all(r["via"] == "faulthandler" for r in records)
-        assert all([f[2] for f in r["threads"][0]["frames"]][-1] == "wait_here" for r in records)
-        parent, child = sorted(records, key=lambda r: r["pid"] != rank.pid)
-        assert parent["label"]["rank"] == 1 and parent["label"]["backend"] == "gloo"
-        assert child["label"]["helper_of"] == rank.pid  # the rank's child, not a second rank 1
-    finally:
-        rank.kill()
+    records = gathered(rank)
+    assert len(records) == 2 and all(r["via"] == "faulthandler" for r in records)
+    assert all([f[2] for f in r["threads"][0]["frames"]][-1] == "wait_here" for r in records)
+    parent, child = sorted(records, key=lambda r: r["pid"] != rank.pid)
+    assert parent["label"]["rank"] == 1 and parent["label"]["backend"] == "gloo"
+    assert child["label"]["helper_of"] == rank.pid  # the rank's child, not a second rank 1
 
 
-def test_a_process_that_armed_nothing_is_never_sent_the_signal(no_py_spy):
+def test_a_process_that_armed_nothing_is_never_sent_the_signal(no_py_spy, start):
     plain = start("import time; print('waiting', flush=True); time.sleep(60)")
-    try:
-        [record] = gathered(plain)
-        assert record["threads"] == [] and "armed no faulthandler dump" in record["error"]
-        time.sleep(0.2)
-        assert plain.poll() is None  # the real-time signal would have killed it
-    finally:
-        plain.kill()
+    [record] = gathered(plain)
+    assert record["threads"] == [] and "armed no faulthandler dump" in record["error"]
+    time.sleep(0.2)
+    assert plain.poll() is None  # the real-time signal would have killed it
 
 
-def test_py_spy_reads_a_process_that_armed_nothing():
+def test_py_spy_reads_a_process_that_armed_nothing(start):
     if gather.shutil.which("py-spy") is None and gather._beside_python("py-spy") is None:
         pytest.fail("py-spy is missing: scripts/install.sh dev installs it (the xray extra)")
     plain = start("import time\ndef here():\n    print('waiting', flush=True); time.sleep(60)\nhere()")
-    try:
-        [record] = gathered(plain)
-        assert record["via"] == "py-spy", record["error"]
-        assert record["threads"][0]["name"] == "MainThread"
-        assert record["threads"][0]["frames"][-1][2] == "here"
-    finally:
-        plain.kill()
+    [record] = gathered(plain)
+    assert record["via"] == "py-spy", record["error"]
+    assert record["threads"][0]["name"] == "MainThread"
+    assert record["threads"][0]["frames"][-1][2] == "here"
 
 
 def test_faulthandler_s_text_is_read_outermost_first_with_the_main_thread_named():
