@@ -14,8 +14,9 @@ from typing import Any
 
 from .backends import Backend, resolve_backend
 from .errors import ConfigError
-from .session import Session, check_idle_timeout_and_ttl, check_silence_timeout
+from .session import Session, check_idle_timeout_and_ttl, check_silence_timeout, check_stragglers
 from .stacks import XRay
+from .stragglers import STRAGGLER_FRACTION, STRAGGLER_WINDOW
 from .workers import StopResponse
 
 _default: Session | None = None
@@ -30,6 +31,8 @@ def use_backend(
     silence_timeout: float | None = None,
     idle_timeout: float | None = None,
     ttl: float | None = None,
+    straggler_fraction: float | None = STRAGGLER_FRACTION,
+    straggler_window: float = STRAGGLER_WINDOW,
     **options: Any,
 ) -> None:
     """Choose the default session's backend (and its options); only before it has workers.
@@ -53,6 +56,11 @@ def use_backend(
     ttl : float | None, default None
         The session's (see Session): seconds from its first launch after which its workers are stopped
         and it launches no more; a number >= 1. None: never.
+    straggler_fraction : float | None, default 0.3
+        The session's (see Session): a rank whose reported steps come this share slower than its peers'
+        median over straggler_window seconds is named as a straggler; between 0 and 1. None: never.
+    straggler_window : float, default 30
+        The seconds a rank's pace is measured over; a number >= 1.
     **options : Any
         The backend's options: the keyword arguments of its class's constructor (e.g. ``hosts=``,
         ``user=`` for "ssh"). Not with a Backend instance: pass them to its class.
@@ -64,7 +72,8 @@ def use_backend(
     Raises
     ------
     ConfigError
-        Before anything starts: silence_timeout, idle_timeout or ttl is neither None nor a number >= 1; the name
+        Before anything starts: silence_timeout, idle_timeout or ttl is neither None nor a number >= 1, or a
+        straggler setting is out of its range; the name
         is unknown or its backend cannot be imported; an option is one the backend does not take, or options
         come with a Backend instance; or the default session has workers already, finished ones included (call
         stop_session() first).
@@ -80,6 +89,7 @@ def use_backend(
     global _backend, _backend_options
     check_silence_timeout(silence_timeout)
     check_idle_timeout_and_ttl(idle_timeout, ttl)
+    check_stragglers(straggler_fraction, straggler_window)
     # use_backend(None) alone only forgets a choice; CMLCLUSTER_BACKEND is checked when it is used.
     if backend is not None or options:
         resolve_backend(_named(backend), options)
@@ -93,6 +103,9 @@ def use_backend(
     # The Session's own options, beside the backend's.
     session_options = {"silence_timeout": silence_timeout, "idle_timeout": idle_timeout, "ttl": ttl}
     _backend_options.update({k: v for k, v in session_options.items() if v is not None})
+    stragglers = {"straggler_fraction": straggler_fraction, "straggler_window": straggler_window}
+    defaults = {"straggler_fraction": STRAGGLER_FRACTION, "straggler_window": STRAGGLER_WINDOW}
+    _backend_options.update({k: v for k, v in stragglers.items() if v != defaults[k]})
 
 
 def _named(backend: str | Backend | None) -> str | Backend:

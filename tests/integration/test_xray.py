@@ -7,6 +7,7 @@ agents themselves."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,17 +21,30 @@ from cmlcluster.wire import PY_SPY_ENV
 
 pytestmark = pytest.mark.integration
 
-# Every rank says it is ready, then all meet in a barrier but the held rank, which first waits for the
-# release file (its "deadlock"): the X-ray must find it at that line, and the others in the barrier.
-TORCH_RANKS = """\
-import os, sys, time
+# Every rank says it is ready, then all meet in a collective but the held rank, which first waits to be
+# released (its "deadlock"): the X-ray must find it at that line, and the others in the collective. It is
+# released when the test listens at the address it was given (on the session's side, which workers reach
+# on every backend; a file would not reach SSH hosts).
+WAIT_FOR_RELEASE = """\
+import socket, sys, time
+
+
+def wait_for_release(address):
+    host, port = address.rsplit(":", 1)
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+"""
+HELD_AT = ("wait_for_release", {"time.sleep(0.05)", "socket.create_connection((host, int(port)), timeout=1).close()"})
+
+TORCH_RANKS = (
+    WAIT_FOR_RELEASE
+    + """
 import torch.distributed as dist
-
-
-def wait_for_release(path):
-    while not os.path.exists(path):
-        time.sleep(0.05)
-
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -40,17 +54,13 @@ if rank == int(sys.argv[2]):
 dist.barrier()
 print(f"rank {rank} passed", flush=True)
 """
+)
 
-HOROVOD_RANKS = """\
-import os, sys, time
+HOROVOD_RANKS = (
+    WAIT_FOR_RELEASE
+    + """
 import horovod.tensorflow as hvd
 import tensorflow as tf
-
-
-def wait_for_release(path):
-    while not os.path.exists(path):
-        time.sleep(0.05)
-
 
 hvd.init()
 print(f"rank {hvd.rank()} ready", flush=True)
@@ -59,136 +69,14 @@ if hvd.rank() == int(sys.argv[2]):
 total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)
 print(f"rank {hvd.rank()} sum {float(total[0]):g}", flush=True)
 """
+)
 
-
-class Job:
-    """A run in a thread of its own (it holds the caller as a cell would), and its ranks' "ready" lines."""
-
-    def __init__(self, session, run, expected_ready: int):
-        self.ready: set[str] = set()
-        self.expected = expected_ready
-        session.subscribe(
-            lambda e: self.ready.add(e.text) if isinstance(e, OutputLine) and " ready" in e.text else None
-        )
-        self.result = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(run,), daemon=True)
-        self.thread.start()
-
-    def _run(self, run) -> None:
-        try:
-            self.result = run()
-        except BaseException as e:
-            self.error = e
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.ready) < self.expected:
-            assert self.error is None, self.error
-            assert self.thread.is_alive(), f"the run ended before its ranks were ready: {self.result}"
-            assert time.monotonic() < deadline, f"ready: {sorted(self.ready)}"
-            time.sleep(0.1)
-        time.sleep(0.5)  # past "ready": into the collective
-
-    def finish(self, release: Path, timeout: float = 120):
-        release.touch()
-        self.thread.join(timeout)
-        assert not self.thread.is_alive() and self.error is None, self.error
-        return self.result
-
-
-def script(tmp_path: Path, name: str, text: str) -> str:
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
-
-
-@pytest.mark.parametrize("backend", on("local"), indirect=True)
-def test_an_xray_names_the_torch_rank_held_out_of_a_barrier_and_the_job_ends_well(session, tmp_path):
-    release = tmp_path / "release"
-    train = script(tmp_path, "stuck.py", TORCH_RANKS)
-    job = Job(
-        session,
-        lambda: run_torch(train, [str(release), "2"], nnodes=2, nproc_per_node=2, session=session, echo=False),
-        4,
-    )
-    job.wait_ready()
-    xray = session.xray()
-    assert [u.rank for u in xray.units] == [0, 1, 2, 3] and xray.unanswered == {}
-    assert [u.rank for u in xray.odd_ones_out()] == [2], str(xray)
-    odd = xray.rank(2)
-    assert odd.via == "py-spy"
-    where = odd.main.innermost_users
-    assert (where.where, where.function, where.source) == ("stuck.py:7", "wait_for_release", "time.sleep(0.05)")
-    for rank in (0, 1, 3):
-        waiting = xray.rank(rank)
-        assert waiting.collective == "torch.distributed.barrier"
-        assert waiting.main.innermost_users.source == "dist.barrier()"
-    lines = str(xray).splitlines()
-    assert lines[1] == "  ranks 0-1, 3: wait in torch.distributed.barrier, at stuck.py:15 in <module>: dist.barrier()"
-    assert lines[3].startswith("    rank 2 (w1, pid ") and lines[3].endswith(
-        "at stuck.py:7 in wait_for_release: time.sleep(0.05)"
-    )
-    result = job.finish(release)
-    assert result.ok, result.message  # the X-ray disturbed nothing
-    assert all(f"rank {r} passed" in "\n".join(result.output[r]) for r in range(4))
-
-
-@pytest.mark.parametrize("backend", on("docker"), indirect=True)
-def test_an_xray_reads_horovod_ranks_in_containers_through_their_dumps(session, tmp_path):
-    release = tmp_path / "release"
-    train = script(tmp_path, "stuck.py", HOROVOD_RANKS)
-    # py-spy attaches in these containers too (root, the same uid as the ranks): the ranks turn it off, as
-    # where a site forbids ptrace, and are read through the faulthandler dump their runner armed.
-    env = {PY_SPY_ENV: "0"}
-    job = Job(session, lambda: run_horovod(train, [str(release), "1"], np=2, cpu=0.5, env=env, session=session), 2)
-    job.wait_ready()
-    xray = session.xray()
-    assert [u.rank for u in xray.units] == [0, 1]
-    assert {u.via for u in xray.units} == {"faulthandler"}
-    [odd] = xray.odd_ones_out()
-    assert odd.rank == 1 and odd.main.innermost_users.function == "wait_for_release"
-    assert xray.rank(0).collective == "Horovod allreduce over Gloo"
-    assert xray.rank(0).main.innermost_users.source.startswith("total = hvd.allreduce(")
-    result = job.finish(release)
-    assert result.ok, result.message
-
-
-@pytest.mark.parametrize("backend", on("local"), indirect=True)
-def test_an_xray_reads_tensorflow_tasks_in_their_agents(session, tmp_path):
-    # Three worker tasks and a parameter server (TF1, between-graph): two workers wait in a session run for
-    # a dequeue from a queue on the parameter server, which the third fills once released.
-    release = tmp_path / "release"
-    tasks = script(tmp_path, "tasks.py", TENSORFLOW_TASKS.replace("RELEASE", str(release)))
-    job = Job(
-        session, lambda: run_cluster(n_workers=3, n_ps=1, cpu=0.5, memory=1, worker_script=tasks, session=session), 3
-    )
-    job.wait_ready()
-    xray = session.xray()
-    assert sorted(u.task for u in xray.units) == ["worker:0", "worker:1", "worker:2"]
-    assert {u.via for u in xray.units} == {"agent"}
-    [odd] = xray.odd_ones_out()
-    assert odd.task == "worker:2" and odd.main.innermost_users.function == "wait_for_release"
-    for task in ("worker:0", "worker:1"):
-        [waiting] = [u for u in xray.units if u.task == task]
-        assert waiting.collective == "TensorFlow's runtime (gRPC), in _call_tf_sessionrun"
-        assert (
-            waiting.main.innermost_users.source
-            == 'print(f"worker {task_index} got", session.run(queue.dequeue()), flush=True)'
-        )
-    assert xray.quiet == ["w0"]  # the parameter server: only its server's threads
-    job.finish(release)
-    assert [w["status"] for w in session.list_workers()] == ["stopped", "succeeded", "succeeded", "succeeded"]
-
-
-TENSORFLOW_TASKS = """\
-import os, time
+# Three worker tasks and a parameter server (TF1, between-graph): two workers wait in a session run for a
+# dequeue from a queue on the parameter server, which the third fills once released.
+TENSORFLOW_TASKS = (
+    WAIT_FOR_RELEASE
+    + """
 import tensorflow as tf
-
-
-def wait_for_release(path):
-    while not os.path.exists(path):
-        time.sleep(0.05)
 
 
 def run(cluster, server, task_index):
@@ -203,3 +91,150 @@ def run(cluster, server, task_index):
             else:
                 print(f"worker {task_index} got", session.run(queue.dequeue()), flush=True)
 """
+)
+
+
+class Release:
+    """The address a held rank waits at: bound now (a connection is refused), listening once released."""
+
+    def __init__(self, session):
+        if session.backend.name == "docker":  # its address on the containers' network comes with its first launch
+            session.await_workers(session.launch_workers(1, cpu=0.5, memory=0.5, code="pass"), timeout_seconds=60)
+        self.socket = socket.socket()
+        self.socket.bind((session.controller_ip, 0))
+        self.address = f"{session.controller_ip}:{self.socket.getsockname()[1]}"
+
+    def __call__(self) -> None:
+        self.socket.listen(16)
+
+
+class Job:
+    """A run in a thread of its own (it holds the caller as a cell would), its ranks' "ready" lines, and
+    the release of its held rank."""
+
+    def __init__(self, session, run, expected_ready: int):
+        self.release = Release(session)
+        self.ready: set[str] = set()
+        self.expected = expected_ready
+        session.subscribe(
+            lambda e: self.ready.add(e.text) if isinstance(e, OutputLine) and " ready" in e.text else None
+        )
+        self.result = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(run,), daemon=True)
+        self.thread.start()
+
+    def _run(self, run) -> None:
+        try:
+            self.result = run(self.release.address)
+        except BaseException as e:
+            self.error = e
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ready) < self.expected:
+            assert self.error is None, self.error
+            assert self.thread.is_alive(), f"the run ended before its ranks were ready: {self.result}"
+            assert time.monotonic() < deadline, f"ready: {sorted(self.ready)}"
+            time.sleep(0.1)
+        time.sleep(0.5)  # past "ready": into the collective
+
+    def finish(self, timeout: float = 120):
+        self.release()
+        try:
+            self.thread.join(timeout)
+        finally:
+            self.release.socket.close()
+        assert not self.thread.is_alive() and self.error is None, self.error
+        return self.result
+
+
+def script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def held(unit) -> bool:
+    """Whether a rank's stack stands where the held rank waits."""
+    where = unit.main.innermost_users
+    return (where.function, where.source in HELD_AT[1]) == (HELD_AT[0], True)
+
+
+@pytest.mark.parametrize("backend", on("local"), indirect=True)
+def test_an_xray_names_the_torch_rank_held_out_of_a_barrier_and_the_job_ends_well(session, tmp_path):
+    train = script(tmp_path, "stuck.py", TORCH_RANKS)
+    job = Job(
+        session,
+        lambda release: run_torch(train, [release, "2"], nnodes=2, nproc_per_node=2, session=session, echo=False),
+        4,
+    )
+    job.wait_ready()
+    xray = session.xray()
+    assert [u.rank for u in xray.units] == [0, 1, 2, 3] and xray.unanswered == {}
+    assert [u.rank for u in xray.odd_ones_out()] == [2], str(xray)
+    assert held(xray.rank(2))
+    barrier_line = TORCH_RANKS.splitlines().index("dist.barrier()") + 1
+    for rank in (0, 1, 3):
+        waiting = xray.rank(rank)
+        assert waiting.collective == "torch.distributed.barrier"
+        assert waiting.main.innermost_users.where == f"stuck.py:{barrier_line}"
+    lines = str(xray).splitlines()
+    assert (
+        lines[1]
+        == f"  ranks 0-1, 3: wait in torch.distributed.barrier, at stuck.py:{barrier_line} in <module>: dist.barrier()"
+    )
+    assert lines[2:4] == ["  odd one out:", lines[3]] and lines[3].startswith("    rank 2 (w1, pid ")
+    if session.backend.name == "local":
+        assert xray.rank(2).via == "py-spy"
+    result = job.finish()
+    assert result.ok, result.message  # the X-ray disturbed nothing
+    assert all(f"rank {r} passed" in "\n".join(result.output[r]) for r in range(4))
+
+
+@pytest.mark.parametrize("backend", on("docker"), indirect=True)
+def test_an_xray_reads_horovod_ranks_in_containers_through_their_dumps(session, tmp_path):
+    train = script(tmp_path, "stuck.py", HOROVOD_RANKS)
+    # py-spy attaches in these containers too (root, the same uid as the ranks): the ranks turn it off, as
+    # where a site forbids ptrace, and are read through the faulthandler dump their runner armed.
+    env = {PY_SPY_ENV: "0"}
+    job = Job(session, lambda release: run_horovod(train, [release, "1"], np=2, cpu=0.5, env=env, session=session), 2)
+    job.wait_ready()
+    xray = session.xray()
+    assert [u.rank for u in xray.units] == [0, 1]
+    assert {u.via for u in xray.units} == {"faulthandler"}
+    assert [u.rank for u in xray.odd_ones_out()] == [1], str(xray)
+    assert held(xray.rank(1))
+    assert xray.rank(0).collective.startswith("Horovod allreduce")
+    assert xray.rank(0).main.innermost_users.source.startswith("total = hvd.allreduce(")
+    result = job.finish()
+    assert result.ok, result.message
+
+
+@pytest.mark.parametrize("backend", on("local"), indirect=True)
+def test_an_xray_reads_tensorflow_tasks_in_their_agents(session, tmp_path):
+    job = Job(
+        session,
+        lambda release: run_cluster(
+            n_workers=3,
+            n_ps=1,
+            cpu=0.5,
+            memory=1,
+            worker_script=script(tmp_path, "tasks.py", TENSORFLOW_TASKS.replace("RELEASE", release)),
+            session=session,
+        ),
+        3,
+    )
+    job.wait_ready()
+    xray = session.xray()
+    assert sorted(u.task for u in xray.units) == ["worker:0", "worker:1", "worker:2"]
+    assert {u.via for u in xray.units} == {"agent"}
+    [odd] = xray.odd_ones_out()
+    assert odd.task == "worker:2" and held(odd), str(xray)
+    for task in ("worker:0", "worker:1"):
+        [waiting] = [u for u in xray.units if u.task == task]
+        assert waiting.collective == "TensorFlow's runtime (gRPC), in _call_tf_sessionrun"
+        assert "session.run(queue.dequeue())" in waiting.main.innermost_users.source
+    assert xray.quiet == ["w0"]  # the parameter server: only its server's threads
+    job.finish()
+    assert [w["status"] for w in session.list_workers()] == ["stopped", "succeeded", "succeeded", "succeeded"]

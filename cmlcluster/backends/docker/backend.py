@@ -175,7 +175,10 @@ class DockerBackend(Backend[DockerHandle]):
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cmlcluster-docker")
 
     def controller_ip(self) -> str:
-        assert self._gateway is not None, "attach() first"
+        if self._gateway is None:
+            raise BackendError(
+                f"the docker backend's address on network {self.network!r} is known once it has launched workers"
+            )
         return self._gateway
 
     def capabilities(self) -> Capabilities:
