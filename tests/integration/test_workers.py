@@ -420,21 +420,24 @@ def test_a_worker_frozen_longer_than_the_silence_it_allows_lives_on():
         assert [w["status"] for w in s.list_workers()] == ["running"]
 
 
-def test_workers_whose_controller_stops_answering_exit_and_say_why(local_session):
-    workers = local_session.launch_workers(2, cpu=0.5, memory=0.5)
-    assert local_session.await_workers(workers, wait_for_completion=False, timeout_seconds=40)["failures"] == []
-    # The controller and its lifeline lead a process group of their own.
-    [group] = {
-        os.getpgid(p.pid) for p in running("cmlcluster.control.controller") if local_session.id in command_line(p)
-    }
-    os.killpg(group, signal.SIGSTOP)
-    try:
-        done = local_session.await_workers(workers, timeout_seconds=40)
-    finally:
-        os.killpg(group, signal.SIGCONT)
+def test_workers_whose_controller_stops_answering_exit_and_say_why():
+    # A silence_timeout of 4 s, as the frozen worker's above, not local's 10 (the same clocks, 6 s sooner;
+    # the default itself: tests/unit/test_silence_timeout.py).
+    with Session("local", echo=False, silence_timeout=4) as local_session:
+        workers = local_session.launch_workers(2, cpu=0.5, memory=0.5)
+        assert local_session.await_workers(workers, wait_for_completion=False, timeout_seconds=40)["failures"] == []
+        # The controller and its lifeline lead a process group of their own.
+        [group] = {
+            os.getpgid(p.pid) for p in running("cmlcluster.control.controller") if local_session.id in command_line(p)
+        }
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            done = local_session.await_workers(workers, timeout_seconds=40)
+        finally:
+            os.killpg(group, signal.SIGCONT)
     assert done["workers"] == [] and len(done["failures"]) == 2, done
     for failure in done["failures"]:
         assert failure["status"] == "failed"
         # Its last words reach the worker's own output, not a pipe that dies with it; its exit code says why.
-        assert "no heartbeat from the controller for 10 s (silence_timeout); the session is gone" in failure["message"]
-        assert "heard nothing from the session for 10 s (silence_timeout)" in failure["message"]
+        assert "no heartbeat from the controller for 4 s (silence_timeout); the session is gone" in failure["message"]
+        assert "heard nothing from the session for 4 s (silence_timeout)" in failure["message"]
