@@ -148,6 +148,13 @@ print("trained", flush=True)
 """
 
 
+# What this tests is Keras 3's tf.keras (TensorFlow >= 2.16): on .venv-tf2.21, in that venv's own run of this
+# file (test_tensorflow_versions.py, itself in the matrix tier), where it is no matrix test. On the default run's
+# TensorFlow (2.15, no TF_USE_LEGACY_KERAS) tf.keras is Keras 2 either way, and what it runs there is covered in
+# the default run: a coordinator's fit in a child process without TF_USE_LEGACY_KERAS
+# (test_a_process_that_coordinated_training_exits_within_seconds_logging_nothing) and keras_flavour's rule
+# (tests/unit/tensorflow/test_versions.py). So on 2.15 it is in the matrix tier.
+@(pytest.mark.matrix if versions.minor(tf.__version__) < (2, 16) else pytest.mark.integration)
 def test_keras_fit_as_coordinator_trains_or_fails_at_once_saying_how_to_get_keras_2():
     """tf.keras as TensorFlow gives it without TF_USE_LEGACY_KERAS: Keras 2 up to 2.15, Keras 3 from 2.16."""
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
