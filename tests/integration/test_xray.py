@@ -184,7 +184,7 @@ def test_an_xray_names_the_torch_rank_held_out_of_a_barrier_and_the_job_ends_wel
         lines[1]
         == f"  ranks 0-1, 3: wait in torch.distributed.barrier, at stuck.py:{barrier_line} in <module>: dist.barrier()"
     )
-    assert lines[2:4] == ["  odd one out:", lines[3]] and lines[3].startswith("    rank 2 (w1, pid ")
+    assert lines[2] == "  odd one out:" and lines[3].startswith("    rank 2 (w")
     if session.backend.name == "local":
         assert xray.rank(2).via == "py-spy"
     result = job.finish()
@@ -235,6 +235,8 @@ def test_an_xray_reads_tensorflow_tasks_in_their_agents(session, tmp_path):
         [waiting] = [u for u in xray.units if u.task == task]
         assert waiting.collective == "TensorFlow's runtime (gRPC), in _call_tf_sessionrun"
         assert "session.run(queue.dequeue())" in waiting.main.innermost_users.source
-    assert xray.quiet == ["w0"]  # the parameter server: only its server's threads
+    # The parameter server's worker: only its server's threads run there.
+    assert len(xray.quiet) == 1 and xray.quiet[0] not in {u.worker for u in xray.units}
     job.finish()
-    assert [w["status"] for w in session.list_workers()] == ["stopped", "succeeded", "succeeded", "succeeded"]
+    # The parameter server is stopped once the workers are done (the last four: docker's first launch is one).
+    assert [w["status"] for w in session.list_workers()][-4:] == ["stopped", "succeeded", "succeeded", "succeeded"]
