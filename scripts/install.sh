@@ -96,6 +96,9 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}" "${pins[@]}"
 # The JupyterLab panel's data files, which an editable install leaves out (the script says why).
 .venv/bin/python scripts/link_labextension.py >/dev/null
+# The package's bytecode, which an editable install does not write: where PYTHONDONTWRITEBYTECODE is set,
+# every worker's agent would otherwise compile what it imports of cmlcluster at each start (80 ms of CPU).
+.venv/bin/python -m compileall -q cmlcluster >/dev/null
 
 if $dev; then
     # The newest TensorFlow beside the pinned one, for tests/integration/test_tensorflow_versions.py.
