@@ -11,7 +11,7 @@ from cmlcluster import Session
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
 from cmlcluster.events import JobChanged, Member, Progress
 from cmlcluster.ui.terminal import TerminalView
-from cmlcluster.ui.widget import LOG_TAIL_BYTES, RENDER_HZ, WidgetView
+from cmlcluster.ui.widget import LOG_TAIL_BYTES, RENDER_HZ, TABLE_ROWS, WidgetView, shown_rows
 
 
 def fake_session(*plan: FakeWorker) -> Session:
@@ -231,3 +231,25 @@ def test_an_idle_workers_countdown_and_its_stop_are_in_its_row_and_said_in_the_t
         settled(view, lambda: statuses(view) == {w["id"]: "stopped"} and stopped in view.table.value)
     err = capsys.readouterr().err
     assert f"[w0] {countdown}" in err and f"[w0] {stopped}" in err
+
+
+def test_past_a_screenful_the_table_shows_the_failed_rows_first_and_counts_the_rest():
+    rows = [{"id": f"s-{i}", "label": f"w{i}", "status": "running"} for i in range(1024)]
+    for i in (700, 900):
+        rows[i]["status"] = "failed"
+    rows[5]["status"] = "scheduling"
+    shown, left_out = shown_rows(rows, limit=40)
+    assert [r["label"] for r in shown] == [f"w{i}" for i in range(38)] + ["w700", "w900"]  # in table order
+    assert left_out == {"running": 984}
+    few, none_left = shown_rows(rows[:40], limit=40)
+    assert few == rows[:40] and not none_left
+
+
+def test_a_view_of_a_thousand_workers_draws_a_screenful_and_a_line_for_the_rest():
+    with fake_session(*[FakeWorker(run_time=60)] * 1000) as s:
+        view = WidgetView(s)
+        workers = s.launch_workers(1000, cpu=0.1, memory=0.1, code="train()")
+        s.await_workers(workers, wait_for_completion=False, timeout_seconds=30)
+        more = f"… and {1000 - TABLE_ROWS} more ({1000 - TABLE_ROWS} running)"
+        settled(view, lambda: more in view.table.value)
+        assert len(statuses(view)) == TABLE_ROWS
