@@ -338,10 +338,11 @@ def xray(*ids: str | Mapping[str, Any]) -> XRay:
     """Where every rank of the default session's running workers is, right now.
 
     Each worker's agent reads the Python stack of every thread of its program and of every rank below
-    it (torchrun's, Horovod's and JAX's processes; TensorFlow tasks run in the agent), with py-spy where
-    it may attach and otherwise through the faulthandler dump each rank armed as it started. Nothing
-    is stopped. Ranks with the same stack are grouped; the odd ones out are named with the line they
-    stand at, and the others with the collective they wait in.
+    it (torchrun's, Horovod's and JAX's processes; TensorFlow tasks run in the agent): through the
+    faulthandler dump each rank armed as cmlcluster started it, and with py-spy (where it is installed
+    and may attach) for any other Python process there. Nothing is stopped. Ranks with the same stack
+    are grouped; the odd ones out are named with the line they stand at, and the others with the
+    collective they wait in.
 
     Parameters
     ----------

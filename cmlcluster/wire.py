@@ -42,7 +42,7 @@ LIFELINE_FD_ENV = "CMLCLUSTER_LIFELINE_FD"
 XRAY_REQUEST = "cmlcluster_xray_request"
 XRAY_REPLY = "cmlcluster_xray_reply"
 # "0" in a process's environment (a run's env=): an X-ray never attaches py-spy to it (py-spy stops a process
-# for the instant it reads it) and reads the faulthandler dump its rank runner armed instead.
+# for the instant it reads it); one that armed no faulthandler dump (stacks/hook.py) is then named, not read.
 PY_SPY_ENV = "CMLCLUSTER_PY_SPY"
 
 # The controller's ping period. ipyparallel's hub announces a new engine at the beat after the first

@@ -3,10 +3,11 @@ below its agent, gathered in seconds without stopping anything; JSON-able, for t
 
 - The agent's own threads (a plain worker's program, a TensorFlow task: they run in the agent) are read
   from the interpreter itself; the agent's machinery (the engine, its watchdogs) is left out.
-- A process below it (a rank, its launcher) is read with py-spy where py-spy is installed and may attach
-  (and the process's environment does not turn it off: wire.PY_SPY_ENV), and otherwise through the
-  faulthandler dump its rank runner armed (hook.py). Processes that share one
-  dump file (a rank's forked children inherit it) are asked one at a time, others all at once.
+- A process below it is read through the faulthandler dump its rank runner armed (hook.py), where it
+  armed one: processes that share one dump file (a rank's forked children inherit it) are asked one at a
+  time, others all at once. Any other (a launcher, a program cmlcluster did not start as a rank), or one
+  whose dump does not come (a stopped process), is read with py-spy where py-spy is installed and may
+  attach, and the process's environment does not turn it off (wire.PY_SPY_ENV).
 
 Each frame carries its line of source, read here, where the file is: the session may have no copy.
 Runs on the agent's control thread (agent/engine.py), while the program runs on the main thread.
@@ -32,6 +33,7 @@ from ..wire import PY_SPY_ENV
 from .hook import MEMFD_NAME, XRAY_SIGNAL
 
 GATHER_SECONDS = 5.0  # a worker's whole gather; the session waits a little longer for its answer
+DUMP_SECONDS = 2.0  # for the ranks' own dumps: the rest of the gather is py-spy's, for those that gave none
 PY_SPY_PARALLEL = 16  # py-spy processes at once
 DUMP_SETTLED_SECONDS = 0.03  # a dump file that stopped growing for this long holds the whole dump
 
@@ -151,8 +153,10 @@ def below(deadline: float, skip: Collection[int] = (), ranks_only: bool = False)
         parent = found.get(record["ppid"])
         if record["label"] and parent is not None and parent["label"].get("rank") == record["label"].get("rank"):
             record["label"] = {**record["label"], "helper_of": parent["pid"]}
-    unread = _read_with_py_spy(found, deadline, no_py_spy)
-    _read_dumps(unread, found, deadline)
+    # The ranks' own dumps first (no ptrace, no process started per rank: an X-ray a second cost a 2-core
+    # job nothing this way and 11 % through py-spy, bench/xray_cost.py), leaving py-spy time for the rest.
+    unread = _read_dumps(list(found), found, min(deadline, time.monotonic() + DUMP_SECONDS))
+    _read_with_py_spy(unread, found, deadline, no_py_spy)
     for record in found.values():  # a rank's stack from its script on, without its runner's frames
         for thread in record["threads"]:
             thread["frames"] = users_part(thread["frames"]) or thread["frames"]
@@ -196,23 +200,22 @@ def _horovod_transport(env: dict[str, str]) -> str | None:
     return env.get("HOROVOD_CONTROLLER") or None
 
 
-def _read_with_py_spy(found: dict[int, dict[str, Any]], deadline: float, refused: set[int]) -> list[int]:
-    """Read what py-spy can; return the pids it could not (py-spy missing, not allowed to attach, or
-    turned off for the process: `refused`)."""
+def _read_with_py_spy(pids: list[int], found: dict[int, dict[str, Any]], deadline: float, refused: set[int]) -> None:
+    """Read what py-spy can of `pids` (whose dumps did not come); to each it cannot read, add why to its error."""
     py_spy = shutil.which("py-spy") or _beside_python("py-spy")
-    for pid in refused:
-        found[pid]["error"] = f"py-spy is turned off for it ({PY_SPY_ENV}=0)"
-    if py_spy is None:
-        for pid in set(found) - refused:
-            found[pid]["error"] = "py-spy is not installed here"
-        return list(found)
-    unread = list(refused)
-    pids = [pid for pid in found if pid not in refused]
-    for start in range(0, len(pids), PY_SPY_PARALLEL):
-        batch = pids[start : start + PY_SPY_PARALLEL]
+    asked = []
+    for pid in pids:
+        if pid in refused:
+            _add_error(found[pid], f"py-spy is turned off for it ({PY_SPY_ENV}=0)")
+        elif py_spy is None:
+            _add_error(found[pid], "py-spy is not installed here")
+        else:
+            asked.append(pid)
+    for start in range(0, len(asked), PY_SPY_PARALLEL):
+        batch = asked[start : start + PY_SPY_PARALLEL]
         running = {
             pid: subprocess.Popen(
-                [py_spy, "dump", "--json", "--pid", str(pid)],
+                [str(py_spy), "dump", "--json", "--pid", str(pid)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
@@ -228,11 +231,14 @@ def _read_with_py_spy(found: dict[int, dict[str, Any]], deadline: float, refused
                 out, err = b"", b"py-spy did not answer in time"
             threads = _py_spy_threads(out) if process.returncode == 0 else None
             if threads is None:
-                found[pid]["error"] = "py-spy: " + (err.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
-                unread.append(pid)
+                said = err.decode(errors="replace").strip().splitlines() or ["failed"]
+                _add_error(found[pid], f"py-spy: {said[0].removeprefix('Error: ')}")  # then its backtrace
             else:
                 found[pid].update(via="py-spy", threads=threads, error=None)
-    return unread
+
+
+def _add_error(record: dict[str, Any], why: str) -> None:
+    record["error"] = f"{record['error']}; {why}" if record["error"] else why
 
 
 def _beside_python(name: str) -> str | None:
@@ -256,15 +262,17 @@ def _py_spy_threads(out: bytes) -> list[dict[str, Any]] | None:
 # ---------------------------------------------------------------- faulthandler dumps (hook.py)
 
 
-def _read_dumps(pids: list[int], found: dict[int, dict[str, Any]], deadline: float) -> None:
-    """Ask each process in `pids` that armed hook.py for its dump. A round asks one process of each dump
-    file (its inode) at once; what one dump file serves is asked for in rounds."""
+def _read_dumps(pids: list[int], found: dict[int, dict[str, Any]], deadline: float) -> list[int]:
+    """Ask each process in `pids` that armed hook.py for its dump; return those that gave none (armed
+    nothing, or stopped), each with why in its error. A round asks one process of each dump file (its
+    inode) at once; what one dump file serves (a rank and its forked children) is asked for in rounds."""
+    unread = []
     by_file: dict[int, list[tuple[int, int]]] = {}  # inode -> [(pid, descriptor of its dump file)]
     for pid in pids:
         opened = _open_dump_file(pid)
         if opened is None:
-            why = found[pid]["error"]
-            found[pid]["error"] = f"{why}; it armed no faulthandler dump (not started by a cmlcluster rank runner)"
+            _add_error(found[pid], "it armed no faulthandler dump (cmlcluster did not start it as a rank)")
+            unread.append(pid)
             continue
         by_file.setdefault(os.fstat(opened).st_ino, []).append((pid, opened))
     try:
@@ -278,7 +286,8 @@ def _read_dumps(pids: list[int], found: dict[int, dict[str, Any]], deadline: flo
             for pid, fd in asked:
                 text = _dump_after(fd, sizes[pid], deadline)
                 if text is None:
-                    found[pid]["error"] = f"no faulthandler dump within {GATHER_SECONDS:g} s (is it stopped?)"
+                    _add_error(found[pid], f"no faulthandler dump within {DUMP_SECONDS:g} s (is it stopped?)")
+                    unread.append(pid)
                 else:
                     found[pid].update(via="faulthandler", threads=faulthandler_threads(text), error=None)
                 os.close(fd)
@@ -286,6 +295,7 @@ def _read_dumps(pids: list[int], found: dict[int, dict[str, Any]], deadline: flo
         for queue in by_file.values():
             for _pid, fd in queue:
                 os.close(fd)
+    return unread
 
 
 def _open_dump_file(pid: int) -> int | None:

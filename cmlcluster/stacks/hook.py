@@ -1,8 +1,8 @@
 """In each rank, as its runner starts: a faulthandler dump of every thread on XRAY_SIGNAL, into a memory
-file (memfd) that the worker's agent reads through /proc (gather.py). It is how an X-ray sees a rank
-that py-spy may not attach to (a container without CAP_SYS_PTRACE, a kernel's ptrace policy): the dump
-is written by the rank itself, in C, from the signal's handler, so a rank blocked in a collective's C
-code, holding the GIL or not, answers as well.
+file (memfd) that the worker's agent reads through /proc (gather.py). It is how an X-ray reads a rank:
+no ptrace (which a kernel's or a container's policy may refuse, and which stops the process while
+py-spy reads it), no process started per rank; the dump is written by the rank itself, in C, from the
+signal's handler, so a rank blocked in a collective's C code, holding the GIL or not, answers as well.
 
 Nothing on disk: the memory file goes with the process. Only the standard library is imported here.
 The signal is a real-time one that neither Python nor the frameworks use; the agent sends it only to a

@@ -1,9 +1,8 @@
 """X-ray of real jobs while they run (issue 38): one rank held back from a collective its peers wait in is
 named with its line, the others with the collective; nothing is disturbed, and the job ends well once
-the rank is let go. PyTorch's four ranks on two local workers are read with py-spy; Horovod's ranks in
-Docker containers, with py-spy turned off for them (as where a site forbids ptrace), through the
-faulthandler dump their runner armed; TensorFlow's tasks run in the workers' agents and are read from the
-agents themselves."""
+the rank is let go. The ranks (PyTorch's four on two local workers, Horovod's in Docker containers) are
+read through the faulthandler dump their runner armed, torchrun's own processes with py-spy; TensorFlow's
+tasks run in the workers' agents and are read from the agents themselves."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from harness.fixtures import on
 
 from cmlcluster import run_cluster, run_horovod, run_torch
 from cmlcluster.events import OutputLine
-from cmlcluster.wire import PY_SPY_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -185,8 +183,9 @@ def test_an_xray_names_the_torch_rank_held_out_of_a_barrier_and_the_job_ends_wel
         == f"  ranks 0-1, 3: wait in torch.distributed.barrier, at stuck.py:{barrier_line} in <module>: dist.barrier()"
     )
     assert lines[2] == "  odd one out:" and lines[3].startswith("    rank 2 (w")
-    if session.backend.name == "local":
-        assert xray.rank(2).via == "py-spy"
+    assert {u.via for u in xray.units} == {"faulthandler"}  # the dumps the ranks armed
+    if session.backend.name == "local":  # the nodes' launchers (torchrun, its lifeline: no dump armed) with py-spy
+        assert len(xray.others) == 4 and {p.via for p in xray.others} == {"py-spy"}, str(xray)
     result = job.finish()
     assert result.ok, result.message  # the X-ray disturbed nothing
     assert all(f"rank {r} passed" in "\n".join(result.output[r]) for r in range(4))
@@ -195,10 +194,7 @@ def test_an_xray_names_the_torch_rank_held_out_of_a_barrier_and_the_job_ends_wel
 @pytest.mark.parametrize("backend", on("docker"), indirect=True)
 def test_an_xray_reads_horovod_ranks_in_containers_through_their_dumps(session, tmp_path):
     train = script(tmp_path, "stuck.py", HOROVOD_RANKS)
-    # py-spy attaches in these containers too (root, the same uid as the ranks): the ranks turn it off, as
-    # where a site forbids ptrace, and are read through the faulthandler dump their runner armed.
-    env = {PY_SPY_ENV: "0"}
-    job = Job(session, lambda release: run_horovod(train, [release, "1"], np=2, cpu=0.5, env=env, session=session), 2)
+    job = Job(session, lambda release: run_horovod(train, [release, "1"], np=2, cpu=0.5, session=session), 2)
     job.wait_ready()
     xray = session.xray()
     assert [u.rank for u in xray.units] == [0, 1]

@@ -70,13 +70,34 @@ def no_py_spy(monkeypatch):
     monkeypatch.setattr(gather, "_beside_python", lambda name: None)
 
 
-def test_a_process_whose_environment_turns_py_spy_off_is_read_through_its_dump(start):
-    rank = start(RANK, env={"JAX_PROCESS_ID": "0", PY_SPY_ENV: "0"})
+def test_a_rank_is_read_through_its_dump_even_where_py_spy_is_installed(start):
+    rank = start(RANK, env={"JAX_PROCESS_ID": "0"})
     [record] = gathered(rank)
     assert record["via"] == "faulthandler" and record["label"]["kind"] == "jax"
+
+
+def test_a_stopped_rank_is_named_with_why_neither_way_read_it(start, monkeypatch):
+    # Its dump's signal waits for it to run again; py-spy is asked next, and cannot read it either.
+    monkeypatch.setattr(gather, "DUMP_SECONDS", 0.3)
+    rank = start(RANK, env={"RANK": "1", "LOCAL_RANK": "1"})
+    os.kill(rank.pid, signal.SIGSTOP)
+    try:
+        [record] = gathered(rank)
+    finally:
+        os.kill(rank.pid, signal.SIGCONT)
+    assert record["threads"] == []
+    assert record["error"].startswith("no faulthandler dump within 0.3 s (is it stopped?); py-spy: "), record
+    assert "\n" not in record["error"]  # py-spy's first line, not its backtrace
+
+
+def test_a_process_whose_environment_turns_py_spy_off_and_armed_nothing_is_named_not_read(start):
     plain = start("import time; print('waiting', flush=True); time.sleep(60)", env={PY_SPY_ENV: "0"})
     [record] = gathered(plain)
-    assert record["error"].startswith(f"py-spy is turned off for it ({PY_SPY_ENV}=0); it armed no faulthandler")
+    assert record["threads"] == []
+    assert record["error"] == (
+        "it armed no faulthandler dump (cmlcluster did not start it as a rank); "
+        f"py-spy is turned off for it ({PY_SPY_ENV}=0)"
+    )
 
 
 def gathered(process: subprocess.Popen[str]) -> list[dict]:
