@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from .. import _lifeline
 from ..wire import PY_SPY_ENV
 from .hook import MEMFD_NAME, XRAY_SIGNAL
 
@@ -132,7 +133,7 @@ def below(deadline: float, skip: Collection[int] = (), ranks_only: bool = False)
             continue
         with contextlib.suppress(psutil.Error):
             command = child.cmdline()
-            if not is_python(child.exe(), command):
+            if not is_python(child.exe(), command) or is_lifeline(command):
                 continue
             env = child.environ()
             label = label_of(env)
@@ -166,6 +167,11 @@ def below(deadline: float, skip: Collection[int] = (), ranks_only: bool = False)
 def is_python(executable: str, command: list[str]) -> bool:
     names = [os.path.basename(executable), os.path.basename(command[0]) if command else ""]
     return any(re.fullmatch(r"python[\d.]*", name) for name in names)
+
+
+def is_lifeline(command: list[str]) -> bool:
+    """cmlcluster's own _lifeline.py, which only waits for the process it holds: nothing of the job's."""
+    return len(command) > 1 and command[1] == _lifeline.__file__
 
 
 def label_of(env: dict[str, str]) -> dict[str, Any]:
