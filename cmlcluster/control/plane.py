@@ -19,6 +19,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ HUB_SILENCE_MARGIN = 10.0
 # A registered engine silent this long since the latest first answer of any engine is failed: while
 # others answer (64 local workers on 2 cores: over 10 s in all), it is waiting its turn, not hung.
 DESCRIBE_TIMEOUT = 10.0
+DESCRIBE_LIMIT = 120.0  # an engine's first answer, however busy the control plane is (describe)
 # How often, at most, the session asks the hub for the engines it registered (the first ask 0.25 s
 # after connecting, then twice as long each time up to this): control/plane.py's _catch_up says why.
 HUB_RECHECK_SECONDS = 4.0
@@ -148,6 +150,9 @@ class IPyParallelControl(ControlPlane):
         self._registered: set[int] = set()
         self._unregistered: set[int] = set()
         self._last_first_answer = -math.inf  # loop time: describe's deadline counts from it
+        # time.monotonic() (the loop's clock) of the last output any engine's program sent: a control plane
+        # that carries a flood of it is busy, not stalled (describe).
+        self._last_news = -math.inf
         self._ready: asyncio.Future[None] | None = None
         self._catching_up: asyncio.Task[None] | None = None
 
@@ -276,7 +281,8 @@ class IPyParallelControl(ControlPlane):
             self._loop.call_soon_threadsafe(self._announce, event["event"], int(event["id"]))
 
     def _on_usage_message(self, message: dict[str, Any]) -> None:
-        # Runs on the client's IO thread: one sample per worker every few seconds.
+        # Runs on the client's IO thread: one sample per worker every few seconds. (No news for describe:
+        # a hung engine's own sampler would keep its deadline moving.)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._usage, message["content"])
 
@@ -332,23 +338,36 @@ class IPyParallelControl(ControlPlane):
         # The hub announces an engine once its heart beats, but under load the engine's
         # shell socket can connect later, and ipyparallel's router drops what is sent to
         # it before then. describe is idempotent, so on silence ask again, with backoff.
+        # Its deadline counts from the latest sign that the control plane moves: another engine's first
+        # answer, or any program's output reaching the session. At 1,024 workers that all
+        # printed, a healthy worker's answer waited 11 s behind their output and was failed (issue 38);
+        # while the plane carries such a flood an engine gets up to DESCRIBE_LIMIT.
         loop = asyncio.get_running_loop()
         asked_at = loop.time()
         asked: set[asyncio.Future[Any]] = set()
         silence = 0.5
+
+        def deadline() -> float:
+            moved = max(asked_at, self._last_first_answer, self._last_news)
+            return min(asked_at + DESCRIBE_LIMIT, moved + DESCRIBE_TIMEOUT)
+
         try:
-            while (deadline := max(asked_at, self._last_first_answer) + DESCRIBE_TIMEOUT) > loop.time():
+            while (until := deadline()) > loop.time():
                 _, result = self._apply(engine_id, ("describe",))
                 asked.add(asyncio.wrap_future(result))
-                wait = max(0.0, min(silence, deadline - loop.time()))
+                wait = max(0.0, min(silence, until - loop.time()))
                 done, asked = await asyncio.wait(asked, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if done:
                     info = done.pop().result()
                     self._last_first_answer = loop.time()
                     return WorkerInfo(**{key: info.get(key) for key in ("ip_address", "hostname", "pid")})
                 silence = min(silence * 2, 4.0)
-            waited = f"{loop.time() - asked_at:.0f} s, {DESCRIBE_TIMEOUT:g} s of them while no other engine answered"
-            raise TimeoutError(f"engine {engine_id} did not answer for {waited}")
+            waited = loop.time() - asked_at
+            if waited >= DESCRIBE_LIMIT:
+                why = f"{waited:.0f} s, the most it is given while other engines' output kept the controller busy"
+            else:
+                why = f"{waited:.0f} s, {DESCRIBE_TIMEOUT:g} s of them while no other engine answered or sent output"
+            raise TimeoutError(f"engine {engine_id} did not answer for {why}")
         finally:
             # Requests abandoned here are cancelled, so that their late failure (the engine
             # dies; the hub reports "Engine died while running task") is never left unretrieved.
@@ -362,6 +381,7 @@ class IPyParallelControl(ControlPlane):
         relay = OutputRelay(loop, on_output)
 
         def on_iopub(msg: dict[str, Any]) -> None:
+            self._last_news = time.monotonic()  # on the client's IO thread; describe reads it
             if msg["header"]["msg_type"] == "stream":
                 content = msg["content"]
                 # Dropped from the client before the session has it: whoever sees the text (on the session's

@@ -1,6 +1,7 @@
 """The deadline for a registered engine's first answer (control/plane.py's describe): counted from the latest
-first answer of any engine, so that engines answering one after another on a machine's few cores are
-not failed, while one that hangs still is.
+first answer of any engine or the last output any program sent, so that engines answering one after
+another on a machine's few cores, or behind a thousand workers' output, are not failed, while one that
+hangs still is (at DESCRIBE_LIMIT however busy the plane).
 
 The engines here are futures the test answers on its own schedule (the session side's describe is
 what is tested; the real agent's hang is test_reliability.py's)."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+import time
 
 import pytest
 
@@ -40,6 +42,19 @@ class Engines(control.IPyParallelControl):
 @pytest.fixture(autouse=True)
 def short_deadline(monkeypatch):
     monkeypatch.setattr(control, "DESCRIBE_TIMEOUT", TIMEOUT)
+    monkeypatch.setattr(control, "DESCRIBE_LIMIT", LIMIT)
+
+
+LIMIT = 5.0  # DESCRIBE_LIMIT here
+
+
+async def _news_every(engines: Engines, seconds: float, until: float) -> None:
+    """Other engines' output reaching the session (what on_iopub notes), every `seconds` until `until`."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + until
+    while loop.time() < end:
+        engines._last_news = time.monotonic()
+        await asyncio.sleep(seconds)
 
 
 async def _answer_at(engines: Engines, schedule: dict[int, float]) -> None:
@@ -76,4 +91,37 @@ def test_an_engine_that_never_answers_fails_a_timeout_after_the_last_other_answe
 
     error, took = asyncio.run(main())
     assert 0.8 + TIMEOUT <= took < 0.8 + TIMEOUT + 2.0, took  # counted from engine 2's answer, not its own ask
-    assert re.search(r"engine 0 did not answer for \d s, 2 s of them while no other engine answered", str(error))
+    assert re.search(
+        r"engine 0 did not answer for \d s, 2 s of them while no other engine answered or sent output", str(error)
+    )
+
+
+def test_an_engine_whose_answer_waits_behind_other_engines_output_is_not_failed():
+    # No other engine answers a describe, but their output keeps coming (1,024 workers printing): the
+    # answer at 3.5 s, past the 2 s timeout, is still taken.
+    async def main() -> object:
+        engines = Engines()
+        news = asyncio.ensure_future(_news_every(engines, 0.2, until=4.0))
+        answering = asyncio.ensure_future(_answer_at(engines, {0: 3.5}))
+        info = await engines.describe(0)
+        await asyncio.gather(news, answering)
+        return info
+
+    assert asyncio.run(main()).ip_address == "10.0.0.0"  # type: ignore[attr-defined]
+
+
+def test_an_engine_that_never_answers_fails_at_the_limit_however_busy_the_plane():
+    async def main() -> tuple[BaseException, float]:
+        engines = Engines()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        news = asyncio.ensure_future(_news_every(engines, 0.2, until=LIMIT + 3))
+        with pytest.raises(TimeoutError) as failed:
+            await engines.describe(0)
+        took = loop.time() - start
+        news.cancel()
+        return failed.value, took
+
+    error, took = asyncio.run(main())
+    assert LIMIT <= took < LIMIT + 1.5, took
+    assert "the most it is given while other engines' output kept the controller busy" in str(error)
