@@ -211,7 +211,7 @@ class WidgetView:
         # The click acts on arrival, while a cell may hold the kernel; the on_click above runs later.
         hooked = kernel_internals.on_arrival(self.stop_button.comm, self._guarded(self._on_stop_arrival))
         self.stop_button.tooltip = STOPS_THE_CELL if hooked else STOPS_BETWEEN_CELLS
-        # Where every rank of the view's workers is now (cmlcluster/xray): asked on the click's arrival,
+        # Where every rank of the view's workers is now (cmlcluster/stacks): asked on the click's arrival,
         # while the cell runs on; the answer is drawn under the table.
         self.xray_button = w.Button(description="X-ray", icon="search", tooltip=XRAY_TIP)
         self.xray_button.on_click(self._guarded(self._on_xray))
