@@ -37,7 +37,7 @@ SILENCE_EXIT = 70
 # of after silence_timeout (backends/local.py; agent/engine.py).
 LIFELINE_FD_ENV = "CMLCLUSTER_LIFELINE_FD"
 
-# An X-ray (cmlcluster/xray): the session's request on each engine's control channel, and the agent's reply
+# An X-ray (cmlcluster/stacks): the session's request on each engine's control channel, and the agent's reply
 # (the stacks of its program and of every rank below it).
 XRAY_REQUEST = "cmlcluster_xray_request"
 XRAY_REPLY = "cmlcluster_xray_reply"
