@@ -156,7 +156,8 @@ def script(tmp_path: Path, name: str, text: str) -> str:
 def held(unit) -> bool:
     """Whether a rank's stack stands where the held rank waits."""
     where = unit.main.innermost_users
-    return (where.function, where.source in HELD_AT[1]) == (HELD_AT[0], True)
+    function, lines = HELD_AT
+    return where.function == function and where.source in lines
 
 
 @pytest.mark.parametrize("backend", on("local"), indirect=True)
