@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from browser.jupyterlab import jupyter_lab, open_notebook, write_notebook
 
@@ -27,6 +29,9 @@ RECORD_STATUSES = """() => {
 }"""
 
 
+TWO_STOPPED = "() => Object.values(window.cmlclusterStatuses).filter(s => s[s.length - 1] === 'stopped').length >= 2"
+
+
 def copy_notebook(name: str, folder: Path) -> None:
     shutil.copy(ROOT / "notebooks" / name, folder / name)
 
@@ -36,6 +41,9 @@ def test_worker_api_notebook_shows_rows_going_from_running_to_succeeded(tmp_path
     with jupyter_lab(tmp_path) as lab, open_notebook(lab, "worker_api.ipynb", artifact_name="worker_api") as nb:
         nb.page.evaluate(RECORD_STATUSES)
         nb.run_all(timeout=300)
+        # The last cell's stop reaches the page as the view's next render, which may come after the cell ends.
+        with contextlib.suppress(PlaywrightTimeout):
+            nb.page.wait_for_function(TWO_STOPPED, timeout=15_000)
         seen = nb.page.evaluate("() => window.cmlclusterStatuses")
         finished = {worker: statuses for worker, statuses in seen.items() if "succeeded" in statuses}
         assert len(finished) == 2, seen  # the two workers with a program
