@@ -271,12 +271,17 @@ class XRay:
             lines += ["", f"== {_names(group)} =="]
             lines += _stack_lines(group[0])
         if self.others:
-            lines += ["", "== other processes =="]
-            for process in self.others:
-                where = process.main.innermost_users if process.main else None
-                standing = where.describe() if where else f"no stack: {process.error}"
-                lines.append(f"  {process.name} ({_shortened(process.command)}): {standing}")
+            lines += ["", "== other processes ==", *self._other_lines()]
         return "\n".join(lines)
+
+    def _other_lines(self) -> list[str]:
+        """A line for each process that is no unit (a launcher, a rank's helper): where it stands."""
+        lines = []
+        for process in self.others:
+            where = process.main.innermost_users if process.main else None
+            standing = where.describe() if where else f"no stack: {process.error}"
+            lines.append(f"  {process.name} ({_shortened(process.command)}): {standing}")
+        return lines
 
     def __str__(self) -> str:
         return self.text()
@@ -301,7 +306,7 @@ class XRay:
         if self.others:
             parts.append(
                 "<details><summary>other processes</summary><pre>"
-                + e("\n".join(self.text().split("== other processes ==\n", 1)[1:]))
+                + e("\n".join(self._other_lines()))
                 + "</pre></details>"
             )
         parts.append("</div>")
