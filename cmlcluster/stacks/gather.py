@@ -67,17 +67,16 @@ def own_process() -> dict[str, Any] | None:
             continue  # the control thread, gathering
         frames = users_part([[f.filename, f.lineno, f.name] for f in traceback.extract_stack(frame)])
         if frames:
-            threads.append({"name": names.get(ident, f"thread {ident:#x}"), "frames": with_source(frames)})
+            threads.append({"name": names.get(ident, f"thread {ident:#x}"), "frames": frames})
     if not threads:
         return None  # no program runs: only the agent's machinery
-    threads.sort(key=lambda t: t["name"] != "MainThread")
     return {
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "command": "the worker's program",
         "label": label_of(dict(os.environ)) or tensorflow_task(),
         "via": "agent",
-        "threads": threads,
+        "threads": main_first(threads),
         "error": None,
     }
 
