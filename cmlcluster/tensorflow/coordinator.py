@@ -60,6 +60,16 @@ def _coordinator_clusters() -> list[Any]:
     return list(clusters.values())
 
 
+def _handler_threads(cluster: Any) -> list[threading.Thread]:
+    """The threads that run the cluster's preemption handler (TensorFlow starts one)."""
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread.name == internals.PREEMPTION_HANDLER_THREAD
+        and internals.cluster_of(internals.thread_owner(thread)) is cluster
+    ]
+
+
 def _recovering(cluster: Any) -> bool:
     """Whether the cluster's preemption handler waits for a lost worker (in update_server_def, forever).
 
@@ -73,6 +83,7 @@ def _recovering(cluster: Any) -> bool:
 Tasks = frozenset[tuple[str, int, str]]  # a cluster's remote tasks: (job, index, host:port)
 
 _failed: set[Tasks] = set()  # the clusters whose job failed (fail()), by their remote tasks
+HANDLER_STOP_SECONDS = 5.0  # how long detach waits for a stopped cluster's handler thread to end
 RECOVERY_POLL_SECONDS = 0.2  # how often a waiting preemption handler looks again
 # How long every lost task must go on accepting connections to count as back. A task killed with
 # SIGKILL still accepts while the kernel tears its process down (its memory is unmapped before its
@@ -204,6 +215,10 @@ def detach(cluster_spec: Mapping[str, Sequence[str]]) -> bool:
         for cluster in _coordinator_clusters():
             if not _recovering(cluster):  # else its handler holds the lock stop() takes (it parks for good)
                 cluster.stop()
+                for thread in _handler_threads(cluster):
+                    # stop() only wakes the handler, which narrates its own end on its thread: the INFO
+                    # line would otherwise reach the notebook after the logger is loud again.
+                    thread.join(HANDLER_STOP_SECONDS)
             # ClusterCoordinator.__del__ stops it again, possibly at interpreter exit, when a kernel's
             # streams are closed and its INFO lines become "Logging error"s, or for ever on that lock.
             cluster.stop = lambda: None
