@@ -130,6 +130,10 @@ class Supervisor:
         if self.ttl and self._ttl_guard is None:
             self._ttl_guard = self.spawn(self._end_at_ttl(self.ttl))
         workers = [Worker(spec=spec, program=program, kernel=kernel, backend=self.backend.name) for spec in specs]
+        try:
+            await self.backend.prepare_launch(specs)
+        except (BackendError, OSError) as e:
+            return [self._launch_failed(w, e) for w in workers]
         for w in workers:
             self.workers[w.id] = w
             self._by_engine[w.engine_id] = w
@@ -156,15 +160,18 @@ class Supervisor:
         except (BackendError, OSError) as e:
             del self.workers[worker.id]
             del self._by_engine[worker.engine_id]
-            # CML's shape for a worker that could not be launched: no "id", a "message".
-            message = f"could not launch worker {worker.id}: {e}"
-            self._events.publish(LaunchFailed(message))
-            return {"status": FAILED, "message": message}
+            return self._launch_failed(worker, e)
         self._exit_watchers[worker.id] = self.spawn(self._watch_exit(worker))
         if type(self.backend).waiting_reason is not Backend.waiting_reason:  # a scheduler's queue can say why
             self.spawn(self._follow_waiting(worker))
         self._changed(worker)
         return worker.to_dict()
+
+    def _launch_failed(self, worker: Worker, error: Exception) -> dict[str, Any]:
+        # CML's shape for a worker that could not be launched: no "id", a "message".
+        message = f"could not launch worker {worker.id}: {error}"
+        self._events.publish(LaunchFailed(message))
+        return {"status": FAILED, "message": message}
 
     async def _follow_waiting(self, worker: Worker) -> None:
         """While the worker is scheduling, its message is why it waits, in its scheduler's words, as they change:

@@ -13,6 +13,9 @@ the loop that carries every worker's events never waits on one backend:
 - ``check(n, resources)`` before a launch, before ``attach`` and before anything
   has started: raise ConfigError if n such workers can never start here (say,
   more GPUs than exist).
+- ``prepare_launch(specs)`` before the workers of one launch start: a scheduler may
+  place them as one (Slurm's gang job); most backends do nothing. BackendError fails
+  the launch's workers, with nothing of them left.
 - ``start(spec)`` returns a handle once the process has been created. It may
   raise BackendError; then nothing of that worker is left behind.
 - ``poll(handle)`` returns None while the process is alive (and for a handle
@@ -56,7 +59,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -205,6 +208,11 @@ class Backend(abc.ABC, Generic[HandleT]):
     async def check(self, n: int, resources: Resources) -> None:
         """Raise ConfigError if n workers with these resources can never start here: before each
         launch, before anything of it starts (the first launch's comes before attach)."""
+
+    async def prepare_launch(self, specs: Sequence[WorkerSpec]) -> None:
+        """Before the workers of one launch start (each by start()): a scheduler may place them as one (a
+        Slurm gang job, all of them at once or none). Raises BackendError, leaving nothing behind, when the
+        launch cannot be placed; its workers then fail to launch, as for start()'s error."""
 
     @abc.abstractmethod
     async def start(self, spec: WorkerSpec) -> HandleT:

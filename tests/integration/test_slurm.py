@@ -20,7 +20,7 @@ import pytest
 from harness.processes import running, wait_until
 from harness.slurm import slurm_installed
 
-from cmlcluster import Session
+from cmlcluster import ConfigError, Session
 from cmlcluster.backends.slurm import commands
 from cmlcluster.backends.slurm.backend import SlurmBackend
 
@@ -50,10 +50,11 @@ def up(session, workers, timeout=60):
 def test_workers_are_jobs_slurm_places_and_one_that_does_not_fit_waits_with_slurms_reason(slurm):
     with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
         running = up(session, session.launch_workers(2, cpu=2, memory=0.5))
-        # A whole node each: two addresses, the nodes', and two jobs.
+        # A whole node each: two addresses, the nodes'; one job, the launch's, each worker a step of it.
         assert {w["ip_address"] for w in running} == {n.ip for n in slurm.nodes}
         job_ids = {session.call(w, "os:getenv", "SLURM_JOB_ID") for w in running}
-        assert len(job_ids) == 2 and all(job_ids)
+        assert len(job_ids) == 1 and all(job_ids)
+        assert session_jobs(slurm, session) == [f"cmlcluster-{session.id}-gang-{running[0]['id']} RUNNING"]
         assert {session.call(w, "os:getenv", "CUDA_VISIBLE_DEVICES") for w in running} == {""}  # no GPU asked for
         waiting = session.launch_workers(1, cpu=2, memory=0.5)
         late = session.await_workers(waiting, wait_for_completion=False, timeout_seconds=6)
@@ -67,6 +68,61 @@ def test_workers_are_jobs_slurm_places_and_one_that_does_not_fit_waits_with_slur
         assert len(session_jobs(slurm, session)) == 1
         session.stop_workers()
         assert session_jobs(slurm, session) == []
+
+
+def test_a_launch_is_one_gang_job_granted_whole_or_not_at_all(slurm):
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
+        [first] = up(session, session.launch_workers(1, cpu=2, memory=0.5))  # one node taken
+        # Two whole-node workers: one node is free, but the launch waits for both (jobs of their own would
+        # have started one of them, to wait for the other with a half-started distributed job).
+        pair = session.launch_workers(2, cpu=2, memory=0.5)
+        late = session.await_workers(pair, wait_for_completion=False, timeout_seconds=6)
+        assert [f["status"] for f in late["failures"]] == ["timedout", "timedout"]
+        assert all("PENDING (Resources)" in f["message"] for f in late["failures"]), late["failures"]
+        assert {w["status"] for w in session.list_workers() if w["id"] != first["id"]} == {"scheduling"}
+        session.stop_workers(first)
+        both = up(session, pair)
+        assert {w["ip_address"] for w in both} == {n.ip for n in slurm.nodes}
+        [gang_job] = {session.call(w, "os:getenv", "SLURM_JOB_ID") for w in both}
+        steps = {session.call(w, "os:getenv", "SLURM_STEP_ID") for w in both}
+        assert len(steps) == 2, steps
+
+        # One of them stopped: the other runs on in the gang's job; the last one's end cancels the job.
+        session.stop_workers(both[0])
+        assert session.call(both[1], "os:getenv", "SLURM_JOB_ID") == gang_job
+        assert len(session_jobs(slurm, session)) == 1
+        session.stop_workers(both[1])
+        wait_until(lambda: session_jobs(slurm, session) == [], timeout=10)
+
+        # The gang's job cancelled from outside: each of its workers is stopped, with Slurm's words.
+        again = up(session, session.launch_workers(2, cpu=1, memory=0.25))
+        [job_id] = {session.call(w, "os:getenv", "SLURM_JOB_ID") for w in again}
+        slurm.run("scancel", job_id, check=True)
+        ids = {w["id"] for w in again}
+        wait_until(lambda: {w["status"] for w in session.list_workers() if w["id"] in ids} == {"stopped"}, timeout=30)
+        for w in session.list_workers():
+            if w["id"] in ids:
+                assert f"Slurm ended its job {job_id}: CANCELLED" in w["message"], w
+
+
+def test_a_gang_that_could_never_run_is_refused_before_anything_starts_and_slurms_refusal_is_told(slurm):
+    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
+        # Each worker fits a node, but three whole nodes do not exist: the gang would wait for ever.
+        with pytest.raises(ConfigError, match=r"holds at most 2 of them: launch fewer, .* or give gang=False"):
+            session.launch_workers(3, cpu=2, memory=0.5)
+        assert session.list_workers() == [] and session_jobs(slurm, session) == []
+        # With gang=False they are jobs of their own: two run, the third waits for a place.
+    with Session(SlurmBackend(slurm_conf=slurm.conf, gang=False), echo=False) as session:
+        launched = session.launch_workers(3, cpu=2, memory=0.5)
+        late = session.await_workers(launched, wait_for_completion=False, timeout_seconds=20)
+        assert len(late["workers"]) == 2 and [f["status"] for f in late["failures"]] == ["timedout"], late
+        assert len({session.call(w, "os:getenv", "SLURM_JOB_ID") for w in late["workers"]}) == 2
+    # What Slurm itself refuses (a node feature it does not know, here) fails the launch's workers in its words.
+    with Session(SlurmBackend(slurm_conf=slurm.conf, extra=["--constraint=nosuchfeature"]), echo=False) as session:
+        launched = session.launch_workers(2, cpu=1, memory=0.25)
+        assert [w["status"] for w in launched] == ["failed"] * 2, launched
+        assert all("Slurm did not grant" in w["message"] and "feature" in w["message"] for w in launched), launched
+        assert session.list_workers() == [] and session_jobs(slurm, session) == []
 
 
 def test_a_job_cancelled_outside_is_stopped_and_a_gpu_worker_sees_its_own_gpu(slurm):
@@ -144,7 +200,7 @@ def test_a_killed_session_leaves_no_job_and_no_srun(slurm, tmp_path):
         session_id = process.stdout.readline().strip()
         assert session_id, "the session did not start its workers"
         prefix = f"cmlcluster-{session_id}-"
-        assert len([j for j in queued(slurm) if j.startswith(prefix)]) == 2
+        assert [j for j in queued(slurm) if j.startswith(prefix)] == [f"{prefix}gang-{session_id}-0"]  # the launch's
         process.kill()  # as a kernel killed outright: no close(), no atexit
         process.wait()
         deadline = time.monotonic() + 15
@@ -299,7 +355,7 @@ def test_jax_and_accelerate_train_across_two_slurm_nodes(slurm, monkeypatch, tmp
 
 ALLOCATION_SCRIPT = """
 import json, os, socket
-from cmlcluster import Session
+from cmlcluster import ConfigError, Session
 from cmlcluster.backends.slurm.backend import SlurmBackend
 
 backend = SlurmBackend()  # inside the allocation this script runs in: SLURM_JOB_ID says so

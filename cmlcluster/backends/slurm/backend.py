@@ -3,9 +3,12 @@
     cdsw.use_backend("slurm", partition="gpu", account="proj42", time_limit="2:00:00")
 
 This machine is a Slurm submit host (a login node, or a machine whose ``slurm.conf`` names the cluster's
-controller and whose munge key is the cluster's). Each worker is one ``srun`` here: a job of one task on
-one node, running the worker's agent under the task launcher (task.py), which dials home to the session as
-on every backend. One lifeline for the session's jobs cancels them all should this process die. Where the
+controller and whose munge key is the cluster's). One launch of several workers is one job, a gang: an
+allocation of one task per worker (``salloc --no-shell``), which Slurm grants whole or not at all, so that a
+distributed job never runs on part of its workers while the rest wait; each worker is then a step of it,
+one ``srun`` here running the worker's agent under the task launcher (task.py), which dials home to the
+session as on every backend. A single worker, or every worker with gang=False, is a job of its own (one
+``srun``). One lifeline for the session's jobs cancels them all should this process die. Where the
 notebook runs inside an allocation (started by sbatch, batchspawner or Open OnDemand: SLURM_JOB_ID), each
 worker is a step of that allocation instead (srun --jobid --overlap). srun copies the worker's output back
 here; the session never needs sshd on the nodes or a file system they share with it (scripts and folders
@@ -32,7 +35,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ... import _lifeline
@@ -53,13 +56,46 @@ PASSED_VARIABLES = ("PATH", "LANG", "LC_ALL", "HOME", "USER", "LOGNAME")
 INSTALL_HINT = "apt-get install slurm-client (Debian; the same Slurm version as the cluster's), with munge"
 
 
+SALLOC_ANSWER = 30.0  # seconds for salloc to say the gang job was submitted (or why not)
+NEVER_RAN = 1  # the exit code of a gang's worker whose allocation ended before it was granted
+
+
+@dataclass(eq=False)
+class Gang:
+    """One launch's workers as one Slurm job (salloc --no-shell): granted whole or not at all, each worker a
+    step of it from then on. A later launch of workers alike takes the places of those that ended (an elastic
+    job's replacement runs where its predecessor did, as torchrun's restarts do inside one sbatch job).
+    Cancelled when the last of them ends."""
+
+    name: str
+    salloc: asyncio.subprocess.Process
+    size: int  # its tasks: one worker's place each
+    resources: Resources  # each task's
+    members: set[str]
+    job_id: str = ""
+    granted: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    said: list[str] = field(default_factory=list)  # salloc's lines, for the message of a refusal
+    reader: asyncio.Task[None] | None = None
+    ended: bool = False
+
+
 @dataclass(eq=False)
 class SlurmHandle:
     worker_id: str
-    job_name: str
-    process: asyncio.subprocess.Process
+    job_name: str  # its job's, or its step's where it is a step of an allocation
+    process: asyncio.subprocess.Process | None  # srun; None while its gang waits to be granted
     output: WorkerOutput
     log_path: str
+    allocation: str = ""  # the job whose step it is: the session's own allocation or its gang's
+    gang: Gang | None = None
+    starting: asyncio.Task[None] | None = None  # a gang's worker: its step starts once the gang is granted
+    start_error: str = ""  # why that never happened
+    final: commands.QueuedJob | None = None  # its job's state once it ended (a gang's: the gang job's)
+
+    @property
+    def job(self) -> str:
+        """The name of the job whose state is this worker's in Slurm's queue."""
+        return self.gang.name if self.gang is not None else self.job_name
 
 
 class SlurmBackend(Backend[SlurmHandle]):
@@ -78,6 +114,9 @@ class SlurmBackend(Backend[SlurmHandle]):
         route to slurmctld).
     shared_paths: folders of this machine that every node sees at the same path (a shared home, say):
         nothing under them is shipped. Default: none.
+    gang: one launch of several workers is one job, granted whole or not at all (salloc --no-shell;
+        GPUs asked per task, --gpus-per-task, which needs select/cons_tres; the extra options go to the
+        allocation); False: each worker a job of its own, each starting when a place frees. Default: True.
     within_allocation: each worker a step of the Slurm allocation this process runs in (srun --jobid
         --overlap), as for a notebook that sbatch, batchspawner or Open OnDemand started; False: jobs of
         their own. Default: inside one when this process has SLURM_JOB_ID.
@@ -100,8 +139,12 @@ class SlurmBackend(Backend[SlurmHandle]):
         controller_ip: str | None = None,
         shared_paths: Sequence[str] = (),
         within_allocation: bool | None = None,
+        gang: bool = True,
     ):
         self.options = commands.job_options(partition, account, qos, time_limit, signal_before_end, gpus, extra)
+        if not isinstance(gang, bool):
+            raise ConfigError(f"gang={gang!r}: give True (a launch is one job, all or none) or False (a job each)")
+        self.gang = gang
         self.allocation = _allocation(within_allocation, self.options)
         if not isinstance(python, str) or not python:
             raise ConfigError(f"python={python!r}: give the interpreter's path on the nodes")
@@ -120,6 +163,7 @@ class SlurmBackend(Backend[SlurmHandle]):
         self._controller_ip = controller_ip
         self._queue: JobQueue | None = None
         self._handles: dict[str, SlurmHandle] = {}
+        self._gangs: dict[str, Gang] = {}  # worker id -> the gang it starts in (until its start)
         # Submit mode: the session's jobs' lifeline. A plain process, not an asyncio one: it lives as long as
         # the backend is attached, and no event loop of the caller's need outlive it.
         self._canceller: subprocess.Popen[bytes] | None = None
@@ -143,10 +187,12 @@ class SlurmBackend(Backend[SlurmHandle]):
             sinfo += ["-n", names.strip()]
         nodes = commands.parse_sinfo(await asyncio.to_thread(self._run, *sinfo))
         commands.check_fits(resources, nodes, self.options.partition)
+        if self._gang_of(n):
+            commands.check_gang_fits(n, resources, nodes, self.options.partition)
 
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
-        for tool in ("srun", "squeue", "scancel", "sinfo", "scontrol"):
+        for tool in ("srun", "salloc", "squeue", "scancel", "sinfo", "scontrol"):
             if shutil.which(tool, path=self.slurm_env.get("PATH")) is None:
                 raise ConfigError(f"the slurm backend needs Slurm's {tool} on this machine's PATH: {INSTALL_HINT}")
         await asyncio.to_thread(self._run, "squeue", "-h", "--me", "-o", "%i")  # reaches the controller, or says why
@@ -168,72 +214,227 @@ class SlurmBackend(Backend[SlurmHandle]):
 
     # ---------------------------------------------------------------- the contract
 
+    async def prepare_launch(self, specs: Sequence[WorkerSpec]) -> None:
+        """A launch of several workers alike, in submit mode: one gang job for all of them, or the free places
+        of one the session holds (see Gang)."""
+        if self.allocation or not self.gang or len({s.resources for s in specs}) > 1:
+            return
+        assert self._queue is not None, "attach() first"
+        resources = specs[0].resources
+        for gang in {h.gang for h in self._handles.values() if h.gang is not None}:
+            if gang.resources == resources and gang.size - len(gang.members) >= len(specs) and not gang.ended:
+                if not gang.granted.done() or gang.granted.exception() is None:
+                    gang.members.update(spec.worker_id for spec in specs)
+                    self._gangs.update((spec.worker_id, gang) for spec in specs)
+                    return
+        if not self._gang_of(len(specs)):
+            return
+        name = commands.gang_name(self.context.session_id, specs[0].worker_id)
+        self._tell_canceller(name)
+        argv = commands.salloc_argv("salloc", name, self._comment(), len(specs), resources, self.options)
+        try:
+            salloc = await asyncio.create_subprocess_exec(
+                *argv, env=self.slurm_env, cwd=self.context.session_dir, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            raise BackendError(f"could not start salloc: {e}") from e
+        gang = Gang(name, salloc, len(specs), resources, {spec.worker_id for spec in specs})
+        submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        gang.reader = asyncio.create_task(self._read_salloc(gang, submitted))
+        try:
+            gang.job_id = await asyncio.wait_for(asyncio.shield(submitted), SALLOC_ANSWER)
+        except BaseException as e:
+            await self._end_gang(gang)
+            if isinstance(e, asyncio.TimeoutError):
+                raise BackendError(f"salloc had no answer from Slurm within {SALLOC_ANSWER:g} s") from None
+            raise
+        self._queue.watch(name)
+        self._gangs.update((spec.worker_id, gang) for spec in specs)
+
+    def _gang_of(self, n: int) -> bool:
+        """Whether a launch of n workers is one gang job."""
+        return self.gang and n > 1 and not self.allocation
+
+    async def _read_salloc(self, gang: Gang, submitted: asyncio.Future[str]) -> None:
+        """Follow salloc's words: the job's id once submitted, its grant (salloc then exits), or its refusal."""
+        assert gang.salloc.stderr is not None
+        async for raw in gang.salloc.stderr:
+            line = raw.decode(errors="replace").strip()
+            gang.said.append(line)
+            if (match := commands.SUBMITTED.search(line)) and not submitted.done():
+                submitted.set_result(match.group(1))
+            if (match := commands.GRANTED.search(line)) and not gang.granted.done():
+                gang.granted.set_result(match.group(1))
+        await gang.salloc.wait()
+        words = " ".join(line.removeprefix("salloc: ") for line in gang.said) or f"exit code {gang.salloc.returncode}"
+        error = BackendError(f"Slurm did not grant the workers' job {gang.job_id or gang.name}: {words}")
+        if not submitted.done():
+            submitted.set_exception(error)
+        if not gang.granted.done():
+            gang.granted.set_exception(error)
+            gang.granted.exception()  # its workers each read it; none need be left when it comes
+
     async def start(self, spec: WorkerSpec) -> SlurmHandle:
         assert self._queue is not None, "attach() first"
         name = commands.job_name(self.context.session_id, spec.worker_id)
-        comment = commands.job_comment(self.context.session_id, socket.gethostname(), os.getpid())
-        worker = [self.python, *spec.argv[1:]]
-        if self.allocation:
-            # Under a lifeline of its own: should this process die, srun is sent TERM, which cancels its step
-            # (srun killed outright would leave the step running until the agent's silence timeout).
-            srun = commands.step_argv("srun", self.allocation, name, spec.resources, self.options, self.python, worker)
-            argv = [sys.executable, _lifeline.__file__, "--term-first", str(STOP_WAIT), "--", *srun]
-            stdin = asyncio.subprocess.PIPE  # the lifeline's: this process holds its only writing end
+        log_path = self.context.log_path(spec.worker_id)
+        gang = self._gangs.pop(spec.worker_id, None)
+        if gang is not None:
+            # Its step starts once Slurm grants the gang: meanwhile it is "scheduling", with the gang's reason.
+            output = WorkerOutput(log_path)
+            handle = SlurmHandle(spec.worker_id, name, None, output, log_path, allocation=gang.job_id, gang=gang)
+            handle.starting = asyncio.create_task(self._start_step(handle, spec))
         else:
-            argv = commands.srun_argv("srun", name, comment, spec.resources, self.options, self.python, worker)
-            assert self._canceller is not None and self._canceller.stdin is not None, "attach() first"
+            if self.allocation:
+                # Under a lifeline of its own: should this process die, srun is sent TERM, which cancels its
+                # step (srun killed outright would leave the step running until the agent's silence timeout).
+                srun = commands.step_argv(
+                    "srun", self.allocation, name, spec.resources, self.options, self.python, self._worker(spec)
+                )
+                argv = [sys.executable, _lifeline.__file__, "--term-first", str(STOP_WAIT), "--", *srun]
+                stdin = asyncio.subprocess.PIPE  # the lifeline's: this process holds its only writing end
+            else:
+                argv = commands.srun_argv(
+                    "srun", name, self._comment(), spec.resources, self.options, self.python, self._worker(spec)
+                )
+                self._tell_canceller(name)  # before the job exists
+                stdin = asyncio.subprocess.DEVNULL  # srun would pass it to the worker
+            output = WorkerOutput(log_path)  # the worker's own output: the step's stdout
+            handle = SlurmHandle(spec.worker_id, name, None, output, log_path, allocation=self.allocation)
             try:
-                self._canceller.stdin.write(f"--name={name}\n".encode())  # before the job exists
-                self._canceller.stdin.flush()
-            except OSError as e:  # it was killed: the job runs all the same, without it
-                log.warning("cmlcluster: the session's Slurm lifeline is gone (%s): should this process die, "
-                            "job %s runs until its agent's silence_timeout", e, name)  # fmt: skip
-            stdin = asyncio.subprocess.DEVNULL  # srun would pass it to the worker
+                handle.process = await self._srun(argv, stdin, spec, handle)
+            finally:
+                output.handed_over()
+        self._handles[spec.worker_id] = handle
+        self._queue.watch(handle.job)
+        return handle
+
+    async def _start_step(self, handle: SlurmHandle, spec: WorkerSpec) -> None:
+        """A gang's worker: its step, once the gang is granted (or never, when its allocation ends first)."""
+        gang = handle.gang
+        assert gang is not None and self._queue is not None
+        try:
+            try:
+                await asyncio.shield(gang.granted)
+            except BackendError as e:
+                handle.start_error = str(e)
+                return
+            self._queue.follow_steps(gang.job_id)
+            argv = commands.step_argv(
+                "srun", gang.job_id, handle.job_name, spec.resources, self.options, self.python, self._worker(spec),
+                gang=True,
+            )  # fmt: skip
+            try:
+                handle.process = await self._srun(argv, asyncio.subprocess.DEVNULL, spec, handle)
+            except BackendError as e:
+                handle.start_error = str(e)
+        finally:
+            handle.output.handed_over()
+
+    def _worker(self, spec: WorkerSpec) -> list[str]:
+        return [self.python, *spec.argv[1:]]
+
+    def _comment(self) -> str:
+        return commands.job_comment(self.context.session_id, socket.gethostname(), os.getpid())
+
+    def _tell_canceller(self, name: str) -> None:
+        """The session's lifeline is told each job's name before the job exists."""
+        assert self._canceller is not None and self._canceller.stdin is not None, "attach() first"
+        try:
+            self._canceller.stdin.write(f"--name={name}\n".encode())
+            self._canceller.stdin.flush()
+        except OSError as e:  # it was killed: the job runs all the same, without it
+            log.warning("cmlcluster: the session's Slurm lifeline is gone (%s): should this process die, "
+                        "job %s runs until its agents' silence_timeout", e, name)  # fmt: skip
+
+    async def _srun(
+        self, argv: list[str], stdin: int, spec: WorkerSpec, handle: SlurmHandle
+    ) -> asyncio.subprocess.Process:
         env = {k: self.slurm_env[k] for k in (*PASSED_VARIABLES, "SLURM_CONF") if k in self.slurm_env}
         env.update(spec.env)
         env[task.GPUS_ENV] = str(spec.resources.nvidia_gpu)
-        log_path = self.context.log_path(spec.worker_id)
-        output = WorkerOutput(log_path)  # the worker's own output: the step's stdout
         try:
             # srun's own messages ("srun: error: ... task 0: Killed", slurmstepd's "*** STEP CANCELLED ***")
             # go beside the worker's log, not into it: what a worker printed last stays its own last line.
-            with open(log_path + ".srun", "ab") as messages:
-                process = await asyncio.create_subprocess_exec(
+            with open(handle.log_path + ".srun", "ab") as messages:
+                return await asyncio.create_subprocess_exec(
                     *argv, env=env, cwd=self.context.session_dir, stdin=stdin,
-                    stdout=output.write_fd, stderr=messages, start_new_session=True,
+                    stdout=handle.output.write_fd, stderr=messages, start_new_session=True,
                 )  # fmt: skip
         except OSError as e:
-            output.close()
+            handle.output.close()
             raise BackendError(f"could not start srun for worker {spec.worker_id}: {e}") from e
-        finally:
-            output.handed_over()
-        handle = SlurmHandle(spec.worker_id, name, process, output, log_path)
-        self._handles[spec.worker_id] = handle
-        self._queue.watch(name)
-        return handle
 
     async def poll(self, handle: SlurmHandle) -> int | None:
+        if handle.process is None:  # a gang's worker, not started (yet)
+            return NEVER_RAN if handle.starting is not None and handle.starting.done() else None
         code = handle.process.returncode
         return None if code is None else signal_exit_code(code)
 
     async def wait(self, handle: SlurmHandle) -> int:
-        code = await handle.process.wait()
+        if handle.starting is not None:
+            await asyncio.wait([handle.starting])
+        code = NEVER_RAN if handle.process is None else await handle.process.wait()
         await handle.output.drain(OUTPUT_DRAIN_SECONDS)
-        if self._queue is not None:
-            await asyncio.to_thread(self._queue.settle, handle.job_name)  # its job's last state, for exit_reason
+        await self._settle(handle)
         return signal_exit_code(code)  # srun says a task killed by signal N exited 128+N
 
+    async def _settle(self, handle: SlurmHandle) -> None:
+        """Its job's last state, for exit_reason and exit_status (a gang's job goes on for its other workers:
+        running, it has nothing to say of this one's end), and its place in a gang given up."""
+        if self._queue is not None and handle.final is None:
+            await asyncio.to_thread(self._queue.settle, handle.job, may_run_on=handle.gang is not None)
+            handle.final = self._queue.last(handle.job)
+            if handle.gang is None:
+                self._queue.unwatch(handle.job)
+        gang = handle.gang
+        if gang is not None and handle.worker_id in gang.members:
+            gang.members.discard(handle.worker_id)
+            if not gang.members:
+                await self._end_gang(gang)
+
+    async def _end_gang(self, gang: Gang) -> None:
+        """Cancel a gang job whose workers all ended (or that the launch gave up), and forget it."""
+        if gang.ended:
+            return
+        gang.ended = True
+        if gang.job_id:
+            await asyncio.to_thread(self._cancel_job, gang.job_id)
+        else:  # salloc said nothing yet: its job, if there is one, by its name
+            await asyncio.to_thread(self._cancel, [gang.name])
+        if gang.salloc.returncode is None:  # still waiting for its grant: the cancel ends it, or this does
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(gang.salloc.wait(), STOP_WAIT)
+            if gang.salloc.returncode is None:
+                signal_group(gang.salloc.pid, signal.SIGKILL)
+        if gang.reader is not None:
+            await asyncio.wait([gang.reader])
+        if self._queue is not None:
+            self._queue.unwatch(gang.name)
+            if gang.job_id:
+                self._queue.follow_steps(gang.job_id, following=False)
+
     async def stop(self, handle: SlurmHandle, grace: float = 5.0) -> None:
+        if handle.starting is not None and not handle.starting.done():
+            assert handle.gang is not None
+            if not handle.gang.granted.done():  # its gang still waits: it never runs
+                handle.starting.cancel()
+            await asyncio.wait([handle.starting])  # else its srun is being started: stopped as any
         process = handle.process
-        if process.returncode is None and await asyncio.to_thread(self._signal_running, handle.job_name):
+        if process is None:
+            await handle.output.drain(OUTPUT_DRAIN_SECONDS)
+            await self._settle(handle)
+            return
+        if process.returncode is None and await asyncio.to_thread(self._signal_running, handle):
             # TERM to the worker's processes, its job or step left to end with them: the worker's cleanup runs
             # and its last lines reach srun. (srun itself, sent TERM, cancels the step: its tasks are killed.)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(process.wait(), grace)
         if process.returncode is None:  # still queued, or it did not end: its job or step is cancelled
-            if self.allocation:
+            if handle.allocation:
                 with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)  # its lifeline passes it to srun, which cancels its step
+                    process.send_signal(signal.SIGTERM)  # srun (through its lifeline, if any) cancels its step
             else:
                 await asyncio.to_thread(self._cancel, [handle.job_name])
             with contextlib.suppress(asyncio.TimeoutError):
@@ -242,32 +443,36 @@ class SlurmBackend(Backend[SlurmHandle]):
             signal_group(process.pid, signal.SIGKILL)  # srun (and its lifeline, in an allocation)
         await process.wait()
         await handle.output.drain(OUTPUT_DRAIN_SECONDS)
+        await self._settle(handle)
 
     def output(self, handle: SlurmHandle) -> str:
         return log_tail(handle.log_path)
 
     def exit_reason(self, handle: SlurmHandle) -> str | None:
-        job = self._queue.last(handle.job_name) if self._queue is not None else None
+        job = handle.final
         if job is None or job.state not in commands.ENDED_AS:
-            return None
+            return handle.start_error or None
         reason = f", {job.reason}" if job.reason and job.reason != "None" else ""
         return f"Slurm ended its job {job.job_id}: {job.state}{reason}"
 
     def exit_status(self, handle: SlurmHandle) -> Status | None:
-        job = self._queue.last(handle.job_name) if self._queue is not None else None
-        return commands.ENDED_AS.get(job.state) if job is not None else None
+        return commands.ENDED_AS.get(handle.final.state) if handle.final is not None else None
 
     def waiting_reason(self, handle: SlurmHandle) -> str | None:
-        return self._queue.waiting_reason(handle.job_name) if self._queue is not None else None
+        return self._queue.waiting_reason(handle.job) if self._queue is not None else None
 
     async def close(self) -> None:
         if self._queue is not None:
             self._queue.close()
             self._queue = None
-        left = [h.job_name for h in self._handles.values() if h.process.returncode is None]
-        if left:  # the session stopped every worker; this is for one whose stop failed
+        # The session stopped every worker; this is for one whose stop failed, and a launch given up.
+        handles = self._handles.values()
+        left = [h.job_name for h in handles if h.gang is None and h.process and h.process.returncode is None]
+        if left:
             await asyncio.to_thread(self._cancel, left)
-        self._handles = {}
+        for gang in {*self._gangs.values(), *(h.gang for h in handles if h.gang is not None)}:
+            await self._end_gang(gang)
+        self._handles, self._gangs = {}, {}
         if self._canceller is not None:  # nothing is left for it to cancel: it goes without a word
             self._canceller.kill()
             self._canceller.wait()
@@ -275,10 +480,11 @@ class SlurmBackend(Backend[SlurmHandle]):
                 self._canceller.stdin.close()
             self._canceller = None
 
-    def _signal_running(self, name: str) -> bool:
+    def _signal_running(self, handle: SlurmHandle) -> bool:
         """TERM to the processes of a worker's running job (or step); False when it has none yet."""
         assert self._queue is not None
-        if self.allocation:
+        name = handle.job_name
+        if handle.allocation:
             step = self._queue.step(name)
             target = [step] if step else []
         else:
@@ -296,6 +502,10 @@ class SlurmBackend(Backend[SlurmHandle]):
         for name in names:
             with contextlib.suppress(BackendError):
                 self._run("scancel", f"--name={name}", "--me", "--full")
+
+    def _cancel_job(self, job_id: str) -> None:
+        with contextlib.suppress(BackendError):
+            self._run("scancel", job_id)
 
     # ---------------------------------------------------------------- after a session died
 

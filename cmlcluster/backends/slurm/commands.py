@@ -16,6 +16,7 @@ from ...workers import FAILED, STOPPED, Resources, Status
 
 TASK = "cmlcluster.backends.slurm.task"  # what each job step runs on its node: the worker's agent, looked after
 JOB_PREFIX = "cmlcluster-"  # every job's name: cmlcluster-<session id>-<worker id>
+GANG_PREFIX = "gang-"  # a launch's job: cmlcluster-<session id>-gang-<its first worker's id>
 COMMENT_PREFIX = "cmlcluster "  # every job's comment: "cmlcluster session=<id> host=<name> pid=<pid>"
 # squeue's fields, "|"-separated: id, name, state, reason, nodes, partition, priority, comment.
 SQUEUE_FORMAT = "%i|%j|%T|%r|%N|%P|%Q|%k"
@@ -118,7 +119,13 @@ def srun_argv(
     """One worker's srun: a job of one task on one node, with the worker's cores, memory and GPUs, running
     its agent under the task launcher. Nothing secret: the worker's environment reaches it from srun's own
     (--export=ALL), never this command line."""
-    command = [srun, *_one_task(name, resources, options), f"--comment={comment}"]
+    command = [srun, *_one_task(name, resources, options), f"--comment={comment}", *_job_limits(options)]
+    return [*command, *options.extra, python, "-m", TASK, "--", *argv]
+
+
+def _job_limits(options: JobOptions) -> list[str]:
+    """Where a job of the session runs and for how long, and its warning before the end."""
+    command = []
     for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos)):
         if value:
             command.append(f"--{flag}={value}")
@@ -126,7 +133,37 @@ def srun_argv(
         command.append(f"--time={options.time_limit}")
     if options.signal_before_end:
         command.append(f"--signal=USR1@{options.signal_before_end}")
-    return [*command, *options.extra, python, "-m", TASK, "--", *argv]
+    return command
+
+
+def gang_name(session_id: str, first_worker_id: str) -> str:
+    """The name of the job that holds one launch's workers (named after the first of them)."""
+    return job_name(session_id, f"{GANG_PREFIX}{first_worker_id}")
+
+
+def salloc_argv(salloc: str, name: str, comment: str, n: int, resources: Resources, options: JobOptions) -> list[str]:
+    """The allocation for one launch of n workers, as one job: Slurm grants all n tasks (each with a worker's
+    whole cores, memory and GPUs, on as few or many nodes as it likes) at once, or none. Nothing runs in it
+    (--no-shell): each worker is a step of it (step_argv) once it is granted. salloc says "Pending job
+    allocation N" / "Granted job allocation N" on stderr (GRANTED, SUBMITTED), and exits once granted."""
+    cpus = max(1, math.ceil(resources.cpu))
+    command = [
+        salloc,
+        "--no-shell",
+        f"--job-name={name}",
+        f"--comment={comment}",
+        f"--ntasks={n}",
+        f"--cpus-per-task={cpus}",
+        f"--mem-per-cpu={max(1, math.ceil(resources.memory_mib / cpus))}M",  # a node's share grows with its tasks
+    ]
+    if resources.nvidia_gpu:
+        command.append(f"--gpus-per-task={resources.nvidia_gpu}")  # per task: --gres counts per node
+    return [*command, *_job_limits(options), *options.extra]
+
+
+# What salloc says of the allocation it asked for (Slurm's own messages, stable since 2.x).
+SUBMITTED = re.compile(r"(?:Pending|Granted) job allocation (\d+)")
+GRANTED = re.compile(r"Granted job allocation (\d+)")
 
 
 def step_argv(
@@ -137,12 +174,16 @@ def step_argv(
     options: JobOptions,
     python: str,
     argv: Sequence[str],
+    *,
+    gang: bool = False,
 ) -> list[str]:
-    """One worker as a step of the allocation the session runs in (a notebook that sbatch, batchspawner or
-    Open OnDemand started): its cores may be the notebook's own step's too (--overlap: the notebook mostly
-    waits); the partition, account and time limit are the allocation's."""
-    command = [srun, f"--jobid={job_id}", "--overlap", *_one_task(name, resources, options)]
-    return [*command, *options.extra, python, "-m", TASK, "--", *argv]
+    """One worker as a step of an allocation: the one the session runs in (a notebook that sbatch,
+    batchspawner or Open OnDemand started), where its cores may be the notebook's own step's too (--overlap:
+    the notebook mostly waits), with the site's extra options; or its launch's gang job (gang=True), where
+    each step has its own task's share and the extra options were the allocation's. The partition, account
+    and time limit are the allocation's."""
+    command = [srun, f"--jobid={job_id}", *([] if gang else ["--overlap"]), *_one_task(name, resources, options)]
+    return [*command, *([] if gang else options.extra), python, "-m", TASK, "--", *argv]
 
 
 def _one_task(name: str, resources: Resources, options: JobOptions) -> list[str]:
@@ -257,6 +298,24 @@ def check_fits(resources: Resources, nodes: Sequence[NodeSize], partition: str) 
         f"fits no node of {where} (the largest, {biggest.name}: {biggest.cpus} cores, {biggest.memory_mb} MB, "
         f"{biggest.gpus} GPUs); ask for less, or another partition="
     )
+
+
+def check_gang_fits(n: int, resources: Resources, nodes: Sequence[NodeSize], partition: str) -> None:
+    """ConfigError when the partition's nodes, all free, could not hold n such workers at once: a launch's
+    gang job would wait for ever (Slurm queues it all the same)."""
+    cores, memory, gpus = max(1, math.ceil(resources.cpu)), max(1, resources.memory_mib), resources.nvidia_gpu
+    room = sum(
+        min(n.cpus // cores, n.memory_mb // memory, n.gpus // gpus if gpus else n.cpus)
+        for n in nodes
+        if not partition or n.partition == partition
+    )
+    if room < n:
+        where = f"partition {partition!r}" if partition else "the cluster"
+        raise ConfigError(
+            f"{n} workers with cpu={resources.cpu:g}, memory={resources.memory:g} GB and nvidia_gpu={gpus} are one "
+            f"Slurm job (gang=True: all of them at once), and the whole of {where} holds at most {room} of them: "
+            "launch fewer, ask for less, or give gang=False for a job each, each starting as a place frees"
+        )
 
 
 def controller_host(config: str) -> str:

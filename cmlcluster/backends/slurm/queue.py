@@ -41,13 +41,15 @@ def slurm_command(argv: list[str], env: Mapping[str, str]) -> str:
 
 
 class JobQueue:
-    """The session's jobs in Slurm's queue, by job name; inside an allocation (`allocation`, its job id), the
-    session's steps of it, by step name: their ids, for signalling one."""
+    """The session's jobs in Slurm's queue, by job name; and the session's steps of allocations (the one this
+    process runs in, `allocation`, or its launches' gang jobs: follow_steps), by step name: their ids, for
+    signalling one. Inside an allocation the session has no jobs of its own."""
 
     def __init__(self, env: Mapping[str, str], allocation: str = ""):
         self._env = dict(env)
-        self._allocation = allocation
+        self._own_jobs = not allocation
         self._lock = threading.Lock()
+        self._allocations: set[str] = {allocation} if allocation else set()  # whose steps are followed
         self._watched: set[str] = set()
         self._jobs: dict[str, commands.QueuedJob] = {}  # job name -> its latest line
         self._ahead: dict[str, int] = {}  # job name -> pending jobs before it in its partition
@@ -61,6 +63,18 @@ class JobQueue:
     def watch(self, name: str) -> None:
         with self._lock:
             self._watched.add(name)
+
+    def unwatch(self, name: str) -> None:
+        with self._lock:
+            self._watched.discard(name)
+
+    def follow_steps(self, job_id: str, following: bool = True) -> None:
+        """Follow (or no longer) the session's steps of one of its jobs (a launch's gang job, once granted)."""
+        with self._lock:
+            if following:
+                self._allocations.add(job_id)
+            else:
+                self._allocations.discard(job_id)
 
     def step(self, name: str) -> str | None:
         """The id of the session's step of the allocation named `name` ("12.3"), once squeue has shown it."""
@@ -79,21 +93,22 @@ class JobQueue:
                 return None
             return commands.waiting_reason(job, self._ahead.get(name, 0))
 
-    def settle(self, name: str) -> None:
-        """Ask for the last state of a job whose srun ended (and stop watching it). Its step ends before its
-        job: a cancelled job is COMPLETING for a moment before it is CANCELLED."""
+    def settle(self, name: str, *, may_run_on: bool = False) -> None:
+        """Ask for the last state of a job whose srun ended. Its step ends before its job: a cancelled job is
+        COMPLETING for a moment before it is CANCELLED. may_run_on: the job holds other workers too (a
+        launch's gang job), and running it is settled: the step ended on its own."""
         argv = ["squeue", "-h", "-t", "all", f"--name={name}", "-o", commands.SQUEUE_FORMAT]
         deadline = time.monotonic() + SETTLE_SECONDS
         with contextlib.suppress(BackendError):
-            while not self._allocation:  # a step has no state of its own in squeue: its srun's exit says it all
+            while self._own_jobs:  # a step has no state of its own in squeue: its srun's exit says it all
                 jobs = commands.parse_squeue(slurm_command(argv, self._env))
                 with self._lock:
                     self._jobs.update((job.name, job) for job in jobs)
                 if all(job.state not in commands.NOT_ENDED for job in jobs) or time.monotonic() > deadline:
                     break
+                if may_run_on and all(job.state == "RUNNING" for job in jobs):
+                    break
                 time.sleep(0.2)
-        with self._lock:
-            self._watched.discard(name)
 
     def close(self) -> None:
         self._closed.set()
@@ -111,11 +126,14 @@ class JobQueue:
                 log.debug("cmlcluster: squeue: %s", e)
 
     def _poll(self) -> None:
-        if self._allocation:
-            text = slurm_command(["squeue", "-h", "-s", "-j", self._allocation, "-o", "%i|%j"], self._env)
+        with self._lock:
+            allocations = sorted(self._allocations)
+        if allocations:
+            text = slurm_command(["squeue", "-h", "-s", "-j", ",".join(allocations), "-o", "%i|%j"], self._env)
             lines = [line.split("|") for line in text.splitlines() if line.count("|") == 1]
             with self._lock:
                 self._steps.update((name, step) for step, name in lines if name in self._watched)
+        if not self._own_jobs:
             return
         # Every pending job of the partitions, for the queue ahead of ours; our own in every state.
         text = slurm_command(["squeue", "-h", "-t", "all", "-o", commands.SQUEUE_FORMAT], self._env)

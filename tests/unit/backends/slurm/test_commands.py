@@ -128,3 +128,35 @@ def test_inside_an_allocation_its_own_settings_are_refused_and_outside_one_steps
     assert SlurmBackend().allocation == ""
     with pytest.raises(ConfigError, match=r"within_allocation=True: this process runs in no Slurm allocation"):
         SlurmBackend(within_allocation=True)
+
+
+def test_a_launch_is_one_allocation_of_a_task_per_worker_and_each_worker_a_step_of_it():
+    options = commands.job_options(partition="gpu", time_limit=30, signal_before_end=60, extra=["--constraint=a100"])
+    name = commands.gang_name("s1", "s1-0")
+    argv = commands.salloc_argv("salloc", name, "cmlcluster session=s1 host=h pid=7", 4, Resources(3, 10, 2), options)
+    assert argv[:2] == ["salloc", "--no-shell"] and "--job-name=cmlcluster-s1-gang-s1-0" in argv
+    # Per task, so that Slurm may pack tasks on a node or spread them: a node's memory grows with its tasks.
+    assert {"--ntasks=4", "--cpus-per-task=3", "--mem-per-cpu=3414M", "--gpus-per-task=2"} <= set(argv)
+    assert {"--partition=gpu", "--time=30", "--signal=USR1@60", "--constraint=a100"} <= set(argv)
+    assert commands.SUBMITTED.search("salloc: Pending job allocation 41").group(1) == "41"
+    assert commands.GRANTED.search("salloc: Granted job allocation 41").group(1) == "41"
+    assert commands.SUBMITTED.search("salloc: Granted job allocation 41") and not commands.GRANTED.search(
+        "salloc: Pending job allocation 41"
+    )
+    # Its workers' steps take a task's share each (no --overlap), the site's extra options were the allocation's.
+    step = commands.step_argv("srun", "41", "n", Resources(3, 10, 2), options, "py", ["py"], gang=True)
+    assert step[:2] == ["srun", "--jobid=41"] and "--overlap" not in step and "--constraint=a100" not in step
+    assert {"--cpus-per-task=3", "--mem=10240M", "--gres=gpu:2"} <= set(step)
+
+
+def test_a_gang_that_the_whole_partition_could_never_hold_is_refused_before_anything_starts():
+    nodes = commands.parse_sinfo("n1|4|8000|gpu:2(S:0)|debug*\nn2|4|8000|gpu:2(S:0)|debug*\nn3|64|512000|(null)|big\n")
+    commands.check_gang_fits(4, Resources(2, 3), nodes, "debug")  # two a node
+    with pytest.raises(ConfigError, match=r"5 workers .* the whole of partition 'debug' holds at most 4 of them"):
+        commands.check_gang_fits(5, Resources(2, 3), nodes, "debug")
+    with pytest.raises(ConfigError, match=r"holds at most 2 of them: launch fewer, ask for less, or give gang=False"):
+        commands.check_gang_fits(3, Resources(1, 1, 2), nodes, "debug")  # GPUs: one a node
+    commands.check_gang_fits(32, Resources(2, 1), nodes, "big")
+    # Memory: one a debug node, 64 on the big one (its cores), over every partition where none is given.
+    with pytest.raises(ConfigError, match=r"the whole of the cluster holds at most 66 of them"):
+        commands.check_gang_fits(67, Resources(1, 7), nodes, "")
