@@ -4,10 +4,12 @@ The cluster is the tests' (tests/harness/slurm.py: Debian's Slurm 22.05, a contr
 cores in containers, this machine the submit host). Both sides use one warm session's controller, so only
 the launch is timed:
 
-- ours: session.launch_workers(N) + await_workers until every worker runs (one srun per worker under its
-  lifeline, the job placed by slurmctld, the task launcher, the agent, registration, the address learnt);
-- by hand (the floor): N `srun --nodes=1 --ntasks=1 --cpus-per-task=1 --mem=200M python -m
-  cmlcluster.agent` started at once, until the controller has seen all N engines register.
+- ours: session.launch_workers(N) + await_workers until every worker runs (one worker: a job of its own, one
+  srun; several: the launch's gang job, salloc --no-shell, then a step per worker; the task launcher, the
+  agent, registration, the address learnt);
+- by hand (the floor), the same shape: one worker, `srun --nodes=1 --ntasks=1 --cpus-per-task=1 --mem=200M
+  python -m cmlcluster.agent`; several, `salloc --no-shell --ntasks=N ...` then N such steps (`srun
+  --jobid=J`) started at once; until the controller has seen all N engines register.
 
 Ratio = ours / by hand, medians of --repeat runs alternating. Goal <= 1.10 at 16 workers.
 
@@ -50,6 +52,12 @@ def by_hand(session: Session, cluster: SlurmCluster, n: int, first_id: int) -> f
     client = session.client
     t0 = time.perf_counter()
     srun = ["srun", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--mem=200M", "--chdir=/tmp", "--quiet"]
+    job = ""
+    if n > 1:
+        salloc = ["salloc", "--no-shell", f"--ntasks={n}", "--cpus-per-task=1", "--mem-per-cpu=200M"]
+        said = subprocess.run(salloc, env=env, capture_output=True, text=True, check=True).stderr
+        job = said.rsplit("Granted job allocation ", 1)[1].split()[0]
+        srun.insert(1, f"--jobid={job}")
     processes = []
     for i in range(n):
         agent_env = env | {"CMLCLUSTER_ENGINE_ID": str(first_id + i), "PYTHONUNBUFFERED": "1"}
@@ -62,6 +70,8 @@ def by_hand(session: Session, cluster: SlurmCluster, n: int, first_id: int) -> f
     client.shutdown(targets=sorted(wanted), block=True)
     for process in processes:
         process.wait(timeout=60)
+    if job:
+        subprocess.run(["scancel", job], env=env, check=True)
     return elapsed
 
 
