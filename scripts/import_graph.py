@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ssh",
             "ssh.config",
             "ssh.keys",
+            "ssh.client",  # the one ssh command line: the ssh backend's and the slurm backend's login node
             "ssh.preflight",
             "horovod.commands",
             "socket_owners",  # whose a TCP socket on this machine is: the rendezvous and the app forwarder ask

@@ -30,12 +30,12 @@ from typing import Any
 
 from ..._proc import signal_group
 from ...logfile import READ_CHUNK, WorkerOutput, drained
+from ...ssh.client import CONNECT_TIMEOUT
 from ..base import OUTPUT_DRAIN_SECONDS
 from .relay import EXIT, GONE_EXIT, HELLO, NOTE, OUTPUT, RAW, FrameReader
 
 REMOTE = "cmlcluster.backends.ssh.remote"
 LOST_HOST_EXIT = 255  # what ssh exits with when the connection fails or drops
-CONNECT_TIMEOUT = 10
 ATTEMPT_TIMEOUT = 5  # one try at connecting again: a host that is back answers at once
 RETRY_SECONDS = 1.0
 ERROR_BYTES = 4096  # what is kept of an ssh process's stderr, for the reason a worker was lost

@@ -35,7 +35,8 @@ from ... import checks
 from ..._version import __version__
 from ...errors import BackendError, ConfigError, host_install_hint
 from ...ports import route_address
-from ...ssh.config import keepalive_options, keepalive_seconds, ssh_path
+from ...ssh.client import SSHClient
+from ...ssh.config import keepalive_seconds
 from ...ssh.keys import tofu_known_hosts
 from ...wire import DEFAULT_SILENCE_TIMEOUT
 from ...workers import Resources, WorkerSpec, user_file
@@ -214,23 +215,12 @@ class SSHBackend(Backend[SSHHandle]):
         await collect.over_ssh(handle.spec, self.capabilities(), self.context, address, python_on_host)
 
     def ssh_argv(self, host: str, *command: str, connect_timeout: int = CONNECT_TIMEOUT) -> list[str]:
-        """The ssh command line that runs `command` on `host` (options first: ssh keeps the first value)."""
-        argv = ["ssh", "-T", "-o", "BatchMode=yes", "-p", str(self.port)]
-        argv += ["-o", f"StrictHostKeyChecking={'accept-new' if self.trust_on_first_use else 'yes'}"]
-        argv += keepalive_options(self.silence_timeout)
-        argv += ["-o", f"ConnectTimeout={connect_timeout}"]
-        if self.known_hosts:
-            argv += ["-o", f"UserKnownHostsFile={ssh_path(self.known_hosts)}"]
-        elif self.trust_on_first_use:  # a new key goes into the first file: ours; the user's still pins its keys
-            argv += ["-o", f"UserKnownHostsFile={ssh_path(tofu_known_hosts())} ~/.ssh/known_hosts"]
-        if self.identity:
-            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
-        for option in self.ssh_options:
-            argv += ["-o", option]
-        if self.user:
-            argv += ["-l", self.user]
-        # ssh hands the command to the login shell there: one quoted word each.
-        return [*argv, host, "--", " ".join(_quote(word) for word in command)]
+        """The ssh command line that runs `command` on `host` (ssh/client.py)."""
+        client = SSHClient(
+            self.user, self.port, self.identity, self.known_hosts, self.trust_on_first_use, self.ssh_options,
+            self.silence_timeout,
+        )  # fmt: skip
+        return client.argv(host, *command, connect_timeout=connect_timeout)
 
     # ---------------------------------------------------------------- before anything starts
 
@@ -378,11 +368,6 @@ class SSHBackend(Backend[SSHHandle]):
 def _exit_code(code: int | None) -> int | None:
     """The remote side exits with 128+N when signal N killed the agent; the contract says -N."""
     return signal_exit_code(code) if code is not None else None
-
-
-def _quote(text: str) -> str:
-    """One shell word: ssh hands the command to the login shell on the host."""
-    return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
 def _route_address(host: str) -> str:
