@@ -72,7 +72,23 @@ def for_each_line(command: list[str], timeout: float = 10.0) -> None:
                 process.kill()
 
 
-USAGE = "[--term-first SECONDS] -- command [args...]  |  --for-each-line '[\"command\", ...]'"
+USAGE = "[--term-first SECONDS] [--env-line] -- command [args...]  |  --for-each-line '[\"command\", ...]'"
+
+
+def read_env_line() -> dict[str, str]:
+    """The first line of stdin, a JSON object of variables for the command: what the command must have
+    and no command line may show (a worker's keys), sent by the session over ssh. Read byte by byte, so
+    that the rest of stdin stays the lifeline's."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(sys.stdin.fileno(), 1)
+        if not byte:
+            sys.exit("the session ended before it sent the command's environment")
+        line += byte
+    variables = json.loads(line)
+    if not isinstance(variables, dict) or not all(isinstance(v, str) for v in variables.values()):
+        sys.exit("--env-line: the first line of stdin must be a JSON object of strings")
+    return variables
 
 
 def main() -> None:
@@ -83,6 +99,9 @@ def main() -> None:
         return
     if argv[:1] == ["--term-first"] and len(argv) > 1:
         term_first, argv = float(argv[1]), argv[2:]
+    env = None
+    if argv[:1] == ["--env-line"]:
+        env, argv = {**os.environ, **read_env_line()}, argv[1:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
@@ -95,7 +114,7 @@ def main() -> None:
     else:
         hold()
     # In this process group, so that stopping the group (or the session dying) ends it too.
-    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
     started.append(child)
     signal.signal(signal.SIGTERM, lambda *_: child.terminate())
     code = child.wait()

@@ -218,9 +218,12 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "") -> TestHosts:
+def start_hosts(
+    n: int = 3, *, with_cmlcluster: bool = True, network: str = "", volumes: Sequence[str] = ()
+) -> TestHosts:
     """Start n test hosts on `network` (created when missing; by default one of their own, so that runs
     and pytest-xdist's workers may each have hosts at once) and return them once sshd answers on each.
+    `volumes`: more bind mounts ("path:path:ro"), such as a test Slurm cluster's folder for a login node.
 
     The caller must close() the result (or use it as a context manager).
     """
@@ -256,7 +259,7 @@ def start_hosts(n: int = 3, *, with_cmlcluster: bool = True, network: str = "") 
             "environment": {"AUTHORIZED_KEY": public_key, "SSHD_CONFIG": SSHD_CONFIG_TEXT},
             "network": network,
             "labels": {CONTAINER_LABEL: "1", OWNER_LABEL: str(os.getpid()), **run_tag_labels()},
-            "volumes": host_mounts(with_cmlcluster),
+            "volumes": [*host_mounts(with_cmlcluster), *volumes],
             "init": True,  # signals reach sshd, and orphans are reaped
             "detach": True,
         }

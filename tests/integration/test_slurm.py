@@ -5,9 +5,11 @@ and nothing of a session stays in Slurm's queue."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +25,7 @@ from harness.slurm import slurm_installed
 from cmlcluster import ConfigError, Session
 from cmlcluster.backends.slurm import commands
 from cmlcluster.backends.slurm.backend import SlurmBackend
+from cmlcluster.wire import CONNECTION_ENV
 
 pytestmark = [
     pytest.mark.integration,
@@ -180,10 +183,11 @@ def test_a_program_runs_on_a_node_and_its_output_comes_home(slurm):
 
 
 SESSION_SCRIPT = """
-import sys, time
+import json, sys, time
 from cmlcluster import Session
 from cmlcluster.backends.slurm.backend import SlurmBackend
-session = Session(SlurmBackend(slurm_conf=sys.argv[1]), echo=False)
+options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+session = Session(SlurmBackend(slurm_conf=sys.argv[1], **options), echo=False)
 workers = session.launch_workers(2, cpu=1, memory=0.5)
 ready = session.await_workers(workers, wait_for_completion=False, timeout_seconds=60)
 assert not ready["failures"], ready["failures"]
@@ -431,3 +435,74 @@ def test_gpu_workers_get_gpus_of_their_own_and_one_more_waits_for_a_gpu(slurm):
         assert "PENDING (Resources)" in late["failures"][0]["message"], late["failures"][0]["message"]
         session.stop_workers()
         assert session_jobs(slurm, session) == []
+
+
+LOGIN_USER_LINE = "alice:x:1000:1000:alice:/tmp:/bin/sh"  # the test hosts' user: Slurm runs her tasks as her
+
+
+def test_a_notebook_that_reaches_slurm_only_over_ssh_runs_its_workers_through_a_login_node(slurm, tmp_path):
+    from harness.sshhosts import start_hosts
+
+    # This process's Slurm out of the backend's reach: ssh alone on its PATH.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "ssh").symlink_to(shutil.which("ssh"))
+    os.chmod(slurm.folder, 0o755)  # the login node's user reads slurm.conf there and talks to munged
+    for member in [slurm.controller, *slurm.nodes]:  # the controller signs her steps' credentials
+        member.exec("sh", "-c", f"grep -q '^alice:' /etc/passwd || echo '{LOGIN_USER_LINE}' >> /etc/passwd")
+    with start_hosts(1, network=slurm.network, volumes=[f"{slurm.folder}:{slurm.folder}:ro"]) as hosts:
+        [login] = hosts.hosts
+        with mock_path(str(bare)):  # what the backend runs Slurm's commands and ssh with
+            backend = SlurmBackend(
+                slurm_conf=slurm.conf,
+                login=f"{hosts.user}@{login.ip}",
+                identity=hosts.identity_file,
+                known_hosts=hosts.known_hosts,
+            )
+        with Session(backend, echo=False) as session:
+            code = "import os, socket; print('on', socket.gethostname(), 'as', os.getuid(), os.environ['SLURM_JOB_ID'])"
+            workers = session.launch_workers(2, cpu=1, memory=0.25, code=code)
+            done = session.await_workers(workers, wait_for_completion=True, timeout_seconds=60)
+            assert done["failures"] == [], [f["message"] for f in done["failures"]]
+            said = [session.output(w).strip() for w in workers]
+            assert all(re.fullmatch(r"on slurm-\w+-n\d as 1000 \d+", line) for line in said), said
+            assert len({line.split()[-1] for line in said}) == 1  # one gang job, submitted as alice there
+            # A worker that keeps running is stopped through the login node, its job cancelled.
+            [worker] = up(session, session.launch_workers(1, cpu=1, memory=0.25))
+            owners = slurm.run("squeue", "-h", "-o", "%j %U", check=True).stdout.split("\n")
+            assert f"cmlcluster-{session.id}-{worker['id']} 1000" in owners, owners  # alice's
+            # The worker's connection (its keys) went over ssh's input, never on a command line there.
+            connection = session._supervisor.control.agent_env()[CONNECTION_ENV]
+            listed = login.processes()
+            assert any("srun" in line for line in listed) and not [p for p in listed if connection in p]
+            session.stop_workers(worker)
+            assert session_jobs(slurm, session) == []
+
+        # A session killed outright: its connections end, and with them, on the login node, its jobs.
+        script = tmp_path / "session.py"
+        script.write_text(SESSION_SCRIPT)
+        options = {"login": f"{hosts.user}@{login.ip}", "identity": hosts.identity_file}
+        options["known_hosts"] = hosts.known_hosts
+        argv = [sys.executable, str(script), slurm.conf, json.dumps(options)]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        try:
+            prefix = f"cmlcluster-{process.stdout.readline().strip()}-"
+            assert len(prefix) > len("cmlcluster--") and [j for j in queued(slurm) if j.startswith(prefix)]
+            process.kill()
+            process.wait()
+            wait_until(lambda: not [j for j in queued(slurm) if j.startswith(prefix)], timeout=15, what="no job")
+            wait_until(lambda: not mine(login.ip), timeout=15, what="no ssh here")  # ssh's command lines name it
+            assert not [p for p in login.processes() if "srun" in p or "cmlcluster" in p]
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+@contextlib.contextmanager
+def mock_path(folder):
+    saved = os.environ["PATH"]
+    os.environ["PATH"] = folder
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved

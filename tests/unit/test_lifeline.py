@@ -35,3 +35,34 @@ def test_a_command_that_cannot_start_does_not_keep_the_others_from_running(tmp_p
         timeout=30,
     )
     assert lifeline.returncode == 0
+
+
+def test_env_line_gives_the_command_variables_no_command_line_shows_and_the_rest_of_stdin_is_the_lifeline():
+    command = [sys.executable, "-c", "import os, time; print(os.environ['WORKER_KEY'], flush=True); time.sleep(60)"]
+    lifeline = subprocess.Popen(
+        [sys.executable, _lifeline.__file__, "--term-first", "5", "--env-line", "--", *command],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert lifeline.stdin is not None and lifeline.stdout is not None
+    lifeline.stdin.write(json.dumps({"WORKER_KEY": "s3cret"}).encode() + b"\n")
+    lifeline.stdin.flush()
+    assert lifeline.stdout.readline() == b"s3cret\n"
+    with open(f"/proc/{lifeline.pid}/cmdline", "rb") as f:
+        assert b"s3cret" not in f.read()
+    lifeline.stdin.close()  # the session (its ssh, on a login node) gone: the command is ended
+    assert lifeline.wait(30) != 0
+
+
+def test_env_line_never_starts_the_command_without_its_variables(tmp_path):
+    marker = tmp_path / "ran"
+    ended = subprocess.run(
+        [sys.executable, _lifeline.__file__, "--env-line", "--", "touch", str(marker)],
+        input=b'{"A": "1"',  # the session died mid-line
+        capture_output=True,
+        timeout=30,
+        start_new_session=True,
+    )
+    assert ended.returncode != 0 and b"before it sent the command's environment" in ended.stderr
+    assert not marker.exists()

@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,12 +39,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import _lifeline
+from ... import _lifeline, checks
 from ..._proc import signal_group
 from ...errors import BackendError, ConfigError
-from ...logfile import WorkerOutput
+from ...logfile import WorkerOutput, read_tail
 from ...ports import route_address
-from ...workers import Resources, Status, WorkerSpec
+from ...ssh.client import SSHClient
+from ...workers import Resources, Status, WorkerSpec, user_file
 from ..base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import commands, task
 from .queue import JobQueue, slurm_command
@@ -53,10 +55,12 @@ log = logging.getLogger(__name__)
 STOP_WAIT = 10.0  # seconds for srun to end once its job was cancelled
 # What the worker keeps of this process's environment: how to run programs, never the notebook's variables.
 PASSED_VARIABLES = ("PATH", "LANG", "LC_ALL", "HOME", "USER", "LOGNAME")
+LOGIN = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9][A-Za-z0-9_.-]*")  # [user@]host, one word each
 INSTALL_HINT = "apt-get install slurm-client (Debian; the same Slurm version as the cluster's), with munge"
 
 
 SALLOC_ANSWER = 30.0  # seconds for salloc to say the gang job was submitted (or why not)
+SRUN_ERROR_BYTES = 4096  # what is read of srun's own messages for a worker's exit reason
 NEVER_RAN = 1  # the exit code of a gang's worker whose allocation ended before it was granted
 
 
@@ -120,6 +124,14 @@ class SlurmBackend(Backend[SlurmHandle]):
     within_allocation: each worker a step of the Slurm allocation this process runs in (srun --jobid
         --overlap), as for a notebook that sbatch, batchspawner or Open OnDemand started; False: jobs of
         their own. Default: inside one when this process has SLURM_JOB_ID.
+    login: "[user@]host" of a login node that this machine reaches over SSH, where Slurm's commands are
+        (this machine needs no Slurm, munge or slurm.conf then): every Slurm command, srun and salloc run
+        there through ssh, each srun under a lifeline that cancels its job should the connection (the
+        session) die. python= must run cmlcluster there too. The nodes must still reach this machine
+        (controller_ip; default: this machine's address on its route to the login node).
+    login_port, identity, known_hosts, trust_on_first_use, ssh_options: how ssh logs into it, as for the
+        ssh backend: its host key pinned in known_hosts (ssh's own by default), an unknown or changed key
+        refused unless trust_on_first_use is asked for by name.
     """
 
     name = "slurm"
@@ -140,15 +152,27 @@ class SlurmBackend(Backend[SlurmHandle]):
         shared_paths: Sequence[str] = (),
         within_allocation: bool | None = None,
         gang: bool = True,
+        login: str = "",
+        login_port: int = 22,
+        identity: str | None = None,
+        known_hosts: str | None = None,
+        trust_on_first_use: bool = False,
+        ssh_options: Sequence[str] = (),
     ):
         self.options = commands.job_options(partition, account, qos, time_limit, signal_before_end, gpus, extra)
         if not isinstance(gang, bool):
             raise ConfigError(f"gang={gang!r}: give True (a launch is one job, all or none) or False (a job each)")
         self.gang = gang
-        self.allocation = _allocation(within_allocation, self.options)
+        self.login, self.login_ssh = _login(login, login_port, identity, known_hosts, trust_on_first_use, ssh_options)
+        if self.login and within_allocation:
+            raise ConfigError(
+                f"login={login!r} and within_allocation=True: a notebook that reaches Slurm over SSH runs in no "
+                "allocation of it; leave one of them out"
+            )
+        self.allocation = "" if self.login else _allocation(within_allocation, self.options)
         if not isinstance(python, str) or not python:
             raise ConfigError(f"python={python!r}: give the interpreter's path on the nodes")
-        if slurm_conf is not None and not os.path.isfile(os.path.expanduser(slurm_conf)):
+        if slurm_conf is not None and not self.login and not os.path.isfile(os.path.expanduser(slurm_conf)):
             raise ConfigError(f"slurm_conf={slurm_conf!r}: no such file; give the path of the cluster's slurm.conf")
         if isinstance(shared_paths, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in shared_paths):
             raise ConfigError(f"shared_paths={shared_paths!r}: give a list of absolute folders every node sees")
@@ -157,7 +181,8 @@ class SlurmBackend(Backend[SlurmHandle]):
         # it, never through the variables the notebook's job set (SLURM_NTASKS, SLURM_MEM_PER_NODE, ... would
         # be a step's defaults).
         self.slurm_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-        if slurm_conf is not None:
+        self.slurm_conf = slurm_conf
+        if slurm_conf is not None and not self.login:
             self.slurm_env["SLURM_CONF"] = os.path.abspath(os.path.expanduser(slurm_conf))
         self.shared_paths = tuple(shared_paths)
         self._controller_ip = controller_ip
@@ -173,6 +198,8 @@ class SlurmBackend(Backend[SlurmHandle]):
         return Capabilities(own_address=False, session_host=False, python=self.python, shared_paths=self.shared_paths)
 
     def controller_ip(self) -> str:
+        if self._controller_ip is None and self.login:
+            self._controller_ip = route_address(self.login)
         if self._controller_ip is None:
             config = self._run("scontrol", "show", "config")
             self._controller_ip = route_address(commands.controller_host(config))
@@ -192,25 +219,39 @@ class SlurmBackend(Backend[SlurmHandle]):
 
     async def attach(self, context: SessionContext) -> None:
         await super().attach(context)
-        for tool in ("srun", "salloc", "squeue", "scancel", "sinfo", "scontrol"):
+        if self.login_ssh is not None:
+            self.login_ssh.silence_timeout = context.silence_timeout
+        for tool in ("ssh",) if self.login else ("srun", "salloc", "squeue", "scancel", "sinfo", "scontrol"):
             if shutil.which(tool, path=self.slurm_env.get("PATH")) is None:
-                raise ConfigError(f"the slurm backend needs Slurm's {tool} on this machine's PATH: {INSTALL_HINT}")
+                hint = "install OpenSSH's client" if self.login else INSTALL_HINT
+                raise ConfigError(f"the slurm backend needs {tool} on this machine's PATH: {hint}")
         await asyncio.to_thread(self._run, "squeue", "-h", "--me", "-o", "%i")  # reaches the controller, or says why
-        self._queue = JobQueue(self.slurm_env, self.allocation)
+        self._queue = JobQueue(self.slurm_env, self.allocation, self._where)
         self._queue.start()
         if not self.allocation:
             # Should this process die (a killed kernel), its jobs end at once, not at the agents' silence
             # timeout: a lifeline (its own session, so that the notebook's Ctrl-C is not for it) that is told
             # each job's name and scancels them all once its input closes. One for the session, not a Python
             # process per worker beside its srun (bench/slurm_launch.py).
-            cancel = ["scancel", "--me", "--full"]
+            cancel = json.dumps(["scancel", "--me", "--full"])
+            if self.login:  # there: its input ends when ssh does, with this process or its connection
+                canceller = self._where([self.python, "-m", "cmlcluster._lifeline", "--for-each-line", cancel])
+            else:
+                canceller = [sys.executable, _lifeline.__file__, "--for-each-line", cancel]
             self._canceller = subprocess.Popen(
-                [sys.executable, _lifeline.__file__, "--for-each-line", json.dumps(cancel)],
+                canceller,
                 env=self.slurm_env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
 
     def _run(self, *argv: str) -> str:
-        return slurm_command(list(argv), self.slurm_env)
+        return slurm_command(self._where(list(argv)), self.slurm_env)
+
+    def _where(self, argv: list[str]) -> list[str]:
+        """A Slurm command as it runs where Slurm is: here, or on the login node through ssh."""
+        if self.login_ssh is None:
+            return argv
+        conf = ["env", f"SLURM_CONF={self.slurm_conf}"] if self.slurm_conf else []
+        return self.login_ssh.argv(self.login, "exec", *conf, *argv)
 
     # ---------------------------------------------------------------- the contract
 
@@ -234,7 +275,7 @@ class SlurmBackend(Backend[SlurmHandle]):
         argv = commands.salloc_argv("salloc", name, self._comment(), len(specs), resources, self.options)
         try:
             salloc = await asyncio.create_subprocess_exec(
-                *argv, env=self.slurm_env, cwd=self.context.session_dir, stdin=asyncio.subprocess.DEVNULL,
+                *self._where(argv), env=self.slurm_env, cwd=self.context.session_dir, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, start_new_session=True,
             )  # fmt: skip
         except OSError as e:
@@ -351,20 +392,33 @@ class SlurmBackend(Backend[SlurmHandle]):
     async def _srun(
         self, argv: list[str], stdin: int, spec: WorkerSpec, handle: SlurmHandle
     ) -> asyncio.subprocess.Process:
-        env = {k: self.slurm_env[k] for k in (*PASSED_VARIABLES, "SLURM_CONF") if k in self.slurm_env}
-        env.update(spec.env)
-        env[task.GPUS_ENV] = str(spec.resources.nvidia_gpu)
+        worker_env = {**spec.env, task.GPUS_ENV: str(spec.resources.nvidia_gpu)}
+        if self.login:
+            # On the login node, under a lifeline: the worker's variables (its keys) arrive on its first line of
+            # input, never on a command line; the end of the input (this process, or its connection, gone)
+            # TERMs srun, which cancels the job or step.
+            lifeline = [self.python, "-m", "cmlcluster._lifeline", "--term-first", str(STOP_WAIT), "--env-line", "--"]
+            argv, env, stdin = self._where([*lifeline, *argv]), self.slurm_env, asyncio.subprocess.PIPE
+        else:
+            env = {k: self.slurm_env[k] for k in (*PASSED_VARIABLES, "SLURM_CONF") if k in self.slurm_env}
+            env.update(worker_env)
         try:
             # srun's own messages ("srun: error: ... task 0: Killed", slurmstepd's "*** STEP CANCELLED ***")
             # go beside the worker's log, not into it: what a worker printed last stays its own last line.
             with open(handle.log_path + ".srun", "ab") as messages:
-                return await asyncio.create_subprocess_exec(
+                process = await asyncio.create_subprocess_exec(
                     *argv, env=env, cwd=self.context.session_dir, stdin=stdin,
                     stdout=handle.output.write_fd, stderr=messages, start_new_session=True,
                 )  # fmt: skip
         except OSError as e:
             handle.output.close()
             raise BackendError(f"could not start srun for worker {spec.worker_id}: {e}") from e
+        if self.login:
+            assert process.stdin is not None
+            process.stdin.write(json.dumps(worker_env).encode() + b"\n")  # kept open: the lifeline
+            with contextlib.suppress(ConnectionError):
+                await process.stdin.drain()
+        return process
 
     async def poll(self, handle: SlurmHandle) -> int | None:
         if handle.process is None:  # a gang's worker, not started (yet)
@@ -451,7 +505,7 @@ class SlurmBackend(Backend[SlurmHandle]):
     def exit_reason(self, handle: SlurmHandle) -> str | None:
         job = handle.final
         if job is None or job.state not in commands.ENDED_AS:
-            return handle.start_error or None
+            return handle.start_error or _srun_error(handle.log_path + ".srun")
         reason = f", {job.reason}" if job.reason and job.reason != "None" else ""
         return f"Slurm ended its job {job.job_id}: {job.state}{reason}"
 
@@ -530,6 +584,42 @@ class SlurmBackend(Backend[SlurmHandle]):
                     slurm_command(["scancel", "--full", job.job_id], env)
             ended.append(f"slurm job {job.job_id} ({job.name})")
         return ended
+
+
+def _srun_error(path: str) -> str | None:
+    """srun's last error (a step Slurm would not create, say), from its messages beside the worker's log."""
+    errors = [line.strip() for line in read_tail(path, SRUN_ERROR_BYTES).splitlines() if "error:" in line]
+    return errors[-1] if errors else None
+
+
+def _login(
+    login: str,
+    port: int,
+    identity: str | None,
+    known_hosts: str | None,
+    trust_on_first_use: bool,
+    ssh_options: Sequence[str],
+) -> tuple[str, SSHClient | None]:
+    """The login node's host and how ssh reaches it (as whom), checked; ("", None) where Slurm is here."""
+    given = {"identity": identity, "known_hosts": known_hosts, "ssh_options": ssh_options or None}
+    if not login:
+        named = [name for name, value in given.items() if value is not None] + ["login_port"] * (port != 22)
+        if named or trust_on_first_use:
+            raise ConfigError(f"{', '.join(named or ['trust_on_first_use'])}: these are for login=; give login='host'")
+        return "", None
+    if not isinstance(login, str) or not LOGIN.fullmatch(login):
+        raise ConfigError(f"login={login!r}: give the login node as 'host' or 'user@host'")
+    if not checks.port(port):
+        raise ConfigError(f"login_port={port!r}: give the TCP port sshd listens on, on the login node (22)")
+    if isinstance(ssh_options, str) or not all(isinstance(o, str) and "=" in o for o in ssh_options):
+        raise ConfigError(f"ssh_options={ssh_options!r}: give a list of ssh options, each 'Name=value'")
+    user, _, host = login.rpartition("@")  # ssh is told the user with -l
+    identity, known_hosts = (
+        user_file(path, name=name) if path is not None else None
+        for name, path in (("identity", identity), ("known_hosts", known_hosts))
+    )
+    client = SSHClient(user or None, port, identity, known_hosts, bool(trust_on_first_use), tuple(ssh_options))
+    return host, client
 
 
 def _allocation(within: bool | None, options: commands.JobOptions) -> str:

@@ -13,7 +13,7 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ...errors import BackendError
 from . import commands
@@ -45,8 +45,14 @@ class JobQueue:
     process runs in, `allocation`, or its launches' gang jobs: follow_steps), by step name: their ids, for
     signalling one. Inside an allocation the session has no jobs of its own."""
 
-    def __init__(self, env: Mapping[str, str], allocation: str = ""):
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        allocation: str = "",
+        where: Callable[[list[str]], list[str]] = list,
+    ):
         self._env = dict(env)
+        self._where = where  # a command as run where Slurm's commands are (on a login node, over ssh)
         self._own_jobs = not allocation
         self._lock = threading.Lock()
         self._allocations: set[str] = {allocation} if allocation else set()  # whose steps are followed
@@ -101,7 +107,7 @@ class JobQueue:
         deadline = time.monotonic() + SETTLE_SECONDS
         with contextlib.suppress(BackendError):
             while self._own_jobs:  # a step has no state of its own in squeue: its srun's exit says it all
-                jobs = commands.parse_squeue(slurm_command(argv, self._env))
+                jobs = commands.parse_squeue(slurm_command(self._where(argv), self._env))
                 with self._lock:
                     self._jobs.update((job.name, job) for job in jobs)
                 if all(job.state not in commands.NOT_ENDED for job in jobs) or time.monotonic() > deadline:
@@ -129,14 +135,16 @@ class JobQueue:
         with self._lock:
             allocations = sorted(self._allocations)
         if allocations:
-            text = slurm_command(["squeue", "-h", "-s", "-j", ",".join(allocations), "-o", "%i|%j"], self._env)
+            text = slurm_command(
+                self._where(["squeue", "-h", "-s", "-j", ",".join(allocations), "-o", "%i|%j"]), self._env
+            )
             lines = [line.split("|") for line in text.splitlines() if line.count("|") == 1]
             with self._lock:
                 self._steps.update((name, step) for step, name in lines if name in self._watched)
         if not self._own_jobs:
             return
         # Every pending job of the partitions, for the queue ahead of ours; our own in every state.
-        text = slurm_command(["squeue", "-h", "-t", "all", "-o", commands.SQUEUE_FORMAT], self._env)
+        text = slurm_command(self._where(["squeue", "-h", "-t", "all", "-o", commands.SQUEUE_FORMAT]), self._env)
         queue = commands.parse_squeue(text)
         with self._lock:
             for job in queue:
