@@ -435,6 +435,14 @@ def test_gpu_workers_get_gpus_of_their_own_and_one_more_waits_for_a_gpu(slurm):
         assert "PENDING (Resources)" in late["failures"][0]["message"], late["failures"][0]["message"]
         session.stop_workers()
         assert session_jobs(slurm, session) == []
+        # Four workers of one GPU, one gang job: a GPU id each, the two on a node told apart.
+        four = up(session, session.launch_workers(4, cpu=0.5, memory=0.25, nvidia_gpu=1))
+        seen: dict[str, set[str]] = {}
+        for w in four:
+            seen.setdefault(w["ip_address"], set()).add(session.call(w, "os:getenv", "CUDA_VISIBLE_DEVICES"))
+        assert seen == {n.ip: {"0", "1"} for n in slurm.nodes}, seen
+        session.stop_workers()
+        assert session_jobs(slurm, session) == []
 
 
 LOGIN_USER_LINE = "alice:x:1000:1000:alice:/tmp:/bin/sh"  # the test hosts' user: Slurm runs her tasks as her
