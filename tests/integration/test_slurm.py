@@ -1,7 +1,7 @@
 """The slurm backend against a real Slurm 22.05 cluster (tests/harness/slurm.py: a controller and two
-slurmd containers, this host the submit host): workers are jobs that Slurm places by their cores, memory
-and GPUs, one that does not fit waits with Slurm's reason, a job cancelled from outside is "stopped",
-and nothing of a session stays in Slurm's queue."""
+slurmd containers, this host the submit host, or a login node reached over SSH): a launch is one job that
+Slurm places whole by its workers' cores, memory and GPUs, one that does not fit waits with Slurm's reason,
+a job cancelled from outside is "stopped", and nothing of a session stays in Slurm's queue."""
 
 from __future__ import annotations
 
@@ -50,45 +50,28 @@ def up(session, workers, timeout=60):
     return ready["workers"]
 
 
-def test_workers_are_jobs_slurm_places_and_one_that_does_not_fit_waits_with_slurms_reason(slurm):
+def test_a_launch_is_one_gang_job_slurm_places_whole_or_not_at_all_and_says_why_it_waits(slurm):
     with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
-        running = up(session, session.launch_workers(2, cpu=2, memory=0.5))
-        # A whole node each: two addresses, the nodes'; one job, the launch's, each worker a step of it.
-        assert {w["ip_address"] for w in running} == {n.ip for n in slurm.nodes}
-        job_ids = {session.call(w, "os:getenv", "SLURM_JOB_ID") for w in running}
-        assert len(job_ids) == 1 and all(job_ids)
-        assert session_jobs(slurm, session) == [f"cmlcluster-{session.id}-gang-{running[0]['id']} RUNNING"]
-        assert {session.call(w, "os:getenv", "CUDA_VISIBLE_DEVICES") for w in running} == {""}  # no GPU asked for
-        waiting = session.launch_workers(1, cpu=2, memory=0.5)
-        late = session.await_workers(waiting, wait_for_completion=False, timeout_seconds=6)
-        assert [f["status"] for f in late["failures"]] == ["timedout"]
-        assert "PENDING (Resources)" in late["failures"][0]["message"], late["failures"][0]["message"]
-        [queued] = [w for w in session.list_workers() if w["status"] == "scheduling"]
-        assert queued["message"].startswith("Slurm job ") and "PENDING (Resources)" in queued["message"]
-        session.stop_workers(*running)
-        # Its place is free now: Slurm starts it.
-        assert up(session, waiting)[0]["ip_address"] in {n.ip for n in slurm.nodes}
-        assert len(session_jobs(slurm, session)) == 1
-        session.stop_workers()
-        assert session_jobs(slurm, session) == []
-
-
-def test_a_launch_is_one_gang_job_granted_whole_or_not_at_all(slurm):
-    with Session(SlurmBackend(slurm_conf=slurm.conf), echo=False) as session:
-        [first] = up(session, session.launch_workers(1, cpu=2, memory=0.5))  # one node taken
+        [first] = up(session, session.launch_workers(1, cpu=2, memory=0.5))  # a job of its own, a node taken
+        assert first["ip_address"] in {n.ip for n in slurm.nodes}
+        assert session.call(first, "os:getenv", "CUDA_VISIBLE_DEVICES") == ""  # no GPU asked for
         # Two whole-node workers: one node is free, but the launch waits for both (jobs of their own would
         # have started one of them, to wait for the other with a half-started distributed job).
         pair = session.launch_workers(2, cpu=2, memory=0.5)
         late = session.await_workers(pair, wait_for_completion=False, timeout_seconds=6)
         assert [f["status"] for f in late["failures"]] == ["timedout", "timedout"]
         assert all("PENDING (Resources)" in f["message"] for f in late["failures"]), late["failures"]
-        assert {w["status"] for w in session.list_workers() if w["id"] != first["id"]} == {"scheduling"}
+        queued = [w for w in session.list_workers() if w["id"] != first["id"]]
+        assert {w["status"] for w in queued} == {"scheduling"}
+        assert all(w["message"].startswith("Slurm job ") and "PENDING (Resources)" in w["message"] for w in queued)
         session.stop_workers(first)
+        # Its place is free now: Slurm starts the pair, a node each, one job, each worker a step of it.
         both = up(session, pair)
         assert {w["ip_address"] for w in both} == {n.ip for n in slurm.nodes}
         [gang_job] = {session.call(w, "os:getenv", "SLURM_JOB_ID") for w in both}
         steps = {session.call(w, "os:getenv", "SLURM_STEP_ID") for w in both}
         assert len(steps) == 2, steps
+        assert session_jobs(slurm, session) == [f"cmlcluster-{session.id}-gang-{both[0]['id']} RUNNING"]
 
         # One of them stopped: the other runs on in the gang's job; the last one's end cancels the job.
         session.stop_workers(both[0])
@@ -117,7 +100,7 @@ def test_a_gang_that_could_never_run_is_refused_before_anything_starts_and_slurm
         # With gang=False they are jobs of their own: two run, the third waits for a place.
     with Session(SlurmBackend(slurm_conf=slurm.conf, gang=False), echo=False) as session:
         launched = session.launch_workers(3, cpu=2, memory=0.5)
-        late = session.await_workers(launched, wait_for_completion=False, timeout_seconds=20)
+        late = session.await_workers(launched, wait_for_completion=False, timeout_seconds=8)
         assert len(late["workers"]) == 2 and [f["status"] for f in late["failures"]] == ["timedout"], late
         assert len({session.call(w, "os:getenv", "SLURM_JOB_ID") for w in late["workers"]}) == 2
     # What Slurm itself refuses (a node feature it does not know, here) fails the launch's workers in its words.
