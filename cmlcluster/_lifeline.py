@@ -36,6 +36,58 @@ def hold(before_dying: Callable[[], None] | None = None) -> None:
     threading.Thread(target=wait_for_the_session, name="lifeline", daemon=True).start()
 
 
+# The write ends of lifelines this process holds, each with its file's identity (st_dev, st_ino): a number
+# closed since and reused for another file is told apart, so that no entry needs removing.
+_held: dict[int, tuple[int, int]] = {}
+_fork_hook = False
+
+
+def guard(fd: int) -> None:
+    """Keep the lifeline write end `fd` out of this process's forked children. fork copies every descriptor,
+    exec or not (multiprocessing's "fork" start method, a DataLoader's workers): a child holding the write end
+    would keep the lifeline alive after this process dies. In a forked child it becomes /dev/null at once."""
+    global _fork_hook
+    for number, identity in list(_held.items()):  # forget those closed since
+        if _identity(number) != identity:
+            del _held[number]
+    held = _identity(fd)
+    if held is not None:
+        _held[fd] = held
+    if not _fork_hook:
+        os.register_at_fork(after_in_child=_drop_in_child)
+        _fork_hook = True
+
+
+def guard_stdin(process: object) -> None:
+    """guard() the write end of a started process's stdin pipe: a subprocess.Popen's, or an asyncio one's."""
+    stdin = getattr(process, "stdin", None)
+    transport = getattr(stdin, "transport", None)
+    pipe = transport.get_extra_info("pipe") if transport is not None else stdin
+    if pipe is not None:
+        guard(pipe.fileno())
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _drop_in_child() -> None:
+    if not _held:
+        return
+    null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for fd, identity in _held.items():
+            if _identity(fd) == identity:
+                os.dup2(null, fd, inheritable=False)  # the number stays valid: whoever closes it later may
+    finally:
+        os.close(null)
+    _held.clear()
+
+
 def remove_folder(path: str) -> Callable[[], None]:
     return lambda: shutil.rmtree(path, ignore_errors=True)
 

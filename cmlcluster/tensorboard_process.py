@@ -62,13 +62,15 @@ def launch(logdir: str, port: int, log_fd: int, flagfile: str) -> subprocess.Pop
     ]
     # Its own process group under a lifeline: stdin is a pipe whose only write end
     # this process holds (non-inheritable), so when this process ends, the group is killed.
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, _lifeline.__file__, "--", *argv],
         stdin=subprocess.PIPE,
         stdout=log_fd,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    _lifeline.guard_stdin(process)
+    return process
 
 
 def end_group(process: subprocess.Popen[bytes]) -> None:

@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from .. import wire
+from .. import _lifeline, wire
 from ..errors import BackendError
 from ..workers import PACKAGE_PARENT, WorkerSpec
 
@@ -289,6 +289,7 @@ class Template:
                 start_new_session=True,  # the notebook's Ctrl-C is not for it
                 pass_fds=self._pass_fds,
             )
+        _lifeline.guard_stdin(self._process)
         self._reader = asyncio.get_running_loop().create_task(self._read(self._process))
 
     async def _read(self, process: asyncio.subprocess.Process) -> None:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import wire
+from .. import _lifeline, wire
 from .._proc import end_group_async, signal_left_of_group
 from ..agent.template import MAX_TEMPLATES, ForkedProcess, Template, can_fork, shared_environment
 from ..cgroups import CgroupLimits
@@ -82,6 +82,7 @@ class LocalBackend(Backend[LocalHandle]):
         # process holds the write end (Python's descriptors are not inherited by what it starts), so the
         # workers of a killed kernel end at once instead of after silence_timeout.
         self._lifeline = os.pipe()
+        _lifeline.guard(self._lifeline[1])  # nor does a child this process forks (multiprocessing)
 
     async def check(self, n: int, resources: Resources) -> None:
         # Each worker's cpu= and memory= against the whole machine: limits, not reservations, so workers

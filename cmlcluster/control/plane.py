@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _lifeline
 from .._proc import python_module
 from ..errors import ControllerError
 from ..lines import OutputRelay
@@ -203,6 +204,7 @@ class IPyParallelControl(ControlPlane):
                 start_new_session=True,
                 env=dict(os.environ, CMLCLUSTER_SESSION_DIR=session_dir, **keys.controller_env()),
             )
+        _lifeline.guard_stdin(self._process)
 
     async def ready(self) -> None:
         if self._ready is None:  # one connection, however many launches wait for it

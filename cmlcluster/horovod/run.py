@@ -455,6 +455,7 @@ def _execute(
         text=True,
         start_new_session=True,
     )
+    _lifeline.guard_stdin(process)
     reader = threading.Thread(target=_read_output, args=(process, result, view), daemon=True)
     reader.start()
     try:

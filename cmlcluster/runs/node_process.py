@@ -106,6 +106,7 @@ def run_launcher(
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+    _lifeline.guard_stdin(process)
     try:
         with _stops_reach(process):
             _relay(process, labeller, rank0_only)

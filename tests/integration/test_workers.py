@@ -3,6 +3,7 @@ controller and engines. Tests taking `session` run on every backend (see conftes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -365,14 +366,19 @@ SESSION_SCRIPT = textwrap.dedent("""
         return [os.getpid(), child.pid]
     pids = sum(cdsw.client()[:].apply_sync(agent_and_a_child), [])
     print(json.dumps(pids), flush=True)
+    if sys.argv[3:] == ["forked"]:  # a child forked without exec (multiprocessing, a DataLoader) lives on
+        import multiprocessing
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,))
+        child.start()
+        print(child.pid, flush=True)
     if sys.argv[1] == "hang":
         time.sleep(3600)
 """)
 
 
-def _session_process(mode: str, start: str = "fork") -> tuple[subprocess.Popen[str], list[int]]:
+def _session_process(mode: str, start: str = "fork", *more: str) -> tuple[subprocess.Popen[str], list[int]]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", SESSION_SCRIPT, mode, start],
+        [sys.executable, "-c", SESSION_SCRIPT, mode, start, *more],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -396,6 +402,21 @@ def test_a_killed_session_process_leaves_no_worker_nor_its_programs_within_secon
     # Not a timing test: silence_timeout is 120 s, and only the lifeline ends them before it (20 s is room
     # for a loaded machine; alone here they are gone in the first poll, 0.2 s).
     print(f"gone {gone_after:.2f} s after the kill")
+
+
+def test_a_child_the_session_forked_does_not_keep_its_workers_alive_after_the_session_is_killed(wait_gone):
+    # fork copies every descriptor, the lifelines' write ends too: the session's children forked without exec
+    # are given /dev/null in their place (_lifeline.guard), else the workers would live as long as such a child.
+    proc, pids = _session_process("hang", "fork", "forked")
+    forked = int(proc.stdout.readline())
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert wait_gone(pids, within=20) == []
+        assert psutil.pid_exists(forked)  # it lives on, holding no lifeline
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(forked, signal.SIGKILL)
 
 
 def test_interpreter_exit_stops_workers(wait_gone):

@@ -3,9 +3,15 @@ process does, told of each thing as it starts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from cmlcluster import _lifeline
 
@@ -66,3 +72,53 @@ def test_env_line_never_starts_the_command_without_its_variables(tmp_path):
     )
     assert ended.returncode != 0 and b"before it sent the command's environment" in ended.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["popen", "asyncio"])
+def test_a_guarded_write_end_is_not_held_by_a_child_this_process_forks(kind):
+    async def start_async():
+        return await asyncio.create_subprocess_exec(
+            sys.executable, _lifeline.__file__, "--", "sleep", "60", stdin=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )  # fmt: skip
+
+    loop = asyncio.new_event_loop()
+    try:
+        if kind == "popen":
+            held = subprocess.Popen(
+                [sys.executable, _lifeline.__file__, "--", "sleep", "60"], stdin=subprocess.PIPE, start_new_session=True
+            )
+        else:
+            held = loop.run_until_complete(start_async())
+        _lifeline.guard_stdin(held)
+        forked = os.fork()
+        if forked == 0:  # what multiprocessing's "fork" does: no exec, every descriptor copied
+            time.sleep(30)
+            os._exit(0)
+        try:
+            if kind == "popen":
+                held.stdin.close()
+            else:
+                held.stdin.transport.close()
+                loop.run_until_complete(asyncio.sleep(0.1))  # the transport lets go of its pipe on the loop
+            deadline = time.monotonic() + 10
+            while _alive(held.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _alive(held.pid)  # its input ended though the forked child lives
+        finally:
+            os.kill(forked, signal.SIGKILL)
+            os.waitpid(forked, 0)
+            if kind == "popen":
+                held.wait(5)
+            else:
+                loop.run_until_complete(held.wait())
+    finally:
+        loop.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -242,6 +242,7 @@ class SlurmBackend(Backend[SlurmHandle]):
                 canceller,
                 env=self.slurm_env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
+            _lifeline.guard_stdin(self._canceller)
 
     def _run(self, *argv: str) -> str:
         return slurm_command(self._where(list(argv)), self.slurm_env)
@@ -413,6 +414,8 @@ class SlurmBackend(Backend[SlurmHandle]):
         except OSError as e:
             handle.output.close()
             raise BackendError(f"could not start srun for worker {spec.worker_id}: {e}") from e
+        if stdin == asyncio.subprocess.PIPE:  # a lifeline's
+            _lifeline.guard_stdin(process)
         if self.login:
             assert process.stdin is not None
             process.stdin.write(json.dumps(worker_env).encode() + b"\n")  # kept open: the lifeline
