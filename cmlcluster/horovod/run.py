@@ -257,7 +257,9 @@ class Horovod(Framework[HorovodResult]):
         return HorovodError(result)
 
     def execute(self, session: Session, options: WorkerOptions) -> HorovodResult:
-        max_restarts, view = options.max_restarts, session if options.echo else None
+        # Its ranks' lines and reports reach the session's subscribers (the view, stragglers) as torchrun's do,
+        # echo or not: echo is whether the run is shown under a title of its own (runs/skeleton.py).
+        max_restarts, view = options.max_restarts, session
         cluster: SSHCluster | None = None
         with run_key(session.session_dir, bool(max_restarts)) as key:
             env = {**options.env, **key.rank_env}  # an elastic run's key: in the ranks' 0600 files, never argv

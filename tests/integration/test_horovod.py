@@ -18,6 +18,7 @@ from harness.horovod_scripts import RANK
 import cmlcluster
 from cmlcluster import CmlClusterError, Session
 from cmlcluster.backends.docker.backend import DockerBackend
+from cmlcluster.events import OutputLine
 from cmlcluster.horovod import run_horovod
 from cmlcluster.ssh.keys import SessionSSH, new_ed25519
 from cmlcluster.ssh.preflight import Login, check_logins
@@ -134,8 +135,13 @@ def test_a_failing_rank_is_named_the_other_stopped_and_workers_torn_down(tmp_pat
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
     with Session(docker_backend(tmp_path_factory), echo=False) as session:
+        events = []
+        session.subscribe(events.append)
         result = run_horovod(str(script), np=2, session=session, echo=False)
         assert not result.ok and result.failed_rank == 1
+        # Its ranks' lines reach the session's subscribers, echo or not (as torchrun's do).
+        said = {(e.source, e.text) for e in events if isinstance(e, OutputLine)}
+        assert ("rank 1", "rank 1: the data shard is corrupt") in said, sorted(said)  # rank 0 may be cut short
         assert result.rank_exit_codes[1] == 3
         assert "rank 1 exited with code 3" in result.message
         assert "the data shard is corrupt" in result.message
