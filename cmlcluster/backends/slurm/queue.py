@@ -132,22 +132,19 @@ class JobQueue:
                 log.debug("cmlcluster: squeue: %s", e)
 
     def _poll(self) -> None:
+        if self._own_jobs:
+            # Every pending job of the partitions, for the queue ahead of ours; our own in every state.
+            argv = ["squeue", "-h", "-t", "all", "-o", commands.SQUEUE_FORMAT]
+            queue = commands.parse_squeue(slurm_command(self._where(argv), self._env))
+            with self._lock:
+                for job in queue:
+                    if job.name in self._watched:
+                        self._jobs[job.name] = job
+                        self._ahead[job.name] = commands.jobs_ahead(job, queue) if job.state == "PENDING" else 0
         with self._lock:
             allocations = sorted(self._allocations)
-        if allocations:
-            text = slurm_command(
-                self._where(["squeue", "-h", "-s", "-j", ",".join(allocations), "-o", "%i|%j"]), self._env
-            )
-            lines = [line.split("|") for line in text.splitlines() if line.count("|") == 1]
+        if allocations:  # last: squeue refuses a list that names a job long gone (past MinJobAge)
+            argv = ["squeue", "-h", "-s", "-j", ",".join(allocations), "-o", "%i|%j"]
+            lines = [line.split("|") for line in slurm_command(self._where(argv), self._env).splitlines()]
             with self._lock:
-                self._steps.update((name, step) for step, name in lines if name in self._watched)
-        if not self._own_jobs:
-            return
-        # Every pending job of the partitions, for the queue ahead of ours; our own in every state.
-        text = slurm_command(self._where(["squeue", "-h", "-t", "all", "-o", commands.SQUEUE_FORMAT]), self._env)
-        queue = commands.parse_squeue(text)
-        with self._lock:
-            for job in queue:
-                if job.name in self._watched:
-                    self._jobs[job.name] = job
-                    self._ahead[job.name] = commands.jobs_ahead(job, queue) if job.state == "PENDING" else 0
+                self._steps.update((line[1], line[0]) for line in lines if len(line) == 2 and line[1] in self._watched)
