@@ -268,8 +268,9 @@ _FLOODS = (OutputLine, Progress, ResourceUse)
 class _Subscription:
     """One subscriber's queue and the thread that feeds it."""
 
-    def __init__(self, callback: Subscriber, name: str):
+    def __init__(self, callback: Subscriber, name: str, after_batch: Callable[[], None] | None = None):
         self.callback = callback
+        self.after_batch = after_batch
         self._queue: deque[Event | None] = deque()
         self._ready = threading.Condition()
         self._published = 0
@@ -326,6 +327,11 @@ class _Subscription:
                     self.callback(event)
                 except Exception:
                     log.exception("cmlcluster: a subscriber (%r) failed on %s", self.callback, event)
+            if self.after_batch is not None:
+                try:
+                    self.after_batch()
+                except Exception:
+                    log.exception("cmlcluster: a subscriber's after_batch (%r) failed", self.after_batch)
             with self._ready:
                 self._handled += len(batch)
                 self._ready.notify_all()
@@ -342,12 +348,14 @@ class EventBus:
         self._lock = threading.Lock()
         self._closed = False
 
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Deliver every event from now on to `callback`; returns the function that ends that."""
+    def subscribe(self, callback: Subscriber, after_batch: Callable[[], None] | None = None) -> Callable[[], None]:
+        """Deliver every event from now on to `callback`, and call `after_batch()` (if given) after each run
+        of events delivered together, before they count as handled; returns the function that ends that."""
         with self._lock:
             if self._closed:
                 return lambda: None  # nothing will ever be published again
-            subscription = _Subscription(callback, f"{self._name}-events-{len(self._subscriptions)}")
+            name = f"{self._name}-events-{len(self._subscriptions)}"
+            subscription = _Subscription(callback, name, after_batch)
             self._subscriptions.append(subscription)
 
         def unsubscribe() -> None:

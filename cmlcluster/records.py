@@ -111,11 +111,12 @@ class Recorder:
         self._lock = threading.Lock()  # a write in flight never recreates the record after close()
         self._closed = False
         self._written = 0.0  # when the record was last written (monotonic)
+        self._dirty = self._summary_dirty = False  # changed since the last write (of the record, the summary)
         self._notebook = session_summary.notebook()
         self._endpoint = self._serve_stops()
         self._write()
         self._write_summary()
-        self._unsubscribe = session.subscribe(self._on_event)
+        self._unsubscribe = session.subscribe(self._on_event, after_batch=self._flush)
 
     def _serve_stops(self) -> stop_socket.StopEndpoint | None:
         """The session's stop endpoint, in its folder; closed as the session begins to close (before its
@@ -145,6 +146,8 @@ class Recorder:
         return going
 
     def _on_event(self, event: Event) -> None:
+        """Each change in memory; _flush() writes them, once for all the events delivered together (a launch
+        of 1,024 workers is thousands of changes: a write of every worker's record each was quadratic)."""
         with self._lock:
             if self._closed:
                 return
@@ -156,6 +159,7 @@ class Recorder:
                 kept["pid"] = self.session.worker_pid(w.id)
                 kept["usage"] = self._workers.get(w.id, {}).get("usage")
                 self._workers[w.id] = kept
+                self._dirty = self._summary_dirty = True
             elif isinstance(event, JobChanged) and event.state in (JobState.STARTED, JobState.MEMBER_REPLACED):
                 for member in event.members:
                     self._labels[member.worker_id] = worker_label(
@@ -163,17 +167,23 @@ class Recorder:
                     )
                     if member.worker_id in self._workers:
                         self._workers[member.worker_id]["label"] = self._labels[member.worker_id]
+                self._dirty = True
             elif isinstance(event, ResourceUse) and event.worker_id in self._workers:
                 self._workers[event.worker_id]["usage"] = event.fields()
-                if time.monotonic() - self._written < USAGE_WRITE_SECONDS:
-                    return  # samples come from every worker: at most one write a second for them
-            else:
+                # Samples come from every worker: at most one write a second for them.
+                self._dirty |= time.monotonic() - self._written >= USAGE_WRITE_SECONDS
+
+    def _flush(self) -> None:
+        with self._lock:
+            if self._closed or not self._dirty:
                 return
+            self._dirty = False
             try:
                 self._write()
             except OSError as e:
                 log.warning("cmlcluster: could not update %s (cmlcluster list will not show it): %s", self.path, e)
-            if isinstance(event, WorkerStatus):
+            if self._summary_dirty:
+                self._summary_dirty = False
                 self._write_summary()
 
     def _write(self) -> None:

@@ -359,10 +359,11 @@ class Session:
 
     # ---------------------------------------------------------------- events and hooks
 
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+    def subscribe(self, callback: Subscriber, after_batch: Callable[[], None] | None = None) -> Callable[[], None]:
         """Call `callback(event)` with every event from now on (cmlcluster.events), in order, on a
-        thread of the subscriber's own; returns the function that unsubscribes it."""
-        return self._events.subscribe(callback)
+        thread of the subscriber's own; returns the function that unsubscribes it. `after_batch()`, if
+        given, is called after each run of events delivered together (one write for many changes)."""
+        return self._events.subscribe(callback, after_batch)
 
     def publish(self, event: Event) -> None:
         """Tell the subscribers (a framework's job events, a coordinator's progress). Any thread."""

@@ -179,3 +179,21 @@ def test_a_horovod_rank_reports_as_the_rank_horovod_gives_it_now(monkeypatch, ca
     horovod.rank = not_initialized
     report(3)
     assert decode(capsys.readouterr().out, "rank 1").task == "rank 1"
+
+
+def test_after_batch_follows_each_run_of_events_delivered_together_before_they_count_as_handled():
+    bus = EventBus("test")
+    gate, seen, batches = threading.Event(), [], []
+
+    def slow(event):
+        gate.wait(5)  # the first event holds the delivery thread while the rest queue up
+        seen.append(event)
+
+    bus.subscribe(slow, after_batch=lambda: batches.append(len(seen)))
+    for i in range(100):
+        bus.publish(OutputLine("w", "stdout", str(i)))
+    gate.set()
+    bus.drain(5)
+    assert len(seen) == 100 and batches[-1] == 100  # drained: every event handled, then the batch's call
+    assert len(batches) <= 3, batches  # one call for many events, not one each
+    bus.close()

@@ -370,3 +370,17 @@ def test_kubernetes_cleanup_deletes_the_secrets_of_gone_sessions_only():
         "team/cmlcluster-reused-pid",
     ]
     assert deleted == ["cmlcluster-gone-0", "cmlcluster-gone", "cmlcluster-reused-pid-0", "cmlcluster-reused-pid"]
+
+
+def test_a_launch_of_many_workers_rewrites_the_record_once_per_run_of_changes_not_once_per_change(state, monkeypatch):
+    writes = []
+    write = records.Recorder._write
+    monkeypatch.setattr(records.Recorder, "_write", lambda self: (writes.append(1), write(self)))
+    with Session(FakeBackend(lambda i: FakeWorker()), echo=False) as s:
+        ready = s.await_workers(s.launch_workers(300, cpu=0.1, memory=0.1), wait_for_completion=False)
+        assert len(ready["workers"]) == 300
+        changes = 2 * 300  # each worker's scheduling and running, at least
+        assert len(writes) < changes / 5, len(writes)
+        # What `cmlcluster list` reads is current once the call has returned.
+        with open(os.path.join(records.folder(), f"{s.id}.json")) as f:
+            assert {w["status"] for w in json.load(f)["workers"]} == {"running"}
