@@ -214,7 +214,7 @@ class IPyParallelControl(ControlPlane):
     async def _connect_when_serving(self) -> None:
         try:
             await self._wait_listening()
-            self._client = await asyncio.to_thread(self._connect, self._client_file)
+            await asyncio.to_thread(self._connect, self._client_file)  # it sets self._client
         except BaseException:
             await self.close()
             raise
@@ -266,16 +266,19 @@ class IPyParallelControl(ControlPlane):
                 )
             await asyncio.sleep(0.02)
 
-    def _connect(self, client_file: str) -> Any:
+    def _connect(self, client_file: str) -> None:
         import ipyparallel
 
         ipyparallel_internals.probe_client()
         client = ipyparallel.Client(client_file, timeout=30)
+        # Before the first registration can be heard: the session's loop may announce it (and describe the
+        # engine through this client) before this thread's return reaches it (ci: "'NoneType' object has no
+        # attribute 'send_apply_request'", a healthy worker failed).
+        self._client = client
         # ipyparallel's own wait_for_engines uses this hook; it is the only way to
         # hear of registrations as they happen rather than by polling client.ids.
         ipyparallel_internals.registration_callbacks(client).append(self._on_registration)
         ipyparallel_internals.route_iopub_topic(client, USAGE_TOPIC, self._on_usage_message)
-        return client
 
     def _on_registration(self, event: dict[str, Any]) -> None:
         # Runs on the client's IO thread.

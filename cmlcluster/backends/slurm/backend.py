@@ -468,6 +468,9 @@ class SlurmBackend(Backend[SlurmHandle]):
         if gang.reader is not None:
             await asyncio.wait([gang.reader])
         if self._queue is not None:
+            # Until Slurm has it ended (COMPLETING meanwhile): what a stop reports finished has given its
+            # nodes back, for the next launch.
+            await asyncio.to_thread(self._queue.settle, gang.name)
             self._queue.unwatch(gang.name)
             if gang.job_id:
                 self._queue.follow_steps(gang.job_id, following=False)

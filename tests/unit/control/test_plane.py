@@ -125,3 +125,28 @@ def test_an_engine_that_never_answers_fails_at_the_limit_however_busy_the_plane(
     error, took = asyncio.run(main())
     assert LIMIT <= took < LIMIT + 1.5, took
     assert "the most it is given while other engines' output kept the controller busy" in str(error)
+
+
+def test_the_client_is_in_place_before_the_first_registration_can_be_heard(monkeypatch):
+    # The session's loop may announce a registration (and describe the engine through the client) before
+    # the thread that connected has returned: by then the plane must hold the client (a CI run failed a
+    # healthy worker with "'NoneType' object has no attribute 'send_apply_request'").
+    import ipyparallel
+
+    from cmlcluster.control import ipyparallel_internals
+
+    plane = control.IPyParallelControl()
+    seen = []
+
+    class Hooks(list):
+        def append(self, callback):
+            seen.append(plane._client)  # what an announcement made now would use
+            super().append(callback)
+
+    client = object()
+    monkeypatch.setattr(ipyparallel_internals, "probe_client", lambda: None)
+    monkeypatch.setattr(ipyparallel, "Client", lambda *args, **kwargs: client)
+    monkeypatch.setattr(ipyparallel_internals, "registration_callbacks", lambda c: Hooks())
+    monkeypatch.setattr(ipyparallel_internals, "route_iopub_topic", lambda *args: None)
+    plane._connect("client.json")
+    assert seen == [client] and plane._client is client
