@@ -104,7 +104,8 @@ def test_horovod_magic_on_two_hosts_over_ssh(backend_name, shell, request, tmp_p
 
 # On a host that sees none of the session's files the cell is shipped as a script is (above): SSH in the
 # matrix tier.
-@pytest.mark.parametrize("backend_name", ["local", pytest.param("ssh", marks=pytest.mark.matrix)])
+# The cell magic on local workers runs as the README shows it, in the default run (test_readme_snippets.py).
+@pytest.mark.parametrize("backend_name", [pytest.param(b, marks=pytest.mark.matrix) for b in ("local", "ssh")])
 def test_horovod_cell_magic(backend_name, shell, request, tmp_path_factory):
     cmlcluster.use_backend(horovod_backend(backend_name, request, tmp_path_factory))
     result = shell.run_cell_magic(

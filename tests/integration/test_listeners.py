@@ -102,7 +102,8 @@ class ListenersOutsideLoopback:
         return found
 
 
-@pytest.mark.parametrize("max_restarts", [0, 1], ids=["static", "elastic"])
+# Elastic in the default run: its listeners are static's and the session's rendezvous store.
+@pytest.mark.parametrize("max_restarts", [pytest.param(0, marks=pytest.mark.matrix), 1], ids=["static", "elastic"])
 def test_a_local_torch_run_listens_on_loopback_only(tmp_path, max_restarts):
     with Session("local", echo=False) as session, ListenersOutsideLoopback() as listeners:
         result = run_torch(

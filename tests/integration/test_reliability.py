@@ -42,7 +42,7 @@ def size(request) -> dict:
     return SIZES[request.param]
 
 
-@pytest.mark.parametrize("backend", on("local", "docker", "kubernetes"), indirect=True)
+@pytest.mark.parametrize("backend", on("local", "docker"), indirect=True)
 @pytest.mark.timeout(1800)  # about 1 to 3 s a cycle
 def test_launch_stop_cycles_never_stall(session, size):
     cycles = size["cycles"][session.backend.name]
