@@ -29,25 +29,25 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ... import _lifeline, checks
+from ... import _lifeline
 from ..._proc import signal_group
 from ...errors import BackendError, ConfigError
 from ...logfile import WorkerOutput, read_tail
 from ...ports import route_address
-from ...ssh.client import SSHClient
-from ...workers import Resources, Status, WorkerSpec, user_file
+from ...workers import Resources, Status, WorkerSpec
 from ..base import OUTPUT_DRAIN_SECONDS, Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import commands, task
+from .gang import Gang
+from .login import login_client
 from .queue import JobQueue, slurm_command
 
 log = logging.getLogger(__name__)
@@ -55,32 +55,12 @@ log = logging.getLogger(__name__)
 STOP_WAIT = 10.0  # seconds for srun to end once its job was cancelled
 # What the worker keeps of this process's environment: how to run programs, never the notebook's variables.
 PASSED_VARIABLES = ("PATH", "LANG", "LC_ALL", "HOME", "USER", "LOGNAME")
-LOGIN = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9][A-Za-z0-9_.-]*")  # [user@]host, one word each
 INSTALL_HINT = "apt-get install slurm-client (Debian; the same Slurm version as the cluster's), with munge"
 
 
 SALLOC_ANSWER = 30.0  # seconds for salloc to say the gang job was submitted (or why not)
 SRUN_ERROR_BYTES = 4096  # what is read of srun's own messages for a worker's exit reason
 NEVER_RAN = 1  # the exit code of a gang's worker whose allocation ended before it was granted
-
-
-@dataclass(eq=False)
-class Gang:
-    """One launch's workers as one Slurm job (salloc --no-shell): granted whole or not at all, each worker a
-    step of it from then on. A later launch of workers alike takes the places of those that ended (an elastic
-    job's replacement runs where its predecessor did, as torchrun's restarts do inside one sbatch job).
-    Cancelled when the last of them ends."""
-
-    name: str
-    salloc: asyncio.subprocess.Process
-    size: int  # its tasks: one worker's place each
-    resources: Resources  # each task's
-    members: set[str]
-    job_id: str = ""
-    granted: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    said: list[str] = field(default_factory=list)  # salloc's lines, for the message of a refusal
-    reader: asyncio.Task[None] | None = None
-    ended: bool = False
 
 
 @dataclass(eq=False)
@@ -163,7 +143,9 @@ class SlurmBackend(Backend[SlurmHandle]):
         if not isinstance(gang, bool):
             raise ConfigError(f"gang={gang!r}: give True (a launch is one job, all or none) or False (a job each)")
         self.gang = gang
-        self.login, self.login_ssh = _login(login, login_port, identity, known_hosts, trust_on_first_use, ssh_options)
+        self.login, self.login_ssh = login_client(
+            login, login_port, identity, known_hosts, trust_on_first_use, ssh_options
+        )
         if self.login and within_allocation:
             raise ConfigError(
                 f"login={login!r} and within_allocation=True: a notebook that reaches Slurm over SSH runs in no "
@@ -283,7 +265,7 @@ class SlurmBackend(Backend[SlurmHandle]):
             raise BackendError(f"could not start salloc: {e}") from e
         gang = Gang(name, salloc, len(specs), resources, {spec.worker_id for spec in specs})
         submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        gang.reader = asyncio.create_task(self._read_salloc(gang, submitted))
+        gang.reader = asyncio.create_task(gang.follow_salloc(submitted))
         try:
             gang.job_id = await asyncio.wait_for(asyncio.shield(submitted), SALLOC_ANSWER)
         except BaseException as e:
@@ -297,25 +279,6 @@ class SlurmBackend(Backend[SlurmHandle]):
     def _gang_of(self, n: int) -> bool:
         """Whether a launch of n workers is one gang job."""
         return self.gang and n > 1 and not self.allocation
-
-    async def _read_salloc(self, gang: Gang, submitted: asyncio.Future[str]) -> None:
-        """Follow salloc's words: the job's id once submitted, its grant (salloc then exits), or its refusal."""
-        assert gang.salloc.stderr is not None
-        async for raw in gang.salloc.stderr:
-            line = raw.decode(errors="replace").strip()
-            gang.said.append(line)
-            if (match := commands.SUBMITTED.search(line)) and not submitted.done():
-                submitted.set_result(match.group(1))
-            if (match := commands.GRANTED.search(line)) and not gang.granted.done():
-                gang.granted.set_result(match.group(1))
-        await gang.salloc.wait()
-        words = " ".join(line.removeprefix("salloc: ") for line in gang.said) or f"exit code {gang.salloc.returncode}"
-        error = BackendError(f"Slurm did not grant the workers' job {gang.job_id or gang.name}: {words}")
-        if not submitted.done():
-            submitted.set_exception(error)
-        if not gang.granted.done():
-            gang.granted.set_exception(error)
-            gang.granted.exception()  # its workers each read it; none need be left when it comes
 
     async def start(self, spec: WorkerSpec) -> SlurmHandle:
         assert self._queue is not None, "attach() first"
@@ -596,36 +559,6 @@ def _srun_error(path: str) -> str | None:
     """srun's last error (a step Slurm would not create, say), from its messages beside the worker's log."""
     errors = [line.strip() for line in read_tail(path, SRUN_ERROR_BYTES).splitlines() if "error:" in line]
     return errors[-1] if errors else None
-
-
-def _login(
-    login: str,
-    port: int,
-    identity: str | None,
-    known_hosts: str | None,
-    trust_on_first_use: bool,
-    ssh_options: Sequence[str],
-) -> tuple[str, SSHClient | None]:
-    """The login node's host and how ssh reaches it (as whom), checked; ("", None) where Slurm is here."""
-    given = {"identity": identity, "known_hosts": known_hosts, "ssh_options": ssh_options or None}
-    if not login:
-        named = [name for name, value in given.items() if value is not None] + ["login_port"] * (port != 22)
-        if named or trust_on_first_use:
-            raise ConfigError(f"{', '.join(named or ['trust_on_first_use'])}: these are for login=; give login='host'")
-        return "", None
-    if not isinstance(login, str) or not LOGIN.fullmatch(login):
-        raise ConfigError(f"login={login!r}: give the login node as 'host' or 'user@host'")
-    if not checks.port(port):
-        raise ConfigError(f"login_port={port!r}: give the TCP port sshd listens on, on the login node (22)")
-    if isinstance(ssh_options, str) or not all(isinstance(o, str) and "=" in o for o in ssh_options):
-        raise ConfigError(f"ssh_options={ssh_options!r}: give a list of ssh options, each 'Name=value'")
-    user, _, host = login.rpartition("@")  # ssh is told the user with -l
-    identity, known_hosts = (
-        user_file(path, name=name) if path is not None else None
-        for name, path in (("identity", identity), ("known_hosts", known_hosts))
-    )
-    client = SSHClient(user or None, port, identity, known_hosts, bool(trust_on_first_use), tuple(ssh_options))
-    return host, client
 
 
 def _allocation(within: bool | None, options: commands.JobOptions) -> str:
