@@ -40,13 +40,14 @@ missing=()
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 python3 -c "import venv, ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
 if $dev; then
-    # cmake, g++: the Horovod build. openssh-server: sshd in workers. docker.io: the docker backend.
+    # cmake, g++: the Horovod build. openssh-server: sshd in workers; openssh-client: ssh to SSH hosts and a
+    # Slurm login node. docker.io: the docker backend.
     # chromium: the browser tests (tests/browser), driven by Playwright; never Playwright's own download.
     # setsid, unshare, setpriv, nsenter (util-linux): dockerd in a session of its own (docker_engine.sh), a PID
     # namespace of its own for the cleanup tests, another uid for sshd's and the strangers' tests, a second
     # network's interface renamed inside an SSH test host.
     # iptables: the Kubernetes stand-in enforces NetworkPolicies with it.
-    for tool in cmake:cmake g++:g++ /usr/sbin/sshd:openssh-server dockerd:docker.io chromium:chromium setsid:util-linux unshare:util-linux setpriv:util-linux nsenter:util-linux iptables:iptables iptables-restore:iptables; do
+    for tool in cmake:cmake g++:g++ /usr/sbin/sshd:openssh-server ssh:openssh-client dockerd:docker.io chromium:chromium setsid:util-linux unshare:util-linux setpriv:util-linux nsenter:util-linux iptables:iptables iptables-restore:iptables; do
         command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
     done
     # libnss-wrapper: sshd in a worker whose uid has no /etc/passwd entry (Docker as the user's uid, pods).

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..wire import DEFAULT_SILENCE_TIMEOUT
+from ..workers import user_file
 from .config import keepalive_options, ssh_path
 from .keys import tofu_known_hosts
 
@@ -48,6 +49,15 @@ class SSHClient:
             argv += ["-l", self.user]
         # ssh hands the command to the login shell there: one quoted word each.
         return [*argv, host, "--", " ".join(shell_word(word) for word in command)]
+
+
+def key_files(identity: str | None, known_hosts: str | None) -> tuple[str | None, str | None]:
+    """The user's identity= and known_hosts= as absolute paths, each checked (ConfigError naming a bad one)."""
+    identity, known_hosts = (
+        user_file(path, name=name) if path is not None else None
+        for name, path in (("identity", identity), ("known_hosts", known_hosts))
+    )
+    return identity, known_hosts
 
 
 def shell_word(text: str) -> str:

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 
 from ... import checks
 from ...errors import ConfigError
-from ...ssh.client import SSHClient
-from ...workers import user_file
+from ...ssh.client import SSHClient, key_files
 
 LOGIN = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9][A-Za-z0-9_.-]*")  # [user@]host, one word each
 
@@ -37,9 +36,6 @@ def login_client(
     if isinstance(ssh_options, str) or not all(isinstance(o, str) and "=" in o for o in ssh_options):
         raise ConfigError(f"ssh_options={ssh_options!r}: give a list of ssh options, each 'Name=value'")
     user, _, host = login.rpartition("@")  # ssh is told the user with -l
-    identity, known_hosts = (
-        user_file(path, name=name) if path is not None else None
-        for name, path in (("identity", identity), ("known_hosts", known_hosts))
-    )
+    identity, known_hosts = key_files(identity, known_hosts)
     client = SSHClient(user or None, port, identity, known_hosts, bool(trust_on_first_use), tuple(ssh_options))
     return host, client

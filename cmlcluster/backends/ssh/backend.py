@@ -35,11 +35,11 @@ from ... import checks
 from ..._version import __version__
 from ...errors import BackendError, ConfigError, host_install_hint
 from ...ports import route_address
-from ...ssh.client import SSHClient
+from ...ssh.client import SSHClient, key_files
 from ...ssh.config import keepalive_seconds
 from ...ssh.keys import tofu_known_hosts
 from ...wire import DEFAULT_SILENCE_TIMEOUT
-from ...workers import Resources, WorkerSpec, user_file
+from ...workers import Resources, WorkerSpec
 from ..base import Backend, Capabilities, SessionContext, log_tail, signal_exit_code
 from . import collect
 from .attach import CONNECT_TIMEOUT, RemoteWorker
@@ -161,10 +161,7 @@ class SSHBackend(Backend[SSHHandle]):
         parsed = parse_hosts(hosts, hostfile)
         if not checks.port(port):
             raise ConfigError(f"port={port!r}: give the TCP port sshd listens on, on the hosts (22)")
-        identity, known_hosts = (
-            user_file(path, name=name) if path is not None else None
-            for name, path in (("identity", identity), ("known_hosts", known_hosts))
-        )
+        identity, known_hosts = key_files(identity, known_hosts)
         unknown = sorted(set(gpus or {}) - {h for h, _ in parsed})
         if unknown:
             raise ConfigError(f"gpus= names {unknown}, which are not among the hosts; use the names given in hosts")
