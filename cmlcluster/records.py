@@ -65,7 +65,11 @@ class RecordedSession(ViewedSession, Protocol):
 # A worker's fields a record keeps: where it runs and how it ended, what it asked for (`list --watch`
 # shows it beside what it uses), and its name (launch_workers(name=...)).
 RECORDED = ("id", "status", "ip_address", "hostname", "exit_code", "cpu", "memory", "nvidia_gpu", "name")
-USAGE_WRITE_SECONDS = 1.0  # a record is rewritten for resource samples at most this often
+# A record is rewritten for resource samples at most every USAGE_WRITE_SECONDS, and at most once a second per
+# USAGE_WRITE_WORKERS workers: each write is every worker's record (at 1,024 workers, once a second took 7 % of
+# a core of the notebook's process while the views drew: bench/printing_model.py).
+USAGE_WRITE_SECONDS = 1.0
+USAGE_WRITE_WORKERS = 256
 
 
 def folder() -> str:
@@ -170,8 +174,9 @@ class Recorder:
                 self._dirty = True
             elif isinstance(event, ResourceUse) and event.worker_id in self._workers:
                 self._workers[event.worker_id]["usage"] = event.fields()
-                # Samples come from every worker: at most one write a second for them.
-                self._dirty |= time.monotonic() - self._written >= USAGE_WRITE_SECONDS
+                # Samples come from every worker: at most one write a second for them, less often for many.
+                every = USAGE_WRITE_SECONDS * max(1.0, len(self._workers) / USAGE_WRITE_WORKERS)
+                self._dirty |= time.monotonic() - self._written >= every
 
     def _flush(self) -> None:
         with self._lock:

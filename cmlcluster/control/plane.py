@@ -55,7 +55,11 @@ DESCRIBE_LIMIT = 120.0  # an engine's first answer, however busy the control pla
 # How often, at most, the session asks the hub for the engines it registered (the first ask 0.25 s
 # after connecting, then twice as long each time up to this): control/plane.py's _catch_up says why.
 HUB_RECHECK_SECONDS = 4.0
+# A call's result can come before the last of its output (the reply travels on the shell channel, output
+# on iopub): its end waits for the engine's idle status, which follows all of it, as long as the iopub
+# channel moves, and at most OUTPUT_DRAIN_TIMEOUT s of its silence or OUTPUT_DRAIN_LIMIT s in all.
 OUTPUT_DRAIN_TIMEOUT = 5.0
+OUTPUT_DRAIN_LIMIT = 120.0
 INTERRUPT_TIMEOUT = 5.0  # seconds for an agent's control thread to answer an interrupt request
 
 EngineCallback = Callable[[str, int], None]  # ("register" | "unregister", engine id)
@@ -400,16 +404,27 @@ class IPyParallelControl(ControlPlane):
         except asyncio.CancelledError:
             raise  # given up on (its worker ended): no output to wait for
         except BaseException:
-            await self._drain(future)
+            await self._drain(future, relay)
             raise
-        await self._drain(future)
+        await self._drain(future, relay)
         return value
 
-    @staticmethod
-    async def _drain(future: Any) -> None:
-        # The reply can overtake the last output; ipyparallel resolves `output` on the idle message.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.wrap_future(future.output), OUTPUT_DRAIN_TIMEOUT)
+    async def _drain(self, future: Any, relay: OutputRelay) -> None:
+        """Until the call's output is all in: ipyparallel resolves `output` on the engine's idle status.
+        At 1,024 workers printing, the session's iopub ran more than a fixed 5 s behind the replies, and
+        every program's last lines were lost, without a word (bench/printing_model.py): the wait counts
+        from the latest iopub message, not from the reply. Given up, the output says so."""
+        loop = asyncio.get_running_loop()
+        output = asyncio.ensure_future(asyncio.wrap_future(future.output))
+        started = loop.time()
+        while not output.done():
+            until = min(started + OUTPUT_DRAIN_LIMIT, max(started, self._last_news) + OUTPUT_DRAIN_TIMEOUT)
+            if until <= loop.time():
+                output.cancel()
+                waited = loop.time() - started
+                relay.put("stderr", f"[cmlcluster: the rest of this output did not arrive within {waited:.0f} s]\n")
+                return
+            await asyncio.wait([output], timeout=until - loop.time())
 
     async def run_program(self, engine_id: int, program: Program, on_output: OutputCallback) -> int:
         args = (

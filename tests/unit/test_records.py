@@ -384,3 +384,30 @@ def test_a_launch_of_many_workers_rewrites_the_record_once_per_run_of_changes_no
         # What `cmlcluster list` reads is current once the call has returned.
         with open(os.path.join(records.folder(), f"{s.id}.json")) as f:
             assert {w["status"] for w in json.load(f)["workers"]} == {"running"}
+
+
+def test_resource_samples_of_many_workers_rewrite_the_record_less_often_than_those_of_few(state, monkeypatch):
+    # Each write is every worker's record: at 1,024 workers sampling, once a second took 7 % of a core of the
+    # notebook's process (bench/printing_model.py). Past USAGE_WRITE_WORKERS workers the interval grows.
+    import time
+
+    from cmlcluster.events import ResourceUse
+
+    writes = []
+    write = records.Recorder._write
+    monkeypatch.setattr(records.Recorder, "_write", lambda self: (writes.append(time.monotonic()), write(self)))
+    with Session(FakeBackend(lambda i: FakeWorker()), echo=False) as s:
+        n = 4 * records.USAGE_WRITE_WORKERS  # a write every 4 USAGE_WRITE_SECONDS
+        ready = s.await_workers(s.launch_workers(n, cpu=0.1, memory=0.1), wait_for_completion=False)
+        ids = [w["id"] for w in ready["workers"]]
+        writes.clear()
+        end = time.monotonic() + 3 * records.USAGE_WRITE_SECONDS
+        while time.monotonic() < end:  # every worker's sample, ten times a second
+            for worker_id in ids:
+                s.publish(ResourceUse(worker_id, cpu_percent=50.0, memory_bytes=2**20, memory_limit_bytes=None))
+            s.drain()
+            time.sleep(0.1)
+        assert len(writes) <= 1, f"{len(writes)} writes in 3 s"  # 3 at one a second
+        s.drain()
+        with open(os.path.join(records.folder(), f"{s.id}.json")) as f:
+            assert {w["status"] for w in json.load(f)["workers"]} == {"running"}

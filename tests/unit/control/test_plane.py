@@ -1,7 +1,9 @@
 """The deadline for a registered engine's first answer (control/plane.py's describe): counted from the latest
 first answer of any engine or the last output any program sent, so that engines answering one after
 another on a machine's few cores, or behind a thousand workers' output, are not failed, while one that
-hangs still is (at DESCRIBE_LIMIT however busy the plane).
+hangs still is (at DESCRIBE_LIMIT however busy the plane). And the wait for a call's last output
+(_drain): counted from the iopub channel's latest message, so that output running behind the replies is
+still taken, and a notice in the output where it gives up.
 
 The engines here are futures the test answers on its own schedule (the session side's describe is
 what is tested; the real agent's hang is test_reliability.py's)."""
@@ -150,3 +152,67 @@ def test_the_client_is_in_place_before_the_first_registration_can_be_heard(monke
     monkeypatch.setattr(ipyparallel_internals, "route_iopub_topic", lambda *args: None)
     plane._connect("client.json")
     assert seen == [client] and plane._client is client
+
+
+# ------------------------------------------------------------ a call's last output (_drain)
+
+
+class Call:
+    """What _drain waits on: ipyparallel's message future, whose `output` the engine's idle status resolves."""
+
+    def __init__(self) -> None:
+        self.output: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+
+async def _drained(engines: Engines, call: Call, idle_at: float | None) -> tuple[list[str], float]:
+    """_drain's wait, and what the call's relay delivered by its end (a notice, if it gave up)."""
+    loop = asyncio.get_running_loop()
+    delivered: list[str] = []
+    relay = control.OutputRelay(loop, lambda stream, text: delivered.append(text))
+    if idle_at is not None:
+        loop.call_later(idle_at, call.output.set_result, None)
+    start = loop.time()
+    await engines._drain(call, relay)
+    took = loop.time() - start
+    await asyncio.sleep(0)  # the relay's delivery, scheduled before _drain returned
+    return delivered, took
+
+
+def test_a_calls_end_waits_for_its_output_while_the_iopub_channel_moves(monkeypatch):
+    # 1,024 workers printing put the session's iopub more than 5 s behind the replies: each program's last
+    # lines came after its end was taken, and were lost (bench/printing_model.py). Idle at 3.5 s, past the
+    # 2 s timeout, while other output keeps coming: waited for, and no notice.
+    monkeypatch.setattr(control, "OUTPUT_DRAIN_TIMEOUT", TIMEOUT)
+
+    async def main() -> tuple[list[str], float]:
+        engines = Engines()
+        news = asyncio.ensure_future(_news_every(engines, 0.2, until=4.0))
+        drained = await _drained(engines, Call(), idle_at=3.5)
+        await news
+        return drained
+
+    delivered, took = asyncio.run(main())
+    assert delivered == [] and 3.5 <= took < 4.5, (delivered, took)
+
+
+def test_a_calls_end_waits_a_timeout_of_silence_then_says_its_output_may_be_cut(monkeypatch):
+    monkeypatch.setattr(control, "OUTPUT_DRAIN_TIMEOUT", TIMEOUT)
+    delivered, took = asyncio.run(_drained(Engines(), Call(), idle_at=None))
+    assert TIMEOUT <= took < TIMEOUT + 1.0, took
+    assert delivered == ["[cmlcluster: the rest of this output did not arrive within 2 s]\n"]
+
+
+def test_a_calls_end_waits_at_most_the_limit_however_busy_the_channel(monkeypatch):
+    monkeypatch.setattr(control, "OUTPUT_DRAIN_TIMEOUT", TIMEOUT)
+    monkeypatch.setattr(control, "OUTPUT_DRAIN_LIMIT", LIMIT)
+
+    async def main() -> tuple[list[str], float]:
+        engines = Engines()
+        news = asyncio.ensure_future(_news_every(engines, 0.2, until=LIMIT + 3))
+        drained = await _drained(engines, Call(), idle_at=None)
+        news.cancel()
+        return drained
+
+    delivered, took = asyncio.run(main())
+    assert LIMIT <= took < LIMIT + 1.0, took
+    assert delivered == [f"[cmlcluster: the rest of this output did not arrive within {LIMIT:.0f} s]\n"]
