@@ -51,7 +51,6 @@ from typing import Any
 import psutil
 import zmq
 from control_plane_model import SimulatedEngine  # this folder's: registration and heart as IPEngine's
-
 from ipyparallel.serialize import serialize_object, unpack_apply_message
 
 from cmlcluster import Session
@@ -158,7 +157,13 @@ class WorkingEngine(SimulatedEngine):
 
     def close(self) -> None:
         # Its heart (a zmq device thread) beats on until the process ends: see the module's docstring.
-        for socket_ in (self.registrar, self.watch, self.shell, getattr(self, "control", None), getattr(self, "iopub", None)):
+        for socket_ in (
+            self.registrar,
+            self.watch,
+            self.shell,
+            getattr(self, "control", None),
+            getattr(self, "iopub", None),
+        ):
             if socket_ is not None:
                 socket_.close(linger=0)
 
@@ -276,7 +281,10 @@ class ModelBackend(Backend[str]):
     async def _simulator_with_room(self) -> asyncio.subprocess.Process:
         if self._room == 0:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, os.path.abspath(__file__), "--simulate", stdin=asyncio.subprocess.PIPE,
+                sys.executable,
+                os.path.abspath(__file__),
+                "--simulate",
+                stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )
             self._simulators.append((process, asyncio.create_task(self._read(process))))
@@ -444,7 +452,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         m = {"n": n, **idle_figures(n), **printing_figures(n, args.print_seconds)}
         first = first or m
         for name in ("call_each_ms", "session_us"):  # per worker, against the smallest size
-            m[f"{name}_growth"] = (m[name] / n) / (first[name] / first["n"]) if name == "call_each_ms" else m[name] / first[name]
+            m[f"{name}_growth"] = (
+                (m[name] / n) / (first[name] / first["n"]) if name == "call_each_ms" else m[name] / first[name]
+            )
         print(TABLE_ROW.format(**m), flush=True)
     print(
         "call_each: wall time (median of 5) and, per worker, against the smallest size; CPU per worker per call "

@@ -20,10 +20,12 @@ class Changes:
     """Wakes whoever waits for the next change of any worker's status. The session's loop only."""
 
     def __init__(self) -> None:
-        self._waiters: list[asyncio.Future[None]] = []
+        # A dict (ordered, as a list was) so that forget() costs the same however many wait: each of a
+        # call_each's N calls waits here, and a list's remove made its N forgets O(N^2).
+        self._waiters: dict[asyncio.Future[None], None] = {}
 
     def notify(self) -> None:
-        waiters, self._waiters = self._waiters, []
+        waiters, self._waiters = self._waiters, {}
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -31,12 +33,11 @@ class Changes:
     def next(self) -> asyncio.Future[None]:
         """A future done at the next change; forget() it if you stop waiting first."""
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._waiters[waiter] = None
         return waiter
 
     def forget(self, waiter: asyncio.Future[None]) -> None:
-        if waiter in self._waiters:
-            self._waiters.remove(waiter)
+        self._waiters.pop(waiter, None)
 
     async def wait(self, timeout: float | None) -> None:
         """Until the next change, or `timeout` seconds (None: no limit)."""

@@ -199,6 +199,7 @@ class WidgetView:
         self.call = call
         self._drawn = -1  # the model's changes when last drawn
         self._shown_log: str | None = None  # the worker whose log's tail log_view holds
+        self._hinted: str | None = None  # the worker whose log's path log_hint names
         self.updates = 0  # renders that changed the widgets (the bench and tests read it)
         self.lines: dict[str, Any] = {}  # task -> its bqplot Lines
         self.task_bars: dict[str, w.FloatProgress] = {}
@@ -466,7 +467,9 @@ class WidgetView:
             self._drawing = False
         self.output.value = _output_panel(output, folded)
         self.noise.layout.display = "" if folded or self.noise.value else "none"
-        self.log_hint.value = _log_hint(session, selected_worker) if selected_worker else ""
+        if selected_worker != self._hinted:  # its path is made once (a folder made, a stat), not every render
+            self._hinted = selected_worker
+            self.log_hint.value = _log_hint(session, selected_worker) if selected_worker else ""
         self.log_button.layout.display = "" if selected_worker else "none"
         if self._shown_log is not None and self._shown_log != selected_worker:
             self._hide_log()  # another worker's: gone with its selection
