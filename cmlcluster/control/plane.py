@@ -317,9 +317,8 @@ class IPyParallelControl(ControlPlane):
     def _apply(
         self, engine_id: int, args: tuple[Any, ...], on_iopub: Callable[[dict[str, Any]], None] | None = None
     ) -> Any:
-        """Send one apply request to one engine; on_iopub sees its output from the first byte."""
-        from ipyparallel import AsyncResult
-
+        """Send one apply request to one engine; on_iopub sees its output from the first byte. Returns the
+        request's own future (its `output` resolves once the output is all in) and its value's."""
         client = self._client
 
         def hook(message_future: Any) -> None:
@@ -341,7 +340,7 @@ class IPyParallelControl(ControlPlane):
             ident=ipyparallel_internals.engine_ident(client, engine_id),
             message_future_hook=hook,
         )
-        return future, AsyncResult(client, future, fname=str(args[0]), targets=engine_id, owner=True)
+        return future, ipyparallel_internals.reply_value(future)
 
     async def describe(self, engine_id: int) -> WorkerInfo:
         # The hub announces an engine once its heart beats, but under load the engine's

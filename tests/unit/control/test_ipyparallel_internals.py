@@ -144,3 +144,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_replys_value_is_the_calls_value_and_an_engines_error_is_raised():
+    # ipyparallel's client resolves a request's MessageFuture with the value, or with the engine's error as
+    # its value (what reply_value, standing in for AsyncResult, raises).
+    from ipyparallel.client.futures import MessageFuture
+    from ipyparallel.error import RemoteError
+
+    answered, failed = MessageFuture("a"), MessageFuture("b")
+    value, error = ipyparallel_internals.reply_value(answered), ipyparallel_internals.reply_value(failed)
+    answered.set_result({"pid": 7})
+    failed.set_result(RemoteError("ValueError", "bad", "traceback"))
+    assert value.result(0) == {"pid": 7}
+    with pytest.raises(RemoteError, match="bad"):
+        error.result(0)
+
+
+def test_a_value_given_up_on_leaves_the_clients_own_future_to_resolve_quietly():
+    from ipyparallel.client.futures import MessageFuture
+
+    request = MessageFuture("c")
+    value = ipyparallel_internals.reply_value(request)
+    assert value.cancel()
+    request.set_result(3)  # later, on the client's thread: no InvalidStateError there
+    assert value.cancelled() and request.result(0) == 3
