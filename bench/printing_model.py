@@ -22,14 +22,15 @@ the simulators cost a fraction of that), and a stopped engine's heart beats on u
 (the hub carries N hearts all along: the heavier case).
 
 For each size N (default 16, 64, 256, 1024), one session:
-1. N idle workers: launch -> all running; one call_each to all (median of CALLS), per worker against the
-   smallest N (the goal: growth no faster than N, a ratio <= 1);
+1. N idle workers: launch -> all running; call_each to all (at least CALLS times, at least REQUESTS requests):
+   its median wall time, and each process group's CPU per worker per call, idle work subtracted, against the
+   smallest N (the goal: growth no faster than N, a ratio near 1), and the full collections it caused;
 2. N workers that each print PRINT_RATE lines a second for --print-seconds, then END: launch -> all
    running (every registration and describe happens while the earlier workers print, the case that
    failed a worker), the widget's updates a second and render times while all print, false failures
    (any worker not `succeeded`), and workers whose output does not end with END.
 
-    python bench/printing_model.py [--sizes 16 64 256 1024] [--print-seconds 30]
+    python bench/printing_model.py [--sizes 16 64 256 1024] [--print-seconds 60]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import heapq
 import json
 import os
@@ -67,7 +69,9 @@ SIMULATE_PER_PROCESS = 256
 PRINT_RATE = 20  # lines a second per worker, as bench/scale.py's workers print
 FLUSH_SECONDS = 0.2  # ipykernel's OutStream.flush_interval: what a program prints leaves in messages this often
 PRINT_ENV = "MODEL_PRINT_SECONDS"  # how long a worker's program prints (its env, so each launch says)
-CALLS = 5
+CALLS = 5  # call_each to all, at least; at small sizes as many as make REQUESTS requests (CPU clocks tick in 10 ms)
+REQUESTS = 5120
+WIDGET_SECONDS = 5.0  # the widget's updates and renders are measured this long, while every worker prints
 IDLE_SECONDS = 5.0  # what each process spends with every worker idle, measured before the calls
 LAST_LINE = "END"
 
@@ -373,17 +377,24 @@ def idle_figures(n: int) -> dict[str, float]:
         time.sleep(IDLE_SECONDS)
         idle_seconds, idle = time.perf_counter() - t1, cpu_seconds(groups)
         calls = []
-        for _ in range(CALLS):
+        collections = gc.get_stats()[2]["collections"]
+        for _ in range(max(CALLS, REQUESTS // max(1, len(running)))):
             t = time.perf_counter()
             answers = session.call_each([(w, "os:getpid", ()) for w in running], timeout=120)
             calls.append(time.perf_counter() - t)
             assert len(answers) == len(running)
         used = cpu_seconds(groups)
-    figures = {"idle_launch": launch, "idle_failed": n - len(running), "call_each_ms": 1000 * statistics.median(calls)}
+        full_collections = (gc.get_stats()[2]["collections"] - collections) / len(calls)
+    figures = {
+        "idle_launch": launch,
+        "idle_failed": n - len(running),
+        "call_each_ms": 1000 * statistics.median(calls),
+        "full_gc": full_collections,
+    }
     for name in groups:
         idle_rate = (idle[name] - before[name]) / idle_seconds
         call_cpu = used[name] - idle[name] - idle_rate * sum(calls)
-        figures[f"{name}_us"] = 1e6 * call_cpu / (CALLS * n)  # CPU per worker per call_each
+        figures[f"{name}_us"] = 1e6 * call_cpu / (len(calls) * n)  # CPU per worker per call_each
     return figures
 
 
@@ -411,7 +422,10 @@ def printing_figures(n: int, print_seconds: float) -> dict[str, float]:
         workers = session.launch_workers(n, cpu=0.25, memory=0.25, code="pass", env={PRINT_ENV: str(print_seconds)})
         session.await_workers(workers, wait_for_completion=False, timeout_seconds=600)
         launch = time.perf_counter() - t0
-        window = max(1.0, min(5.0, print_seconds - launch - 1))  # while every worker prints
+        window = min(WIDGET_SECONDS, print_seconds - launch - 1)  # while every worker prints
+        if window < WIDGET_SECONDS:
+            print(f"  the first workers printed for {print_seconds:g} s only: raise --print-seconds", flush=True)
+            window = max(window, 1.0)
         before, t1, renders[:] = view.updates, time.perf_counter(), []
         time.sleep(window)
         rate = (view.updates - before) / (time.perf_counter() - t1)
@@ -440,7 +454,7 @@ def printing_figures(n: int, print_seconds: float) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024])
-    parser.add_argument("--print-seconds", type=float, default=30.0, help="how long each worker prints")
+    parser.add_argument("--print-seconds", type=float, default=60.0, help="how long each worker prints")
     parser.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)  # a simulator child
     args = parser.parse_args(argv)
     if args.simulate:
@@ -457,20 +471,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         print(TABLE_ROW.format(**m), flush=True)
     print(
-        "call_each: wall time (median of 5) and, per worker, against the smallest size; CPU per worker per call "
-        "in microseconds, idle work subtracted (goal: per worker <= 1, growth no faster than N). Render: wall "
-        "(waits for the GIL included) and the render thread's own CPU."
+        "call_each: wall time (median) and, per worker, against the smallest size; CPU per worker per call in "
+        "microseconds, idle work subtracted (goal: per worker near 1, growth no faster than N); the session's "
+        "full garbage collections per call. Render: wall (waits for the GIL included) and the render thread's CPU."
     )
 
 
 TABLE_HEADER = (
     f"{'N':>5} {'launch s':>9} {'call_each ms':>13} {'per worker':>11} {'session us':>11} {'per worker':>11} "
-    f"{'hub us':>7} {'sims us':>8} {'print launch s':>15} {'false failures':>15} {'cut outputs':>12} "
+    f"{'hub us':>7} {'sims us':>8} {'full GCs':>9} {'print launch s':>15} {'false failures':>15} {'cut outputs':>12} "
     f"{'lines kept %':>13} {'widget upd/s':>13} {'render ms':>10} {'worst':>6} {'render CPU ms':>14} {'worst':>6}"
 )
 TABLE_ROW = (
     "{n:>5} {idle_launch:>9.2f} {call_each_ms:>13.1f} {call_each_ms_growth:>11.2f} {session_us:>11.0f} "
-    "{session_us_growth:>11.2f} {controller_us:>7.0f} {simulators_us:>8.0f} {print_launch:>15.2f} "
+    "{session_us_growth:>11.2f} {controller_us:>7.0f} {simulators_us:>8.0f} {full_gc:>9.1f} {print_launch:>15.2f} "
     "{false_failures:>15d} {cut_output:>12d} {kept_pct:>13.1f} {updates_per_s:>13.1f} {render_ms:>10.2f} "
     "{render_worst_ms:>6.1f} {render_cpu_ms:>14.2f} {render_cpu_worst_ms:>6.1f}"
 )

@@ -403,16 +403,17 @@ class IPyParallelControl(ControlPlane):
         except asyncio.CancelledError:
             raise  # given up on (its worker ended): no output to wait for
         except BaseException:
-            await self._drain(future, relay)
+            await self._drain(future)  # a failure's traceback, if its engine lives to send it
             raise
         await self._drain(future, relay)
         return value
 
-    async def _drain(self, future: Any, relay: OutputRelay) -> None:
+    async def _drain(self, future: Any, relay: OutputRelay | None = None) -> None:
         """Until the call's output is all in: ipyparallel resolves `output` on the engine's idle status.
         At 1,024 workers printing, the session's iopub ran more than a fixed 5 s behind the replies, and
         every program's last lines were lost, without a word (bench/printing_model.py): the wait counts
-        from the latest iopub message, not from the reply. Given up, the output says so."""
+        from the latest iopub message, not from the reply. Given up, `relay`'s output says so (a call that
+        returned: its engine lives, so its output is late, not ended with a dead engine)."""
         loop = asyncio.get_running_loop()
         output = asyncio.ensure_future(asyncio.wrap_future(future.output))
         started = loop.time()
@@ -420,8 +421,9 @@ class IPyParallelControl(ControlPlane):
             until = min(started + OUTPUT_DRAIN_LIMIT, max(started, self._last_news) + OUTPUT_DRAIN_TIMEOUT)
             if until <= loop.time():
                 output.cancel()
-                waited = loop.time() - started
-                relay.put("stderr", f"[cmlcluster: the rest of this output did not arrive within {waited:.0f} s]\n")
+                if relay is not None:
+                    waited = loop.time() - started
+                    relay.put("stderr", f"[cmlcluster: the rest of this output did not arrive within {waited:.0f} s]\n")
                 return
             await asyncio.wait([output], timeout=until - loop.time())
 

@@ -9,7 +9,7 @@ import pytest
 
 from cmlcluster import Session
 from cmlcluster.backends.fake import FakeBackend, FakeWorker
-from cmlcluster.events import JobChanged, Member, Progress
+from cmlcluster.events import JobChanged, Member, OutputLine, Progress
 from cmlcluster.ui.terminal import TerminalView
 from cmlcluster.ui.widget import LOG_TAIL_BYTES, RENDER_HZ, TABLE_ROWS, WidgetView, shown_rows
 
@@ -129,6 +129,43 @@ def test_updates_stay_capped_while_a_worker_floods_its_output():
         # are within the cap, though 12 a second.
         assert updates <= 1 + elapsed * RENDER_HZ, f"{updates} widget updates in {elapsed:.2f} s"
         assert view.output.value.count("\n") == 199  # the panel keeps the last 200 lines
+
+
+def test_a_slow_render_does_not_lower_the_rate_below_render_hz(monkeypatch):
+    # At 1,024 workers printing, a render took 20 ms and the loop then slept a whole 1 / RENDER_HZ: 3.9 updates
+    # a second (bench/printing_model.py). The pause is what is left of the period since the render began.
+    from cmlcluster.ui import widget
+
+    clock, pauses = [1000.0], []
+
+    class Clock:  # the render loop's clock: a render costs 60 ms of it, a pause what it asks for
+        def monotonic(self) -> float:
+            return clock[0]
+
+        def time(self) -> float:
+            return time.time()
+
+        def sleep(self, seconds: float) -> None:
+            pauses.append(seconds)
+            clock[0] += seconds
+            time.sleep(0.01)
+
+    monkeypatch.setattr(widget, "time", Clock())
+    with fake_session() as s:
+        view = WidgetView(s)
+        render = view._render
+
+        def slow() -> None:
+            clock[0] += 0.06
+            render()
+
+        view._render = slow  # type: ignore[method-assign]
+        for i in range(200):
+            s.publish(OutputLine("rank 0", "stdout", f"line {i}"))  # a change before every render
+            if len(pauses) >= 5:
+                break
+            time.sleep(0.01)
+    assert pauses[1:5] == pytest.approx([1 / RENDER_HZ - 0.06] * 4), pauses
 
 
 def test_an_exception_in_a_widget_callback_is_shown_in_the_widget(monkeypatch):
