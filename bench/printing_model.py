@@ -46,6 +46,7 @@ import random
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -400,6 +401,17 @@ def idle_figures(n: int) -> dict[str, float]:
 
 def printing_figures(n: int, print_seconds: float) -> dict[str, float]:
     """n workers printing while a WidgetView renders them: false failures, lost ends, the widget's rate."""
+    pauses: list[tuple[float, str]] = []  # the full garbage collections during the window: (seconds, thread)
+    began: dict[int, float] = {}
+
+    def collecting(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] == 2:
+            thread = threading.get_ident()
+            if phase == "start":
+                began[thread] = time.perf_counter()
+            elif thread in began:
+                pauses.append((time.perf_counter() - began.pop(thread), threading.current_thread().name))
+
     with Session(ModelBackend(), echo=False) as session:
         view = WidgetView(session)
         renders: list[tuple[float, float]] = []  # (wall, CPU of the render thread)
@@ -427,9 +439,17 @@ def printing_figures(n: int, print_seconds: float) -> dict[str, float]:
             print(f"  the first workers printed for {print_seconds:g} s only: raise --print-seconds", flush=True)
             window = max(window, 1.0)
         before, t1, renders[:] = view.updates, time.perf_counter(), []
-        time.sleep(window)
+        gc.callbacks.append(collecting)
+        try:
+            time.sleep(window)
+        finally:
+            gc.callbacks.remove(collecting)
         rate = (view.updates - before) / (time.perf_counter() - t1)
         timings = list(renders)
+        if pauses:
+            seconds, thread = max(pauses)
+            longest = f"the longest {1000 * seconds:.0f} ms on {thread}"
+            print(f"  {len(pauses)} full collections while all printed, {longest}", flush=True)
         ended = session.await_workers(workers, timeout_seconds=600)
         failed = [w for w in session.list_workers() if w["status"] != "succeeded"]
         for worker in failed[:3]:
