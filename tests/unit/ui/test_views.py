@@ -160,12 +160,13 @@ def test_a_slow_render_does_not_lower_the_rate_below_render_hz(monkeypatch):
             render()
 
         view._render = slow  # type: ignore[method-assign]
-        for i in range(200):
+        first = len(pauses) + 1  # the render under way may be the fast one's
+        for i in range(500):
             s.publish(OutputLine("rank 0", "stdout", f"line {i}"))  # a change before every render
-            if len(pauses) >= 5:
+            if len(pauses) >= first + 4:
                 break
             time.sleep(0.01)
-    assert pauses[1:5] == pytest.approx([1 / RENDER_HZ - 0.06] * 4), pauses
+    assert pauses[first : first + 4] == pytest.approx([1 / RENDER_HZ - 0.06] * 4), pauses
 
 
 def test_an_exception_in_a_widget_callback_is_shown_in_the_widget(monkeypatch):
