@@ -362,9 +362,9 @@ def cpu_seconds(groups: dict[str, list[psutil.Process]]) -> dict[str, float]:
 
 
 def idle_figures(n: int) -> dict[str, float]:
-    """n idle workers: launch -> all running, then call_each to all CALLS times: its wall time (median) and
-    the CPU each process group spent on it per worker, less what that group spends idle (heartbeats,
-    resource samples) over the same time. On 2 cores the wall time holds the contention of the
+    """n idle workers: launch -> all running, then call_each to all, at least CALLS times and REQUESTS requests:
+    its wall time (median) and the CPU each process group spent on it per worker, less what that group spends
+    idle (heartbeats, resource samples) over the same time. On 2 cores the wall time holds the contention of the
     simulated agents and the controller's idle work, both growing with N; the CPU is each one's own."""
     with Session(ModelBackend(), echo=False) as session:
         t0 = time.perf_counter()
