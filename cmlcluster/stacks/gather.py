@@ -99,7 +99,9 @@ def users_part(frames: list[Frame]) -> list[Frame]:
 
 def _machinery_folders() -> tuple[str, ...]:
     folders = {os.path.dirname(os.__file__) + os.sep}  # the standard library
-    for name in ("ipykernel", "ipyparallel", "zmq", "tornado", "traitlets", "jupyter_client", "cmlcluster"):
+    # psutil: the agent's resource sampler (usage.py) runs in it every few seconds; an X-ray that caught it there
+    # showed a "program" unit of no rank beside a torch node's ranks (a CI run of test_xray).
+    for name in ("ipykernel", "ipyparallel", "zmq", "tornado", "traitlets", "jupyter_client", "cmlcluster", "psutil"):
         file = getattr(sys.modules.get(name), "__file__", None)
         if file:
             folders.add(os.path.dirname(file) + os.sep)

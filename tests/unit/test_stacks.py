@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -294,3 +295,16 @@ def test_the_session_asks_running_workers_and_says_why_others_gave_nothing():
             time.sleep(0.01)
         assert isinstance(got[0], XRay) and [u.name for u in got[0].units] == ["w0"]
         assert set(got[0].unanswered) == {"w1"}  # the session's unfinished workers only
+
+
+def test_the_agents_sampler_inside_psutil_is_machinery_not_a_program(monkeypatch):
+    # The sampler thread (cmlcluster.usage) caught inside psutil read as the worker's own program: an X-ray of a
+    # torch node showed a unit of no rank beside its ranks. A user's frames before psutil still count.
+    import psutil
+
+    import cmlcluster.usage
+
+    sampler = [[threading.__file__, 1, "run"], [cmlcluster.usage.__file__, 1, "sample"], [psutil.__file__, 1, "cpu"]]
+    assert gather.users_part(sampler) == []
+    mine = [[threading.__file__, 1, "run"], ["/home/me/train.py", 3, "watch"], [psutil.__file__, 1, "cpu"]]
+    assert gather.users_part(mine) == mine[1:]
